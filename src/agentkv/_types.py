@@ -1,0 +1,89 @@
+"""Value objects shared by the scheduling components.
+
+They are frozen attrs classes: cheap to compare, safe to hand between tasks, and easy to show in the
+slot table. The components that create them (fingerprinter, slot manager, scheduler) own the logic.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+__all__ = ["Fingerprint", "Lease", "Match", "MatchKind", "SlotView", "Ticket"]
+
+
+class MatchKind(enum.Enum):
+    """How a request relates to what a slot has cached."""
+
+    EXACT = "exact"  # the slot holds exactly this prefix: nothing to prefill but the new tail
+    PREFIX = "prefix"  # the slot's prefix is a prefix of this request: prefill only the extension
+    MISS = "miss"  # diverges somewhere (``shared`` may still count common leading blocks)
+
+
+@attrs.frozen
+class Fingerprint:
+    """A chain of block hashes over the stable prefix of a conversation.
+
+    ``blocks[i]`` hashes everything up to and including block ``i`` (system, tools, then turns), so
+    two fingerprints share a prefix of ``k`` blocks exactly when their first ``k`` entries are equal.
+    ``sizes[i]`` is the size of block ``i`` in characters, used to weigh how much a shared prefix saves.
+    """
+
+    blocks: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def total_size(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def short(self) -> str:
+        """A short, human-readable id for logs and the slot table."""
+        return self.blocks[-1][:12] if self.blocks else "-"
+
+
+@attrs.frozen
+class Match:
+    """The result of comparing a request's fingerprint with a slot's cached one."""
+
+    kind: MatchKind
+    shared_blocks: int = 0
+    shared_size: int = 0
+
+
+@attrs.frozen
+class Ticket:
+    """One request waiting for its turn on the engine."""
+
+    id: int
+    agent: str
+    priority: int  # 0 = most urgent … 3 = background / compaction
+    arrival: float  # seconds, on the caller's clock
+    fingerprint: Fingerprint | None = None
+    payload: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class Lease:
+    """The right to use one slot until released. ``match`` says what the slot already held."""
+
+    id: int
+    slot: int
+    match: Match
+    agent: str
+    acquired_at: float
+    fingerprint: Fingerprint | None = None
+
+
+@attrs.frozen
+class SlotView:
+    """A read-only row of the slot table."""
+
+    slot: int
+    fingerprint: Fingerprint | None
+    refcount: int
+    last_used: float | None
+    agent: str | None
+    lease_ids: tuple[int, ...] = ()
