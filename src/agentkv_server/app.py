@@ -1,0 +1,442 @@
+"""The Starlette app: Anthropic Messages API in front of llama-server slots.
+
+The routes hold no state of their own. Per-engine state (slots, queue, counters) lives in the
+``Gateway``; per-request state lives in one ``_Exchange`` and dies with it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import attrs
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from agentkv import (
+    AgentKVError,
+    InvalidRequestError,
+    LlamaSlotClient,
+    MessagesTranslator,
+    PrefixFingerprinter,
+    SSEAssembler,
+    Ticket,
+)
+from agentkv.sse import accumulate, encode_event
+from agentkv.translate import EngineRequest
+from agentkv_server.config import ServerConfig
+from agentkv_server.gateway import Gateway, RequestRecord
+from agentkv_server.identity import agent_identity, agent_priority
+
+__all__ = ["AgentKV", "create_app", "error_response"]
+
+log = logging.getLogger("agentkv.server")
+
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+class RequestTooLargeError(AgentKVError):
+    status = 413
+    error_type = "request_too_large"
+
+
+class AuthenticationError(AgentKVError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class NotFoundError(AgentKVError):
+    status = 404
+    error_type = "not_found_error"
+
+
+def error_response(exc: AgentKVError) -> JSONResponse:
+    """The Anthropic error contract: the status code and ``{"type":"error","error":{...}}``."""
+    return JSONResponse(exc.to_anthropic(), status_code=exc.status)
+
+
+@attrs.define
+class _Exchange:
+    """One /v1/messages request on its way through queue, slot and engine."""
+
+    app: AgentKV
+    engine_request: EngineRequest
+    agent: str
+    priority: int
+    ticket: Ticket
+    record: RequestRecord
+    assembler: SSEAssembler
+    started: float
+
+    async def run(
+        self,
+        emit: Callable[[list[dict[str, Any]]], Awaitable[None]],
+        idle: Callable[[], Awaitable[None]],
+    ) -> AgentKVError | None:
+        """Drive the request to its end. ``emit`` gets events; ``idle`` is called on silence.
+
+        Returns the error that ended the request early, if any; the events before it were emitted.
+        """
+        app, asm = self.app, self.assembler
+        config = app.config
+        await emit(asm.start())
+        send, receive = anyio.create_memory_object_stream[dict[str, Any] | AgentKVError](
+            max_buffer_size=256
+        )
+        failure: AgentKVError | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._engine, send)
+            last_sent = app.clock()
+            async with receive:
+                while True:
+                    # Wake up at least as often as the coalescing bound, so buffered text flows.
+                    with anyio.move_on_after(
+                        min(config.ping_interval, config.coalesce_seconds or 1)
+                    ):
+                        try:
+                            item = await receive.receive()
+                        except anyio.EndOfStream:
+                            break
+                        now = app.clock()
+                        if isinstance(item, AgentKVError):
+                            failure = item
+                            break
+                        events = asm.feed(item, now)
+                        if events:
+                            if self.record.ttft_s is None:
+                                self.record.ttft_s = round(now - self.started, 4)
+                            await emit(events)
+                            last_sent = now
+                        continue
+                    now = app.clock()
+                    events = asm.flush(now)
+                    if events:
+                        await emit(events)
+                        last_sent = now
+                    elif now - last_sent >= config.ping_interval:
+                        await idle()
+                        last_sent = now
+            tg.cancel_scope.cancel()
+        if failure is None:
+            await emit(asm.finish(app.clock()))
+        usage = asm.usage
+        self.record.prompt_tokens = int(usage.get("input_tokens", 0) or 0)
+        self.record.cached_tokens = int(usage.get("cache_read_input_tokens", 0) or 0)
+        self.record.output_tokens = int(usage.get("output_tokens", 0) or 0)
+        self.record.status = "ok" if failure is None else f"error: {failure.error_type}"
+        return failure
+
+    async def _engine(
+        self, send: anyio.abc.ObjectSendStream[dict[str, Any] | AgentKVError]
+    ) -> None:
+        app = self.app
+        async with send:
+            try:
+                async with app.gateway.hold(self.ticket) as lease:
+                    self.record.slot = lease.slot
+                    self.record.match = lease.match.kind.value
+                    self.record.queued_s = round(app.clock() - self.started, 4)
+                    self.record.status = "running"
+                    body = dict(self.engine_request.body)
+                    body["stream"] = True
+                    async with app.client.stream(body, slot=lease.slot) as chunks:
+                        async for chunk in chunks:
+                            await send.send(chunk)
+            except AgentKVError as exc:
+                log.warning("request of agent %s failed: %s", self.agent, exc.message)
+                await send.send(exc)
+
+
+class _ExchangeResponse(Response):
+    """Runs an exchange while listening for the client's disconnect; whichever ends first wins.
+
+    A disconnect cancels the exchange, which closes the engine stream (llama-server stops
+    generating) and releases the lease under a shielded scope.
+    """
+
+    def __init__(self, exchange: _Exchange, *, stream: bool) -> None:
+        self.exchange = exchange
+        self.stream = stream
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                log.info("client of agent %s disconnected", self.exchange.agent)
+                self.exchange.record.status = "disconnected"
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                if self.stream:
+                    await self._stream(send)
+                else:
+                    await self._whole(send)
+            finally:
+                tg.cancel_scope.cancel()
+                self.exchange.app.gateway.record(self.exchange.record)
+
+    async def _stream(self, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    *((k.encode(), v.encode()) for k, v in _SSE_HEADERS.items()),
+                ],
+            }
+        )
+
+        async def emit(events: list[dict[str, Any]]) -> None:
+            if events:
+                data = b"".join(encode_event(e) for e in events)
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        async def idle() -> None:
+            await emit([self.exchange.assembler.ping()])
+
+        failure = await self.exchange.run(emit, idle)
+        if failure is not None:
+            # After a 200 has started, an error travels as an ``error`` event.
+            await emit([self.exchange.assembler.error(failure)])
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _whole(self, send: Send) -> None:
+        events: list[dict[str, Any]] = []
+
+        async def emit(batch: list[dict[str, Any]]) -> None:
+            events.extend(batch)
+
+        async def idle() -> None:
+            return None
+
+        failure = await self.exchange.run(emit, idle)
+        response: Response
+        if failure is not None:
+            response = error_response(failure)
+        else:
+            response = JSONResponse(accumulate(events))
+        await response({"type": "http"}, _never_receive, send)
+
+
+async def _never_receive() -> dict[str, Any]:
+    await anyio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+@attrs.define
+class AgentKV:
+    """The app's state: one engine client, one gateway, the pure translators."""
+
+    config: ServerConfig
+    client: LlamaSlotClient
+    gateway: Gateway
+    translator: MessagesTranslator = attrs.field(factory=MessagesTranslator)
+    fingerprinter: PrefixFingerprinter = attrs.field(factory=PrefixFingerprinter)
+    clock: Callable[[], float] = time.monotonic
+
+    # -- helpers ---------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        expected = self.config.api_key
+        if not expected:
+            return
+        given = request.headers.get("x-api-key")
+        if given is None:
+            auth = request.headers.get("authorization", "")
+            if auth.lower().startswith("bearer "):
+                given = auth[7:].strip()
+        if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
+            raise AuthenticationError("invalid x-api-key")
+
+    async def read_json(self, request: Request) -> dict[str, Any]:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestTooLargeError(f"request body is {declared} bytes; the limit is {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise InvalidRequestError("request body is empty; expected a JSON object")
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError(
+                f"request body must be a JSON object, not {type(body).__name__}"
+            )
+        return body
+
+    # -- routes ----------------------------------------------------------------------------
+    async def messages(self, request: Request) -> Response:
+        self.check_auth(request)
+        body = await self.read_json(request)
+        engine_request = self.translator.translate(body)
+        headers = _lower(request.headers)
+        agent = agent_identity(headers, body, request.client.host if request.client else None)
+        priority = agent_priority(headers)
+        fingerprint = self.fingerprinter.fingerprint(engine_request.body)
+        ticket = self.gateway.submit(agent, priority, fingerprint)  # 529 when the queue is full
+        message_id = "msg_" + secrets.token_hex(12)
+        assembler = SSEAssembler(
+            message_id=message_id,
+            model=engine_request.model,
+            forced_tool=engine_request.forced_tool,
+            tool_names=engine_request.tool_names,
+            coalesce_chars=self.config.coalesce_chars,
+            coalesce_seconds=self.config.coalesce_seconds,
+        )
+        exchange = _Exchange(
+            app=self,
+            engine_request=engine_request,
+            agent=agent,
+            priority=priority,
+            ticket=ticket,
+            record=RequestRecord(agent=agent, priority=priority),
+            assembler=assembler,
+            started=ticket.arrival,
+        )
+        log.info(
+            "agent=%s priority=%d ticket=%d stream=%s",
+            agent,
+            priority,
+            ticket.id,
+            engine_request.stream,
+        )
+        return _ExchangeResponse(exchange, stream=engine_request.stream)
+
+    async def count_tokens(self, request: Request) -> Response:
+        self.check_auth(request)
+        body = await self.read_json(request)
+        # count_tokens takes no max_tokens; the translator wants one; it does not touch the prompt.
+        body.setdefault("max_tokens", 1)
+        engine_request = self.translator.translate(body)
+        count = await self.client.count_prompt_tokens(engine_request.body)
+        return JSONResponse({"input_tokens": count})
+
+    async def models(self, request: Request) -> Response:
+        self.check_auth(request)
+        entry = {
+            "type": "model",
+            "id": self.config.model_name,
+            "display_name": self.config.model_name,
+            "created_at": "2025-01-01T00:00:00Z",
+        }
+        return JSONResponse(
+            {"data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]}
+        )
+
+    async def health(self, request: Request) -> Response:
+        engine_ok = await self.client.health()
+        table = self.gateway.table()
+        return JSONResponse(
+            {
+                "status": "ok" if engine_ok else "engine_unavailable",
+                "engine": engine_ok,
+                "slots": self.config.n_slots,
+                "queued": len(table["queue"]),
+            },
+            status_code=200 if engine_ok else 503,
+        )
+
+    async def slots(self, request: Request) -> Response:
+        self.check_auth(request)
+        return JSONResponse(self.gateway.table())
+
+
+def _lower(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def _guard(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """Turn every failure into an Anthropic-shaped error; nothing escapes as a bare 500 page."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except AgentKVError as exc:
+            return error_response(exc)
+        except Exception:
+            log.exception("unexpected error in %s", request.url.path)
+            return error_response(AgentKVError("internal error in agentkv; see the server log"))
+
+    return guarded
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(NotFoundError(f"no route for {request.method} {request.url.path}"))
+    if exc.status_code == 405:
+        err = InvalidRequestError(f"method {request.method} is not allowed on {request.url.path}")
+        return JSONResponse(err.to_anthropic(), status_code=405)
+    return JSONResponse(
+        {"type": "error", "error": {"type": "api_error", "message": str(exc.detail)}},
+        status_code=exc.status_code,
+    )
+
+
+def create_app(
+    client: LlamaSlotClient,
+    config: ServerConfig | None = None,
+    *,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+) -> Starlette:
+    """Build the ASGI app around an engine client. The caller owns the engine process."""
+    config = config or ServerConfig()
+    gateway = Gateway(
+        n_slots=config.n_slots,
+        aging=config.aging,
+        max_queue=config.max_queue,
+        lease_ttl=config.lease_ttl,
+        tie_window=config.tie_window,
+    )
+    state = AgentKV(config=config, client=client, gateway=gateway)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gateway.run_watchdog, config.watchdog_interval)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+                if on_shutdown is not None:
+                    with anyio.CancelScope(shield=True):
+                        await on_shutdown()
+
+    routes = [
+        Route("/v1/messages", _guard(state.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _guard(state.count_tokens), methods=["POST"]),
+        Route("/v1/models", _guard(state.models), methods=["GET"]),
+        Route("/health", _guard(state.health), methods=["GET"]),
+        Route("/agentkv/slots", _guard(state.slots), methods=["GET"]),
+    ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    )
+    app.state.agentkv = state
+    return app

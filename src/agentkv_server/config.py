@@ -1,0 +1,40 @@
+"""Server settings. One frozen value, filled from the CLI or by an embedding program."""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["ServerConfig"]
+
+
+@attrs.frozen
+class ServerConfig:
+    """Everything the Starlette app needs to know besides the engine client.
+
+    ``n_slots`` must equal llama-server's ``-np``: leases are handed out per slot, and a lease for a
+    slot the engine does not have fails every request pinned to it.
+    """
+
+    n_slots: int = 2
+    #: Seconds of waiting that buy one priority level (score = priority - aging * waited).
+    aging: float = 0.1
+    #: Requests allowed to wait at once; more are refused with 529 overloaded_error.
+    max_queue: int = 256
+    #: Scores this close count as a tie, broken in favour of a request that hits an idle slot.
+    tie_window: float = 0.25
+    #: A lease held longer than this is reclaimed by the watchdog (a leak, or a hung engine).
+    lease_ttl: float = 900.0
+    watchdog_interval: float = 15.0
+    #: Seconds of silence after which a stream gets a ``ping`` (in the queue and during prefill).
+    ping_interval: float = 5.0
+    #: Token coalescing in the SSE assembler: flush after this many characters or seconds.
+    coalesce_chars: int = 16
+    coalesce_seconds: float = 0.05
+    #: Largest accepted request body; larger ones get 413 request_too_large.
+    max_body_bytes: int = 32 * 1024 * 1024
+    #: When set, requests must carry it as ``x-api-key`` or ``Authorization: Bearer``.
+    api_key: str | None = None
+    #: Context per slot in tokens, if known; used for the prompt-too-long check and max_tokens.
+    ctx_per_slot: int | None = None
+    #: The model id listed by ``GET /v1/models``.
+    model_name: str = "agentkv-local"

@@ -1,0 +1,353 @@
+"""The server's routes, errors and scheduling against a fake engine (fast; faults injected)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from agentkv import LlamaSlotClient
+from agentkv_server import ServerConfig, create_app
+from tests.fakes import FakeLlama
+
+pytestmark = pytest.mark.anyio
+
+BODY: dict[str, Any] = {
+    "model": "claude-sonnet-4-5",
+    "max_tokens": 64,
+    "messages": [{"role": "user", "content": "Say hello."}],
+}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def make_app(fake: FakeLlama, **config: Any) -> tuple[Any, LlamaSlotClient]:
+    http = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
+    client = LlamaSlotClient("http://engine", http=http, connect_retries=0)
+    return create_app(client, ServerConfig(**config)), client
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., httpx.AsyncClient]]:
+    made: list[httpx.AsyncClient] = []
+
+    def _serve(fake: FakeLlama, **config: Any) -> httpx.AsyncClient:
+        app, _ = make_app(fake, **config)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://agentkv")
+        http.app = app  # type: ignore[attr-defined]
+        made.append(http)
+        return http
+
+    yield _serve
+    for http in made:
+        await http.aclose()
+
+
+def sse_events(raw: str) -> list[dict[str, Any]]:
+    events = []
+    for frame in raw.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in frame.splitlines())
+        data = json.loads(lines["data"])
+        assert data["type"] == lines["event"]
+        events.append(data)
+    return events
+
+
+def table(http: httpx.AsyncClient) -> dict[str, Any]:
+    return http.app.state.agentkv.gateway.table()  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_non_streaming_reply_is_an_anthropic_message(serve: Any) -> None:
+    """A non-streaming request returns the engine's text as one Anthropic message."""
+    fake = FakeLlama(reply="Hello there, agent.")
+    http = serve(fake)
+    r = await http.post("/v1/messages", json=BODY)
+    assert r.status_code == 200, r.text
+    msg = r.json()
+    assert msg["type"] == "message" and msg["role"] == "assistant"
+    assert msg["id"].startswith("msg_")
+    assert msg["model"] == "claude-sonnet-4-5"
+    assert [b["type"] for b in msg["content"]] == ["text"]
+    assert msg["content"][0]["text"] == "Hello there, agent."
+    assert msg["stop_reason"] == "end_turn"
+    assert msg["usage"]["output_tokens"] > 0
+    assert table(http)["slots"][0]["refcount"] == 0
+
+
+async def test_streaming_events_come_in_anthropic_order(serve: Any) -> None:
+    """A streamed reply is message_start, one text block, message_delta, message_stop."""
+    http = serve(FakeLlama(reply="one two three four five"))
+    r = await http.post("/v1/messages", json={**BODY, "stream": True})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in sse_events(r.text) if e["type"] != "ping"]
+    types = [e["type"] for e in events]
+    assert types[0] == "message_start"
+    assert types[1] == "content_block_start"
+    assert types[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(types[2:-3]) == {"content_block_delta"}
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert text == "one two three four five"
+
+
+async def test_query_string_is_ignored(serve: Any) -> None:
+    """Claude Code's ``?beta=true`` reaches the same route."""
+    http = serve(FakeLlama())
+    r = await http.post("/v1/messages?beta=true", json=BODY)
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b"", "empty"),
+        (json.dumps({"model": "m", "max_tokens": 5}).encode(), "messages"),
+        (json.dumps({**BODY, "max_tokens": "lots"}).encode(), "max_tokens"),
+        (
+            json.dumps({**BODY, "messages": [{"role": "robot", "content": "hi"}]}).encode(),
+            "messages[0].role",
+        ),
+        (json.dumps({**BODY, "messages": "hello"}).encode(), "messages"),
+    ],
+)
+async def test_malformed_bodies_get_400_naming_the_field(
+    serve: Any, content: bytes, needle: str
+) -> None:
+    """Bad JSON, wrong types, missing messages and unknown roles are 400s that say where."""
+    fake = FakeLlama()
+    http = serve(fake)
+    r = await http.post(
+        "/v1/messages", content=content, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error"
+    assert err["error"]["type"] == "invalid_request_error"
+    assert needle in err["error"]["message"]
+    assert fake.requests == []
+
+
+async def test_bad_priority_header_is_a_400(serve: Any) -> None:
+    """X-Agent-Priority outside 0..3 is refused, naming the header."""
+    http = serve(FakeLlama())
+    r = await http.post("/v1/messages", json=BODY, headers={"x-agent-priority": "7"})
+    assert r.status_code == 400
+    assert "x-agent-priority" in r.json()["error"]["message"]
+
+
+async def test_api_key_is_required_when_configured(serve: Any) -> None:
+    """With an API key set, requests need it as x-api-key or a Bearer token."""
+    http = serve(FakeLlama(), api_key="sekrit")
+    r = await http.post("/v1/messages", json=BODY)
+    assert r.status_code == 401
+    assert r.json()["error"]["type"] == "authentication_error"
+    r = await http.post("/v1/messages", json=BODY, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401
+    r = await http.post("/v1/messages", json=BODY, headers={"x-api-key": "sekrit"})
+    assert r.status_code == 200
+    r = await http.post("/v1/messages", json=BODY, headers={"authorization": "Bearer sekrit"})
+    assert r.status_code == 200
+
+
+async def test_oversized_body_gets_413(serve: Any) -> None:
+    """A body over the limit is refused with request_too_large before it is parsed."""
+    fake = FakeLlama()
+    http = serve(fake, max_body_bytes=1000)
+    big = {**BODY, "messages": [{"role": "user", "content": "x" * 5000}]}
+    r = await http.post("/v1/messages", json=big)
+    assert r.status_code == 413
+    assert r.json()["error"]["type"] == "request_too_large"
+    assert fake.requests == []
+
+
+async def test_unknown_route_is_an_anthropic_404(serve: Any) -> None:
+    """Unknown paths answer with the Anthropic error shape."""
+    http = serve(FakeLlama())
+    r = await http.get("/v1/nothing")
+    assert r.status_code == 404
+    assert r.json()["error"]["type"] == "not_found_error"
+
+
+async def test_models_and_count_tokens(serve: Any) -> None:
+    """/v1/models lists one model; count_tokens counts the engine's templated prompt."""
+    http = serve(FakeLlama(), model_name="local-qwen")
+    r = await http.get("/v1/models")
+    assert r.json()["data"][0]["id"] == "local-qwen"
+    body = {"model": "m", "messages": [{"role": "user", "content": "count me please"}]}
+    r = await http.post("/v1/messages/count_tokens", json=body)
+    assert r.status_code == 200, r.text
+    # The fake engine's tokenizer is one token per four characters of the templated prompt.
+    assert r.json()["input_tokens"] == len("<user>count me please") // 4
+
+
+async def test_queue_cap_gives_529_overloaded(serve: Any) -> None:
+    """With the slot busy and the queue full, one more request is refused with 529."""
+    fake = FakeLlama(prefill_delay=0.5)
+    http = serve(fake, n_slots=1, max_queue=1)
+    results: list[int] = []
+
+    async def call() -> None:
+        results.append((await http.post("/v1/messages", json=BODY)).status_code)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call)  # takes the slot
+        await anyio.sleep(0.05)
+        tg.start_soon(call)  # waits in the queue
+        await anyio.sleep(0.05)
+        r = await http.post("/v1/messages", json=BODY)
+        assert r.status_code == 529
+        assert r.json()["error"]["type"] == "overloaded_error"
+    assert results == [200, 200]
+
+
+async def test_urgent_request_overtakes_queued_background_work(serve: Any) -> None:
+    """A P0 request arriving after several P2 requests is served before them."""
+    fake = FakeLlama(prefill_delay=0.2)
+    http = serve(fake, n_slots=1)
+
+    async def call(name: str, priority: int) -> None:
+        body = {**BODY, "messages": [{"role": "user", "content": name}]}
+        r = await http.post("/v1/messages", json=body, headers={"x-agent-priority": str(priority)})
+        assert r.status_code == 200
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call, "first", 1)
+        await anyio.sleep(0.05)
+        for i in range(3):
+            tg.start_soon(call, f"background-{i}", 2)
+            await anyio.sleep(0.01)
+        tg.start_soon(call, "coordinator", 0)
+    order = [r["messages"][-1]["content"] for r in fake.requests]
+    assert order[0] == "first"
+    assert order[1] == "coordinator"
+    assert sorted(order[2:]) == ["background-0", "background-1", "background-2"]
+    assert fake.max_per_slot == 1
+
+
+async def test_pings_flow_while_waiting_for_prefill(serve: Any) -> None:
+    """A slow prefill is bridged with ping events, so the client never sees a silent stream."""
+    http = serve(FakeLlama(prefill_delay=0.6, reply="ok"), ping_interval=0.1)
+    r = await http.post("/v1/messages", json={**BODY, "stream": True})
+    types = [e["type"] for e in sse_events(r.text)]
+    assert types[0] == "message_start"
+    first_block = types.index("content_block_start")
+    assert types[1:first_block].count("ping") >= 3
+
+
+async def test_engine_error_before_stream_is_an_error_status(serve: Any) -> None:
+    """An engine 500 on a non-streaming request is an Anthropic api_error, and the slot is freed."""
+    http = serve(FakeLlama(fail_status=500))
+    r = await http.post("/v1/messages", json=BODY)
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "api_error"
+    assert "injected failure" in r.json()["error"]["message"]
+    assert all(s["refcount"] == 0 for s in table(http)["slots"])
+
+
+async def test_engine_error_in_stream_is_an_error_event(serve: Any) -> None:
+    """Once a stream has started, an engine failure arrives as an ``error`` event."""
+    http = serve(FakeLlama(truncate=True, reply="abcdefgh"))
+    r = await http.post("/v1/messages", json={**BODY, "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[0]["type"] == "message_start"
+    assert events[-1]["type"] == "error"
+    assert events[-1]["error"]["type"] in {"api_error", "overloaded_error"}
+    assert all(s["refcount"] == 0 for s in table(http)["slots"])
+
+
+async def test_unreachable_engine_is_a_clear_error_not_a_hang(serve: Any) -> None:
+    """With nothing listening upstream, the client gets an error response promptly."""
+    client = LlamaSlotClient("http://127.0.0.1:9", connect_retries=1, retry_seconds=1.0)
+    app = create_app(client, ServerConfig())
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://a"
+    ) as http:
+        with anyio.fail_after(10):
+            r = await http.post("/v1/messages", json=BODY)
+    assert r.status_code >= 500
+    assert r.json()["type"] == "error"
+    assert "llama-server" in r.json()["error"]["message"]
+    await client.aclose()
+
+
+async def test_client_disconnect_cancels_engine_and_frees_slot() -> None:
+    """A client that goes away mid-stream cancels the upstream request and releases its lease."""
+    fake = FakeLlama(reply="x" * 400, chunk_chars=1, delay=0.01)
+    app, client = make_app(fake, n_slots=1)
+    sent: list[dict[str, Any]] = []
+    disconnect = anyio.Event()
+    body = json.dumps({**BODY, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if sum(1 for m in sent if m.get("body")) >= 5:
+            disconnect.set()
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "path": "/v1/messages",
+        "raw_path": b"/v1/messages",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"x-agent-id", b"quitter")],
+        "client": ("127.0.0.1", 5555),
+        "server": ("127.0.0.1", 8788),
+        "scheme": "http",
+        "root_path": "",
+    }
+    with anyio.fail_after(5):
+        await app(scope, receive, send)
+    state = app.state.agentkv
+    assert fake.started == 1 and fake.finished == 0
+    assert all(s["refcount"] == 0 for s in state.gateway.table()["slots"])
+    assert state.gateway.table()["recent"][-1]["status"] == "disconnected"
+    # The next request is unaffected.
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://a"
+    ) as http:
+        fake.delay = 0
+        r = await http.post("/v1/messages", json=BODY)
+    assert r.status_code == 200
+    await client.aclose()
+
+
+async def test_slot_table_shows_agents_and_hits(serve: Any) -> None:
+    """/agentkv/slots shows the slot, its agent, and a prefix hit on the agent's second turn."""
+    http = serve(FakeLlama(reply="fine"))
+    turn1 = {**BODY, "messages": [{"role": "user", "content": "hi"}]}
+    turn2 = {
+        **BODY,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "fine"},
+            {"role": "user", "content": "and now?"},
+        ],
+    }
+    for body in (turn1, turn2):
+        r = await http.post("/v1/messages", json=body, headers={"x-agent-id": "frontend"})
+        assert r.status_code == 200
+    view = (await http.get("/agentkv/slots")).json()
+    used = [s for s in view["slots"] if s["agent"] == "frontend"]
+    assert len(used) == 1 and used[0]["refcount"] == 0
+    assert view["hits"]["prefix"] == 1
+    assert [r["match"] for r in view["recent"]] == ["miss", "prefix"]
+    assert view["agents"]["frontend"]["requests"] == 2
