@@ -1,0 +1,112 @@
+"""Prefix fingerprints: which part of a conversation a llama-server slot already holds.
+
+A fingerprint is a *chain* of block hashes over what reaches the prompt, in prompt order:
+
+1. the leading system message(s), as one block (a system message after the first user or
+   assistant turn is an ordinary turn);
+2. the tools, with ``tool_choice`` and ``response_format``, as one block;
+3. each further message, one block each.
+
+``blocks[i]`` is ``sha256(blocks[i-1] + canonical_json(block_i))``, so two fingerprints agree on
+their first ``k`` entries exactly when the first ``k`` blocks are equal. That lets :func:`compare`
+measure the longest shared prefix instead of asking for equality.
+
+Why a chain: hashing the whole history into one value changes the fingerprint on every request,
+because every turn appends to the history; measured hit rates fell under 20%. Hashing only
+system + the most recent rounds raised them to about 70%, at the price of forgetting the rest.
+With a chain nothing has to be forgotten: the whole history can enter it (``max_turns=None``),
+and a request that extends what a slot holds is still recognised as a prefix hit.
+
+Only ``messages``, ``tools``, ``tool_choice`` and ``response_format`` enter the fingerprint; keys
+that never reach the prompt (``stream``, ``max_tokens``, sampling parameters, ``id_slot``,
+``cache_prompt``) are ignored. Volatile text inside messages (Claude Code's billing header) is
+normalised by the translator before the body gets here, so the engine sees the same text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from agentkv._types import Fingerprint, Match, MatchKind
+
+__all__ = ["PrefixFingerprinter", "canonical_json", "compare"]
+
+# The body keys that shape the tools part of the prompt (and the grammar the engine applies).
+_TOOL_KEYS = ("tools", "tool_choice", "response_format")
+
+
+def canonical_json(value: Any) -> str:
+    """JSON with sorted keys and no whitespace: equal values give equal text."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must be None or >= 0, got {value}")
+
+
+@attrs.frozen
+class PrefixFingerprinter:
+    """Turns an engine request body into a :class:`Fingerprint` of its stable prefix.
+
+    ``max_turns`` is how many conversation messages after the system block enter the chain
+    (``None`` = all of them; ``0`` = system and tools only).
+    """
+
+    max_turns: int | None = attrs.field(default=None, validator=_non_negative)
+
+    def fingerprint(self, body: Mapping[str, Any]) -> Fingerprint:
+        """The chained fingerprint of ``body``, an OpenAI chat body (``EngineRequest.body``)."""
+        messages = body.get("messages", [])
+        if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
+            raise ValueError("body.messages must be a list of messages")
+        head = 0
+        while head < len(messages) and _role(messages[head]) == "system":
+            head += 1
+        turns = messages[head:]
+        if self.max_turns is not None:
+            turns = turns[: self.max_turns]
+        tools = {key: body[key] for key in _TOOL_KEYS if body.get(key) is not None}
+        parts = [canonical_json(list(messages[:head])), canonical_json(tools)]
+        parts.extend(canonical_json(message) for message in turns)
+        return _chain(parts)
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, Mapping) else None
+
+
+def _chain(parts: Sequence[str]) -> Fingerprint:
+    blocks: list[str] = []
+    previous = ""
+    for part in parts:
+        previous = hashlib.sha256((previous + part).encode()).hexdigest()
+        blocks.append(previous)
+    return Fingerprint(blocks=tuple(blocks), sizes=tuple(len(part) for part in parts))
+
+
+def compare(request: Fingerprint, cached: Fingerprint | None) -> Match:
+    """How much of ``request`` a slot holding ``cached`` can reuse.
+
+    EXACT when equal; PREFIX when ``cached`` is a non-empty proper prefix of ``request``; MISS
+    otherwise, still counting the common leading blocks (llama-server reuses those tokens too).
+    ``shared_size`` sums the sizes of the shared blocks.
+    """
+    if cached is None:
+        return Match(MatchKind.MISS)
+    shared = 0
+    for mine, theirs in zip(request.blocks, cached.blocks, strict=False):
+        if mine != theirs:
+            break
+        shared += 1
+    size = sum(request.sizes[:shared])
+    if shared == len(request.blocks) == len(cached.blocks):
+        return Match(MatchKind.EXACT, shared, size)
+    if shared == len(cached.blocks) and shared > 0:
+        return Match(MatchKind.PREFIX, shared, size)
+    return Match(MatchKind.MISS, shared, size)
