@@ -17,9 +17,12 @@ __all__ = ["Fingerprint", "Lease", "Match", "MatchKind", "SlotView", "Ticket"]
 class MatchKind(enum.Enum):
     """How a request relates to what a slot has cached."""
 
-    EXACT = "exact"  # the slot holds exactly this prefix: nothing to prefill but the new tail
-    PREFIX = "prefix"  # the slot's prefix is a prefix of this request: prefill only the extension
-    MISS = "miss"  # diverges somewhere (``shared`` may still count common leading blocks)
+    # The slot holds exactly this prefix: nothing to prefill but the new tail.
+    EXACT = "exact"
+    # The slot's prefix is a prefix of this request: prefill only the extension.
+    PREFIX = "prefix"
+    # Diverges somewhere (``shared_blocks`` may still count common leading blocks).
+    MISS = "miss"
 
 
 @attrs.frozen
@@ -28,7 +31,7 @@ class Fingerprint:
 
     ``blocks[i]`` hashes everything up to and including block ``i`` (system, tools, then turns), so
     two fingerprints share a prefix of ``k`` blocks exactly when their first ``k`` entries are equal.
-    ``sizes[i]`` is the size of block ``i`` in characters, used to weigh how much a shared prefix saves.
+    ``sizes[i]`` is the size of block ``i`` in characters, which weighs what a shared prefix saves.
     """
 
     blocks: tuple[str, ...]

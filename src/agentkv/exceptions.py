@@ -37,7 +37,7 @@ class AgentKVError(Exception):
 
 
 class InvalidRequestError(AgentKVError):
-    """The client's request is malformed; ``path`` names the offending field (``messages[0].role``)."""
+    """The client's request is malformed; ``path`` names the field (``messages[0].role``)."""
 
     status = 400
     error_type = "invalid_request_error"
