@@ -1,0 +1,73 @@
+"""A real llama-server with the default model, shared by every engine-backed test.
+
+Import the fixtures into a conftest
+(``from tests._engine_fixture import anyio_backend, engine``); the
+``engine`` fixture is session-scoped, so the server starts once per test run. When no
+llama-server or no default model is installed the fixture skips, except under ``CI`` where it
+fails, so a broken engine install cannot pass CI silently.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from agentkv.client import LlamaSlotClient
+from agentkv.engine import EngineConfig, EngineNotFoundError, LlamaServerProcess, find_llama_server
+from agentkv.model import ModelNotFoundError, default_model_path
+
+ENGINE_SLOTS = 2
+ENGINE_CTX_PER_SLOT = 4096
+
+
+class Engine(NamedTuple):
+    """The running server, a client for it, and its URL."""
+
+    process: LlamaServerProcess
+    client: LlamaSlotClient
+    base_url: str
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """One asyncio loop for the session: the session-scoped server and client live in it."""
+    return "asyncio"
+
+
+def locate_engine() -> tuple[Path, Path]:
+    try:
+        return find_llama_server(), default_model_path()
+    except (EngineNotFoundError, ModelNotFoundError) as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the engine tests need llama-server and the default model: {exc}")
+        pytest.skip(f"no engine: {exc}")
+
+
+@pytest.fixture(scope="session")
+async def engine(
+    anyio_backend: str, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Engine]:
+    """llama-server with the default model: 2 slots of 4096 tokens, a free port, slot saving on."""
+    binary, model = locate_engine()
+    root = tmp_path_factory.mktemp("engine")
+    config = EngineConfig(
+        model=model,
+        slots=ENGINE_SLOTS,
+        ctx_per_slot=ENGINE_CTX_PER_SLOT,
+        port=0,
+        slot_save_dir=root / "slots",
+        # No host-RAM prompt cache: the tests observe what each slot's own KV cache holds.
+        cache_ram_mib=0,
+    )
+    async with LlamaServerProcess(
+        config, binary=binary, log_dir=root / "logs", startup_timeout=300
+    ) as process:
+        client = process.client(read_timeout=120)
+        try:
+            yield Engine(process, client, process.base_url)
+        finally:
+            await client.aclose()

@@ -1,0 +1,473 @@
+"""LlamaSlotClient against scripted upstream behaviour (httpx.MockTransport)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from agentkv.client import LlamaSlotClient
+from agentkv.exceptions import (
+    EngineResponseError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+)
+
+pytestmark = pytest.mark.anyio
+
+BASE = "http://engine.test"
+BODY: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def make_client(handler: Handler, **kwargs: Any) -> LlamaSlotClient:
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    kwargs.setdefault("retry_backoff", 0.001)
+    return LlamaSlotClient(BASE, http=http, **kwargs)
+
+
+def sse(*events: Any, done: bool = True) -> bytes:
+    lines = [f"data: {json.dumps(e)}\n\n" for e in events]
+    if done:
+        lines.append("data: [DONE]\n\n")
+    return "".join(lines).encode()
+
+
+def chunk(text: str, finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": finish}],
+        **extra,
+    }
+
+
+COMPLETION = {
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}}],
+    "timings": {"cache_n": 3, "prompt_n": 7, "predicted_n": 2},
+}
+
+
+async def collect(client: LlamaSlotClient, slot: int | None = 0) -> list[dict[str, Any]]:
+    async with client.stream(BODY, slot=slot) as chunks:
+        return [c async for c in chunks]
+
+
+async def test_chat_sends_slot_and_cache_prompt() -> None:
+    """A chat request carries id_slot, cache_prompt and stream=false next to the caller's body."""
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/chat/completions"
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, json=COMPLETION)
+
+    client = make_client(handler)
+    reply = await client.chat(BODY, slot=1)
+    assert reply["timings"]["cache_n"] == 3
+    assert sent[0] == {**BODY, "id_slot": 1, "cache_prompt": True, "stream": False}
+
+
+async def test_slot_none_means_any_slot() -> None:
+    """slot=None is sent as id_slot -1 (llama-server picks an idle slot)."""
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, content=sse(chunk("a", "stop")))
+
+    client = make_client(handler)
+    await collect(client, slot=None)
+    assert sent[0]["id_slot"] == -1
+    assert sent[0]["stream"] is True
+    assert sent[0]["cache_prompt"] is True
+
+
+async def test_stream_yields_chunks_until_done() -> None:
+    """The stream yields every data chunk in order, including the last one with timings."""
+    events = [chunk("he"), chunk("llo"), chunk("", "stop", timings={"cache_n": 5, "prompt_n": 2})]
+
+    client = make_client(lambda _: httpx.Response(200, content=sse(*events)))
+    got = await collect(client)
+    assert got == events
+    assert got[-1]["timings"]["cache_n"] == 5
+
+
+async def test_stream_ignores_comments_and_blank_lines() -> None:
+    """SSE comments and blank keep-alive lines are not chunks."""
+    body = b": keep-alive\n\n" + sse(chunk("x", "stop"))
+    client = make_client(lambda _: httpx.Response(200, content=body))
+    assert [c["choices"][0]["delta"]["content"] for c in await collect(client)] == ["x"]
+
+
+async def test_refused_is_retried_then_unavailable() -> None:
+    """A refused connection is retried connect_retries times, then EngineUnavailableError."""
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        raise httpx.ConnectError("connection refused", request=request)
+
+    client = make_client(handler, connect_retries=3)
+    with pytest.raises(EngineUnavailableError, match="cannot reach"):
+        await client.chat(BODY, slot=0)
+    assert calls == 4
+
+
+async def test_refused_then_up_succeeds() -> None:
+    """A server that starts accepting connections after a refusal is reached on retry."""
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json=COMPLETION)
+
+    client = make_client(handler)
+    assert (await client.chat(BODY, slot=0))["choices"][0]["message"]["content"] == "hello"
+    assert calls == 3
+
+
+async def test_retry_is_bounded_in_time() -> None:
+    """retry_seconds caps the retrying even when attempts remain."""
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        raise httpx.ConnectError("refused", request=request)
+
+    client = make_client(handler, connect_retries=1000, retry_seconds=0.3, retry_backoff=0.05)
+    with anyio.fail_after(5):
+        with pytest.raises(EngineUnavailableError):
+            await client.chat(BODY, slot=0)
+    assert 1 < calls < 1000
+
+
+async def test_loading_503_then_ok_is_retried() -> None:
+    """503 'Loading model' is retried and the request then succeeds."""
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            err = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+            return httpx.Response(503, json=err)
+        return httpx.Response(200, content=sse(chunk("ok", "stop")))
+
+    client = make_client(handler)
+    got = await collect(client)
+    assert got[0]["choices"][0]["delta"]["content"] == "ok"
+    assert calls == 2
+
+
+async def test_loading_forever_is_unavailable() -> None:
+    """A server that stays in 503 gives EngineUnavailableError with its message."""
+    err = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    client = make_client(lambda _: httpx.Response(503, json=err), connect_retries=2)
+    with pytest.raises(EngineUnavailableError, match="Loading model") as info:
+        await client.chat(BODY, slot=0)
+    assert type(info.value) is EngineUnavailableError
+
+
+async def test_read_timeout_is_engine_timeout() -> None:
+    """A stalled engine (read timeout) becomes EngineTimeoutError, without retry."""
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    client = make_client(handler)
+    with pytest.raises(EngineTimeoutError):
+        await client.chat(BODY, slot=0)
+    assert calls == 1
+
+
+class StallingStream(httpx.AsyncByteStream):
+    """A body that sends some bytes, then stalls (read timeout) or breaks off."""
+
+    def __init__(self, first: bytes, fail: Exception) -> None:
+        self.first = first
+        self.fail = fail
+        self.closed = False
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        yield self.first
+        raise self.fail
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_stall_mid_stream_is_engine_timeout_and_not_retried() -> None:
+    """A read timeout after the first chunk raises EngineTimeoutError; nothing is resent."""
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        body = StallingStream(sse(chunk("a"), done=False), httpx.ReadTimeout("stalled"))
+        return httpx.Response(200, stream=body)
+
+    client = make_client(handler)
+    seen: list[dict[str, Any]] = []
+    with pytest.raises(EngineTimeoutError):
+        async with client.stream(BODY, slot=0) as chunks:
+            async for c in chunks:
+                seen.append(c)
+    assert len(seen) == 1
+    assert calls == 1
+
+
+async def test_connection_drop_mid_stream_is_not_retried() -> None:
+    """A connection error after the stream started is an error, never a retry."""
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        fail = httpx.RemoteProtocolError("peer closed connection")
+        return httpx.Response(200, stream=StallingStream(sse(chunk("a"), done=False), fail))
+
+    client = make_client(handler)
+    with pytest.raises(EngineResponseError, match="truncated"):
+        await collect(client)
+    assert calls == 1
+
+
+async def test_truncated_stream_is_response_error() -> None:
+    """A stream that ends without finish_reason and without [DONE] is reported as truncated."""
+    body = sse(chunk("a"), chunk("b"), done=False)
+    client = make_client(lambda _: httpx.Response(200, content=body))
+    with pytest.raises(EngineResponseError, match="truncated"):
+        await collect(client)
+
+
+async def test_stream_with_finish_reason_but_no_done_is_complete() -> None:
+    """A stream that reported finish_reason but lost [DONE] still ends normally."""
+    body = sse(chunk("a"), chunk("", "stop"), done=False)
+    client = make_client(lambda _: httpx.Response(200, content=body))
+    assert len(await collect(client)) == 2
+
+
+async def test_5xx_carries_llama_error_message() -> None:
+    """A 500 with llama-server's error JSON becomes EngineResponseError with its message."""
+    err = {"error": {"code": 500, "message": "failed to decode batch", "type": "server_error"}}
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(500, json=err)
+
+    client = make_client(handler)
+    with pytest.raises(EngineResponseError, match="failed to decode batch") as info:
+        await collect(client)
+    assert info.value.upstream_status == 500
+    assert info.value.status == 500
+    assert calls == 1
+
+
+async def test_4xx_maps_to_invalid_request() -> None:
+    """A 400 from llama-server is a client-side problem: status 400, its message kept."""
+    err = {"error": {"code": 400, "message": "the request exceeds the available context size"}}
+    client = make_client(lambda _: httpx.Response(400, json=err))
+    with pytest.raises(EngineResponseError, match="exceeds the available context") as info:
+        await client.chat(BODY, slot=0)
+    assert info.value.upstream_status == 400
+    assert info.value.status == 400
+    assert info.value.error_type == "invalid_request_error"
+
+
+async def test_error_without_json_keeps_body_text() -> None:
+    """An error status with a plain-text body reports that text."""
+    client = make_client(lambda _: httpx.Response(502, text="Bad Gateway from proxy"))
+    with pytest.raises(EngineResponseError, match="Bad Gateway from proxy"):
+        await client.chat(BODY, slot=0)
+
+
+async def test_malformed_json_line_is_response_error() -> None:
+    """A data line that is not JSON raises EngineResponseError."""
+    body = sse(chunk("a"), done=False) + b'data: {"choices": [\n\n' + b"data: [DONE]\n\n"
+    client = make_client(lambda _: httpx.Response(200, content=body))
+    with pytest.raises(EngineResponseError, match="malformed JSON"):
+        await collect(client)
+
+
+async def test_malformed_json_reply_is_response_error() -> None:
+    """A non-streaming reply that is not JSON raises EngineResponseError."""
+    client = make_client(lambda _: httpx.Response(200, text="<html>oops</html>"))
+    with pytest.raises(EngineResponseError, match="malformed JSON"):
+        await client.chat(BODY, slot=0)
+
+
+async def test_error_chunk_in_stream_is_response_error() -> None:
+    """An error object sent inside the stream is raised with its message."""
+    body = sse(chunk("a"), {"error": {"code": 500, "message": "slot is busy"}}, done=False)
+    client = make_client(lambda _: httpx.Response(200, content=body))
+    with pytest.raises(EngineResponseError, match="slot is busy"):
+        await collect(client)
+
+
+async def test_leaving_stream_early_closes_upstream() -> None:
+    """Exiting the async-with after one chunk closes the upstream body."""
+    body = StallingStream(sse(chunk("a"), done=False), httpx.ReadTimeout("never reached"))
+    client = make_client(lambda _: httpx.Response(200, stream=body))
+    async with client.stream(BODY, slot=0) as chunks:
+        async for _ in chunks:
+            break
+    assert body.closed
+
+
+async def test_cancelling_the_caller_closes_upstream() -> None:
+    """Cancelling the task that reads the stream closes the upstream body."""
+
+    class Endless(httpx.AsyncByteStream):
+        closed = False
+
+        async def __aiter__(self):  # type: ignore[no-untyped-def]
+            yield sse(chunk("a"), done=False)
+            await anyio.sleep_forever()
+            yield b""  # pragma: no cover
+
+        async def aclose(self) -> None:
+            Endless.closed = True
+
+    client = make_client(lambda _: httpx.Response(200, stream=Endless()))
+    got_one = anyio.Event()
+
+    async def reader() -> None:
+        async with client.stream(BODY, slot=0) as chunks:
+            async for _ in chunks:
+                got_one.set()
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reader)
+            await got_one.wait()
+            tg.cancel_scope.cancel()
+    assert Endless.closed
+
+
+async def test_tokenize_and_count_prompt_tokens() -> None:
+    """count_prompt_tokens templates the body, then tokenizes the prompt with special tokens."""
+    sent: dict[str, Any] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        payload = json.loads(request.content)
+        sent[request.url.path] = payload
+        if request.url.path == "/apply-template":
+            return httpx.Response(200, json={"prompt": "<|im_start|>user\nhi<|im_end|>\n"})
+        return httpx.Response(200, json={"tokens": list(range(len(payload["content"].split())))})
+
+    client = make_client(handler)
+    assert await client.count_prompt_tokens(BODY) == 2
+    assert sent["/apply-template"]["messages"] == BODY["messages"]
+    assert sent["/tokenize"]["add_special"] is True
+    assert sent["/tokenize"]["parse_special"] is True
+    assert await client.tokenize("a b c") == [0, 1, 2]
+    assert sent["/tokenize"]["add_special"] is False
+
+
+async def test_slot_actions_hit_the_slot_endpoints() -> None:
+    """save/restore/erase POST to /slots/{id}?action=... with the filename."""
+    seen: list[tuple[str, str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(200, json=[{"id": 0, "is_processing": False}])
+        seen.append(
+            (request.url.path, request.url.params["action"], json.loads(request.content or b"{}"))
+        )
+        return httpx.Response(200, json={"id_slot": 0})
+
+    client = make_client(handler)
+    await client.save_slot(1, "a.bin")
+    await client.restore_slot(1, "a.bin")
+    await client.erase_slot(0)
+    assert seen == [
+        ("/slots/1", "save", {"filename": "a.bin"}),
+        ("/slots/1", "restore", {"filename": "a.bin"}),
+        ("/slots/0", "erase", {}),
+    ]
+    assert (await client.slots())[0]["id"] == 0
+
+
+async def test_slot_action_error_reports_llama_message() -> None:
+    """A failing slot restore reports llama-server's reason."""
+    err = {"error": {"code": 400, "message": "failed to restore slot, file not found"}}
+    client = make_client(lambda _: httpx.Response(400, json=err))
+    with pytest.raises(EngineResponseError, match="file not found"):
+        await client.restore_slot(0, "missing.bin")
+
+
+async def test_health_states() -> None:
+    """health() is True only for 200, False while loading or unreachable."""
+    answers: list[Callable[[httpx.Request], httpx.Response]] = [
+        lambda r: httpx.Response(200, json={"status": "ok"}),
+        lambda r: httpx.Response(503, json={"error": {"message": "Loading model"}}),
+    ]
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    results = [await make_client(a).health() for a in [*answers, refused]]
+    assert results == [True, False, False]
+
+
+async def test_wait_ready_reports_progress() -> None:
+    """wait_ready polls through refused and loading states and reports each change."""
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise httpx.ConnectError("refused", request=request)
+        if calls <= 3:
+            return httpx.Response(503, json={"error": {"message": "Loading model"}})
+        return httpx.Response(200, json={"status": "ok"})
+
+    messages: list[str] = []
+    client = make_client(handler)
+    with anyio.fail_after(10):
+        await client.wait_ready(10, on_progress=messages.append)
+    assert len(messages) == 3
+    assert "not accepting connections" in messages[0]
+    assert "Loading model" in messages[1]
+    assert "ready" in messages[2]
+
+
+async def test_wait_ready_times_out() -> None:
+    """wait_ready gives up after its timeout with the last state in the message."""
+    err = {"error": {"message": "Loading model"}}
+    client = make_client(lambda _: httpx.Response(503, json=err))
+    with pytest.raises(EngineUnavailableError, match="Loading model"):
+        await client.wait_ready(0.3)
+
+
+async def test_owned_http_client_is_closed() -> None:
+    """A client that created its own httpx client closes it on aclose; an injected one is kept."""
+    own = LlamaSlotClient(BASE)
+    await own.aclose()
+    assert own._http.is_closed
+    injected = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(200)))
+    async with LlamaSlotClient(BASE, http=injected):
+        pass
+    assert not injected.is_closed
+    await injected.aclose()
