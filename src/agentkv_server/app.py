@@ -145,6 +145,7 @@ class _Exchange:
             try:
                 async with app.gateway.hold(self.ticket) as lease:
                     self.record.slot = lease.slot
+                    self.record.dispatch_seq = app.gateway.dispatch_seq(lease)
                     self.record.match = lease.match.kind.value
                     self.record.queued_s = round(app.clock() - self.started, 4)
                     self.record.status = "running"
@@ -313,7 +314,7 @@ class AgentKV:
             agent=agent,
             priority=priority,
             ticket=ticket,
-            record=RequestRecord(agent=agent, priority=priority),
+            record=RequestRecord(agent=agent, priority=priority, ticket=ticket.id),
             assembler=assembler,
             started=ticket.arrival,
         )

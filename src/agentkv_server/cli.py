@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  agentkv-server              # launch llama-server with the default model\n"
             "  agentkv-server --model ./qwen.gguf --slots 4 --ctx-per-slot 16384 --gpu-layers 99\n"
-            "  agentkv-server --upstream http://127.0.0.1:8080 --slots 4   # a running llama-server\n"
+            "  agentkv-server --upstream http://127.0.0.1:8080 --slots 4  # running llama-server\n"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

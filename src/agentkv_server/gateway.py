@@ -37,6 +37,9 @@ class RequestRecord:
 
     agent: str
     priority: int
+    ticket: int = 0
+    #: Order in which requests got their slot (1, 2, …): shows what the scheduler chose.
+    dispatch_seq: int | None = None
     slot: int | None = None
     match: str | None = None
     queued_s: float = 0.0
@@ -61,6 +64,8 @@ class Gateway:
     _scheduler: FairScheduler = attrs.field(init=False)
     _waiters: dict[int, _Waiter] = attrs.field(init=False, factory=dict)
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
+    _dispatched: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
+    _lease_seq: dict[int, int] = attrs.field(init=False, factory=dict)
     _recent: list[RequestRecord] = attrs.field(init=False, factory=list)
     _agents: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
 
@@ -111,9 +116,14 @@ class Gateway:
     ) -> None:
         """Return a lease. After a failure the slot's cache is in an unknown state: forget it."""
         now = self.clock()
+        self._lease_seq.pop(lease.id, None)
         if self._slots.release(lease, now, fingerprint=fingerprint) and not ok:
             self._slots.invalidate(lease.slot)
         self._dispatch()
+
+    def dispatch_seq(self, lease: Lease) -> int | None:
+        """The order in which this lease was handed out (1, 2, …), while it is held."""
+        return self._lease_seq.get(lease.id)
 
     @asynccontextmanager
     async def hold(self, ticket: Ticket) -> AsyncIterator[Lease]:
@@ -227,6 +237,7 @@ class Gateway:
                 self._scheduler.submit(ticket, now)
                 return
             waiter.lease = lease
+            self._lease_seq[lease.id] = next(self._dispatched)
             waiter.event.set()
 
     def _withdraw(self, waiter: _Waiter) -> None:

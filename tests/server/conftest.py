@@ -1,0 +1,73 @@
+"""A live agentkv server on loopback, in front of a real llama-server with the default model.
+
+Both run in a background event loop (an anyio blocking portal), so tests can use the synchronous
+and the asynchronous Anthropic SDK alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import anyio.from_thread
+import pytest
+import uvicorn
+
+from agentkv import LlamaSlotClient
+from agentkv.engine import EngineConfig, LlamaServerProcess, free_port
+from agentkv_server import ServerConfig, create_app
+from agentkv_server.app import AgentKV
+from tests._engine_fixture import ENGINE_CTX_PER_SLOT, ENGINE_SLOTS, locate_engine
+
+
+class Live(NamedTuple):
+    url: str
+    engine_url: str
+    state: AgentKV
+    portal: anyio.from_thread.BlockingPortal
+
+    def engine_slots(self) -> list[dict[str, Any]]:
+        async def get() -> list[dict[str, Any]]:
+            async with LlamaSlotClient(self.engine_url) as client:
+                return await client.slots()
+
+        return self.portal.call(get)
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """agentkv on a free loopback port, fronting llama-server with 2 slots."""
+    binary, model = locate_engine()
+    root = tmp_path_factory.mktemp("live")
+    engine_config = EngineConfig(
+        model=model,
+        slots=ENGINE_SLOTS,
+        ctx_per_slot=ENGINE_CTX_PER_SLOT,
+        port=0,
+        slot_save_dir=root / "slots",
+    )
+    with anyio.from_thread.start_blocking_portal() as portal:
+        process = LlamaServerProcess(engine_config, binary=binary, log_dir=root / "logs")
+        with portal.wrap_async_context_manager(process):
+            client = LlamaSlotClient(process.base_url, read_timeout=300)
+            config = ServerConfig(
+                n_slots=ENGINE_SLOTS, ctx_per_slot=ENGINE_CTX_PER_SLOT, ping_interval=1.0
+            )
+            app = create_app(client, config)
+            port = free_port()
+            server = uvicorn.Server(
+                uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+            )
+            done = portal.start_task_soon(server.serve)
+            deadline = time.monotonic() + 30
+            while not server.started:
+                assert not done.done(), "agentkv server exited during startup"
+                assert time.monotonic() < deadline, "agentkv server did not start"
+                time.sleep(0.05)
+            try:
+                yield Live(f"http://127.0.0.1:{port}", process.base_url, app.state.agentkv, portal)
+            finally:
+                server.should_exit = True
+                done.result(timeout=30)
+                portal.call(client.aclose)
