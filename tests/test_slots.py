@@ -105,6 +105,21 @@ def test_ties_go_to_the_least_recently_used_slot() -> None:
     assert lease.slot == 1
 
 
+def test_slots_a_waiting_request_would_hit_are_evicted_last() -> None:
+    """A miss evicts another idle slot before the one the next queued agent would reuse."""
+    manager = SlotManager(2)
+    held(manager, conversation("a", 1), now=1.0)  # least recently used, but "a" is waiting
+    held(manager, conversation("b", 1), now=2.0)
+    waiting = [conversation("a", 2)]
+    assert manager.peek(conversation("c", 1)) is not None
+    lease = manager.acquire(conversation("c", 1), 3.0, protect=waiting)
+    assert lease is not None
+    assert lease.slot == 1  # the slot that held "b", although "a"'s is older
+    # With only protected slots left, one of them is still handed out rather than none.
+    lease2 = manager.acquire(conversation("d", 1), 4.0, protect=waiting)
+    assert lease2 is not None and lease2.slot == 0
+
+
 def test_busy_slots_are_never_handed_out() -> None:
     """An exact hit on a busy slot is skipped; when every slot is busy acquire returns None."""
     manager = SlotManager(2)

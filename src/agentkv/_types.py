@@ -30,7 +30,7 @@ class Fingerprint:
     """A chain of block hashes over the stable prefix of a conversation.
 
     ``blocks[i]`` hashes everything up to and including block ``i`` (system, tools, then turns), so
-    two fingerprints share a prefix of ``k`` blocks exactly when their first ``k`` entries are equal.
+    two fingerprints share a prefix of ``k`` blocks when their first ``k`` entries are equal.
     ``sizes[i]`` is the size of block ``i`` in characters, which weighs what a shared prefix saves.
     """
 

@@ -12,6 +12,7 @@ Pure and single-threaded: time is passed in, nothing awaits, and callers seriali
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any
 
 import attrs
@@ -25,6 +26,10 @@ __all__ = ["SlotManager", "SlotStats"]
 def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attribute.name} must be > 0, got {value}")
+
+
+def _hits(request: Fingerprint, cached: Fingerprint) -> bool:
+    return compare(request, cached).kind is not MatchKind.MISS
 
 
 @attrs.frozen
@@ -63,7 +68,9 @@ class SlotManager:
 
     ``acquire`` prefers, among idle slots: an exact hit, then the longest prefix hit, then an empty
     slot (keeping other agents' caches alive), then the slot sharing the most with the request
-    (typically the common system prompt and tools), least recently used first.
+    (typically the common system prompt and tools), least recently used first. A slot that a
+    *waiting* request would hit (``protect``) is evicted only when nothing else is left: with more
+    agents than slots, plain LRU tends to evict exactly the agent that is next in line.
     """
 
     n_slots: int = attrs.field(validator=_positive)
@@ -77,7 +84,9 @@ class SlotManager:
     def _make_slots(self) -> list[_Slot]:
         return [_Slot() for _ in range(self.n_slots)]
 
-    def _choose(self, fingerprint: Fingerprint | None) -> tuple[int, Match] | None:
+    def _choose(
+        self, fingerprint: Fingerprint | None, protect: Collection[Fingerprint] = ()
+    ) -> tuple[int, Match] | None:
         best: tuple[tuple[int, int, float, int], int, Match] | None = None
         for index, slot in enumerate(self._slots):
             if slot.refcount > 0:
@@ -92,6 +101,8 @@ class SlotManager:
                 rank = 1
             elif slot.fingerprint is None:
                 rank = 2
+            elif any(_hits(waiting, slot.fingerprint) for waiting in protect):
+                rank = 4
             else:
                 rank = 3
             lru = -math.inf if slot.last_used is None else slot.last_used
@@ -100,16 +111,27 @@ class SlotManager:
                 best = (key, index, match)
         return None if best is None else (best[1], best[2])
 
-    def peek(self, fingerprint: Fingerprint | None) -> Match | None:
+    def peek(
+        self, fingerprint: Fingerprint | None, protect: Collection[Fingerprint] = ()
+    ) -> Match | None:
         """The match :meth:`acquire` would give now, without taking a slot; None if all are busy."""
-        chosen = self._choose(fingerprint)
+        chosen = self._choose(fingerprint, protect)
         return None if chosen is None else chosen[1]
 
     def acquire(
-        self, fingerprint: Fingerprint | None, now: float, *, agent: str = ""
+        self,
+        fingerprint: Fingerprint | None,
+        now: float,
+        *,
+        agent: str = "",
+        protect: Collection[Fingerprint] = (),
     ) -> Lease | None:
-        """Lease the best idle slot for ``fingerprint``; None when every slot is busy."""
-        chosen = self._choose(fingerprint)
+        """Lease the best idle slot for ``fingerprint``; None when every slot is busy.
+
+        ``protect`` holds the fingerprints of requests still waiting: slots they would hit are
+        evicted last.
+        """
+        chosen = self._choose(fingerprint, protect)
         if chosen is None:
             return None
         index, match = chosen

@@ -232,7 +232,10 @@ class Gateway:
             waiter = self._waiters.get(ticket.id)
             if waiter is None:  # withdrawn between submit and now; nothing holds it
                 continue
-            lease = self._slots.acquire(ticket.fingerprint, now, agent=ticket.agent)
+            waiting = [t.fingerprint for t, _ in self._scheduler.queued(now) if t.fingerprint]
+            lease = self._slots.acquire(
+                ticket.fingerprint, now, agent=ticket.agent, protect=waiting
+            )
             if lease is None:  # cannot happen while free > 0; keep the ticket rather than lose it
                 self._scheduler.submit(ticket, now)
                 return
