@@ -89,7 +89,6 @@ class _Exchange:
         Returns the error that ended the request early, if any; the events before it were emitted.
         """
         app, asm = self.app, self.assembler
-        config = app.config
         await emit(asm.start())
         send, receive = anyio.create_memory_object_stream[dict[str, Any] | AgentKVError](
             max_buffer_size=256
@@ -97,45 +96,55 @@ class _Exchange:
         failure: AgentKVError | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._engine, send)
-            last_sent = app.clock()
-            async with receive:
-                while True:
-                    # Wake up at least as often as the coalescing bound, so buffered text flows.
-                    with anyio.move_on_after(
-                        min(config.ping_interval, config.coalesce_seconds or 1)
-                    ):
-                        try:
-                            item = await receive.receive()
-                        except anyio.EndOfStream:
-                            break
-                        now = app.clock()
-                        if isinstance(item, AgentKVError):
-                            failure = item
-                            break
-                        events = asm.feed(item, now)
-                        if events:
-                            if self.record.ttft_s is None:
-                                self.record.ttft_s = round(now - self.started, 4)
-                            await emit(events)
-                            last_sent = now
-                        continue
-                    now = app.clock()
-                    events = asm.flush(now)
-                    if events:
-                        await emit(events)
-                        last_sent = now
-                    elif now - last_sent >= config.ping_interval:
-                        await idle()
-                        last_sent = now
+            try:
+                async with receive:
+                    await self._relay(receive, emit, idle)
+                await emit(asm.finish(app.clock()))
+            except AgentKVError as exc:
+                # From the engine task, or from the assembler refusing what the engine sent.
+                failure = exc
             tg.cancel_scope.cancel()
-        if failure is None:
-            await emit(asm.finish(app.clock()))
         usage = asm.usage
         self.record.prompt_tokens = int(usage.get("input_tokens", 0) or 0)
         self.record.cached_tokens = int(usage.get("cache_read_input_tokens", 0) or 0)
         self.record.output_tokens = int(usage.get("output_tokens", 0) or 0)
         self.record.status = "ok" if failure is None else f"error: {failure.error_type}"
         return failure
+
+    async def _relay(
+        self,
+        receive: anyio.abc.ObjectReceiveStream[dict[str, Any] | AgentKVError],
+        emit: Callable[[list[dict[str, Any]]], Awaitable[None]],
+        idle: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Feed engine chunks to the assembler until the engine is done; raise what failed it."""
+        app, asm, config = self.app, self.assembler, self.app.config
+        last_sent = app.clock()
+        while True:
+            # Wake up at least as often as the coalescing bound, so buffered text flows.
+            with anyio.move_on_after(min(config.ping_interval, config.coalesce_seconds or 1)):
+                try:
+                    item = await receive.receive()
+                except anyio.EndOfStream:
+                    return
+                if isinstance(item, AgentKVError):
+                    raise item
+                now = app.clock()
+                events = asm.feed(item, now)
+                if events:
+                    if self.record.ttft_s is None:
+                        self.record.ttft_s = round(now - self.started, 4)
+                    await emit(events)
+                    last_sent = now
+                continue
+            now = app.clock()
+            events = asm.flush(now)
+            if events:
+                await emit(events)
+                last_sent = now
+            elif now - last_sent >= config.ping_interval:
+                await idle()
+                last_sent = now
 
     async def _engine(
         self, send: anyio.abc.ObjectSendStream[dict[str, Any] | AgentKVError]
