@@ -26,15 +26,18 @@ from starlette.types import Receive, Scope, Send
 
 from agentkv import (
     AgentKVError,
+    Fingerprint,
     InvalidRequestError,
     LlamaSlotClient,
     MessagesTranslator,
     PrefixFingerprinter,
+    PromptTooLongError,
     SSEAssembler,
     Ticket,
 )
 from agentkv.sse import accumulate, encode_event
 from agentkv.translate import EngineRequest
+from agentkv_server.compactor import Compactor
 from agentkv_server.config import ServerConfig
 from agentkv_server.gateway import Gateway, RequestRecord
 from agentkv_server.identity import agent_identity, agent_priority
@@ -256,8 +259,9 @@ class AgentKV:
     config: ServerConfig
     client: LlamaSlotClient
     gateway: Gateway
+    compactor: Compactor
+    fingerprinter: PrefixFingerprinter
     translator: MessagesTranslator = attrs.field(factory=MessagesTranslator)
-    fingerprinter: PrefixFingerprinter = attrs.field(factory=PrefixFingerprinter)
     clock: Callable[[], float] = time.monotonic
 
     # -- helpers ---------------------------------------------------------------------------
@@ -306,7 +310,9 @@ class AgentKV:
         headers = _lower(request.headers)
         agent = agent_identity(headers, body, request.client.host if request.client else None)
         priority = agent_priority(headers)
-        fingerprint = self.fingerprinter.fingerprint(engine_request.body)
+        engine_request, fingerprint, prompt_tokens = await self._fit(
+            agent, priority, engine_request
+        )
         ticket = self.gateway.submit(agent, priority, fingerprint)  # 529 when the queue is full
         message_id = "msg_" + secrets.token_hex(12)
         assembler = SSEAssembler(
@@ -316,6 +322,7 @@ class AgentKV:
             tool_names=engine_request.tool_names,
             coalesce_chars=self.config.coalesce_chars,
             coalesce_seconds=self.config.coalesce_seconds,
+            input_tokens_hint=prompt_tokens or 0,
         )
         exchange = _Exchange(
             app=self,
@@ -335,6 +342,46 @@ class AgentKV:
             engine_request.stream,
         )
         return _ExchangeResponse(exchange, stream=engine_request.stream)
+
+    async def _fit(
+        self, agent: str, priority: int, engine_request: EngineRequest
+    ) -> tuple[EngineRequest, Fingerprint, int | None]:
+        """Apply the agent's compactions, check the prompt fits a slot, and cap max_tokens.
+
+        Returns the request to send, its fingerprint, and its prompt size in tokens (None when the
+        context size is unknown or checking is off). Raises PromptTooLongError when the prompt
+        cannot fit even after compaction; such a request never reaches llama-server.
+        """
+        config = self.config
+        body = engine_request.body
+        if config.compaction:
+            body, fingerprint, _ = self.compactor.store.rewrite(agent, body, self.fingerprinter)
+        else:
+            fingerprint = self.fingerprinter.fingerprint(body)
+        ctx = config.ctx_per_slot
+        if ctx is None or not config.check_prompt_length:
+            return attrs.evolve(engine_request, body=body), fingerprint, None
+        tokens = await self.client.count_prompt_tokens(body)
+        requested = int(body.get("max_tokens") or 1)
+        limit = ctx - min(requested, config.output_reserve)
+        if tokens > limit and config.compaction:
+            # Too long as it stands: compact now, at the request's own priority, and count again.
+            done = await self.compactor.compact(
+                agent, body, tokens, priority=priority, background=False
+            )
+            if done is not None:
+                body, fingerprint, _ = self.compactor.store.rewrite(
+                    agent, engine_request.body, self.fingerprinter
+                )
+                tokens = await self.client.count_prompt_tokens(body)
+        if tokens > limit:
+            raise PromptTooLongError(tokens, limit)
+        threshold = config.compaction_threshold
+        if config.compaction and threshold is not None and tokens > threshold:
+            self.compactor.schedule(agent, body, tokens)
+        # Claude Code asks for 32000 output tokens; the slot holds only what is left of its context.
+        body = {**body, "max_tokens": max(1, min(requested, ctx - tokens))}
+        return attrs.evolve(engine_request, body=body), fingerprint, tokens
 
     async def count_tokens(self, request: Request) -> Response:
         self.check_auth(request)
@@ -372,7 +419,7 @@ class AgentKV:
 
     async def slots(self, request: Request) -> Response:
         self.check_auth(request)
-        return JSONResponse(self.gateway.table())
+        return JSONResponse({**self.gateway.table(), "compactions": self.compactor.store.table()})
 
 
 def _lower(headers: Mapping[str, str]) -> dict[str, str]:
@@ -424,15 +471,30 @@ def create_app(
         lease_ttl=config.lease_ttl,
         tie_window=config.tie_window,
     )
-    state = AgentKV(config=config, client=client, gateway=gateway)
+    fingerprinter = PrefixFingerprinter()
+    compactor = Compactor(
+        gateway=gateway,
+        client=client,
+        fingerprinter=fingerprinter,
+        keep_recent=config.compact_keep_messages,
+    )
+    state = AgentKV(
+        config=config,
+        client=client,
+        gateway=gateway,
+        fingerprinter=fingerprinter,
+        compactor=compactor,
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             tg.start_soon(gateway.run_watchdog, config.watchdog_interval)
+            compactor.attach(tg)
             try:
                 yield
             finally:
+                compactor.attach(None)
                 tg.cancel_scope.cancel()
                 if on_shutdown is not None:
                     with anyio.CancelScope(shield=True):

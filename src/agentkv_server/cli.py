@@ -130,6 +130,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=900.0,
         help="seconds after which the watchdog reclaims a lease (default 900)",
     )
+
+    context = parser.add_argument_group("long contexts")
+    context.add_argument(
+        "--no-compaction",
+        action="store_true",
+        help="never summarise an agent's oldest turns (then over-long prompts get "
+        "'prompt is too long' at once)",
+    )
+    context.add_argument(
+        "--compact-at",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="compact an agent's context when its prompt passes TOKENS "
+        "(default: three quarters of the context per slot)",
+    )
+    context.add_argument(
+        "--compact-keep",
+        type=int,
+        default=6,
+        metavar="N",
+        help="recent messages that compaction never touches (default 6)",
+    )
     return parser
 
 
@@ -174,6 +197,24 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[str, int | No
         yield process.base_url, config.effective_ctx_per_slot
 
 
+async def _engine_shape(
+    client: LlamaSlotClient, slots: int, ctx_per_slot: int | None
+) -> tuple[int, int | None]:
+    """The engine's real slot count and context per slot, read from its /slots."""
+    try:
+        table = await client.slots()
+    except AgentKVError as exc:
+        log.warning("could not read llama-server's /slots (%s); assuming %d slots", exc, slots)
+        return slots, ctx_per_slot
+    if table and len(table) != slots:
+        log.warning("llama-server has %d slots, not %d; using %d", len(table), slots, len(table))
+        slots = len(table)
+    n_ctx = table[0].get("n_ctx") if table else None
+    if isinstance(n_ctx, int) and n_ctx > 0:
+        ctx_per_slot = n_ctx
+    return slots, ctx_per_slot
+
+
 async def _serve(args: argparse.Namespace) -> None:
     async with _engine(args) as (base_url, ctx_per_slot):
         client = LlamaSlotClient(base_url)
@@ -181,8 +222,9 @@ async def _serve(args: argparse.Namespace) -> None:
             if args.upstream:
                 print(f"agentkv-server: waiting for llama-server at {base_url}", file=sys.stderr)
             await client.wait_ready(600.0)
+            n_slots, ctx_per_slot = await _engine_shape(client, args.slots, ctx_per_slot)
             config = ServerConfig(
-                n_slots=args.slots,
+                n_slots=n_slots,
                 aging=args.aging,
                 max_queue=args.max_queue,
                 ping_interval=args.ping_interval,
@@ -190,6 +232,9 @@ async def _serve(args: argparse.Namespace) -> None:
                 api_key=args.api_key,
                 ctx_per_slot=ctx_per_slot,
                 model_name=args.model_name,
+                compaction=not args.no_compaction,
+                compact_at=args.compact_at,
+                compact_keep_messages=args.compact_keep,
             )
             app = create_app(client, config)
             server = uvicorn.Server(

@@ -38,3 +38,21 @@ class ServerConfig:
     ctx_per_slot: int | None = None
     #: The model id listed by ``GET /v1/models``.
     model_name: str = "agentkv-local"
+    #: Count every prompt with the engine's tokenizer and refuse ones that cannot fit a slot with
+    #: "prompt is too long" (needs ``ctx_per_slot``). Also caps ``max_tokens`` to what fits.
+    check_prompt_length: bool = True
+    #: Tokens kept free for the reply when deciding whether a prompt fits (or max_tokens, if less).
+    output_reserve: int = 256
+    #: Summarise an agent's oldest turns when its prompt passes ``compact_at`` tokens.
+    compaction: bool = True
+    #: The high-water mark in tokens; None = three quarters of ``ctx_per_slot``.
+    compact_at: int | None = None
+    #: Conversation messages at the end that compaction never touches.
+    compact_keep_messages: int = 6
+
+    @property
+    def compaction_threshold(self) -> int | None:
+        """The prompt size (tokens) past which an agent's context is compacted, if known."""
+        if self.compact_at is not None:
+            return self.compact_at
+        return None if self.ctx_per_slot is None else (self.ctx_per_slot * 3) // 4

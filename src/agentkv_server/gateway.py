@@ -62,6 +62,8 @@ class Gateway:
     clock: Callable[[], float] = time.monotonic
     _slots: SlotManager = attrs.field(init=False)
     _scheduler: FairScheduler = attrs.field(init=False)
+    #: Background work (compaction): dispatched only while no foreground ticket waits.
+    _background: FairScheduler = attrs.field(init=False)
     _waiters: dict[int, _Waiter] = attrs.field(init=False, factory=dict)
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _dispatched: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
@@ -74,6 +76,7 @@ class Gateway:
         self._scheduler = FairScheduler(
             aging=self.aging, max_queue=self.max_queue, tie_window=self.tie_window
         )
+        self._background = FairScheduler(aging=self.aging, max_queue=self.max_queue)
 
     @property
     def slots(self) -> SlotManager:
@@ -83,8 +86,19 @@ class Gateway:
     def scheduler(self) -> FairScheduler:
         return self._scheduler
 
-    def submit(self, agent: str, priority: int, fingerprint: Fingerprint | None) -> Ticket:
-        """Queue a ticket (QueueFullError at the cap); dispatch at once if a slot is free."""
+    def submit(
+        self,
+        agent: str,
+        priority: int,
+        fingerprint: Fingerprint | None,
+        *,
+        background: bool = False,
+    ) -> Ticket:
+        """Queue a ticket (QueueFullError at the cap); dispatch at once if a slot is free.
+
+        A ``background`` ticket gets a slot only when no foreground ticket is waiting, whatever
+        its score: compaction must never delay an agent's request.
+        """
         ticket = Ticket(
             id=next(self._ids),
             agent=agent,
@@ -92,7 +106,7 @@ class Gateway:
             arrival=self.clock(),
             fingerprint=fingerprint,
         )
-        self._scheduler.submit(ticket, ticket.arrival)
+        (self._background if background else self._scheduler).submit(ticket, ticket.arrival)
         self._waiters[ticket.id] = _Waiter(ticket)
         self._dispatch()
         return ticket
@@ -203,6 +217,14 @@ class Gateway:
                 }
                 for ticket, score in self._scheduler.queued(now)
             ],
+            "background": [
+                {
+                    "ticket": ticket.id,
+                    "agent": ticket.agent,
+                    "waited_s": round(now - ticket.arrival, 3),
+                }
+                for ticket, _ in self._background.queued(now)
+            ],
             "hits": {
                 "exact": stats.exact,
                 "prefix": stats.prefix,
@@ -225,8 +247,9 @@ class Gateway:
 
     def _dispatch(self) -> None:
         now = self.clock()
-        while self._slots.free and len(self._scheduler):
-            ticket = self._scheduler.pop(now, hits=self._hits)
+        while self._slots.free and (len(self._scheduler) or len(self._background)):
+            queue = self._scheduler if len(self._scheduler) else self._background
+            ticket = queue.pop(now, hits=self._hits)
             if ticket is None:
                 return
             waiter = self._waiters.get(ticket.id)
@@ -237,7 +260,7 @@ class Gateway:
                 ticket.fingerprint, now, agent=ticket.agent, protect=waiting
             )
             if lease is None:  # cannot happen while free > 0; keep the ticket rather than lose it
-                self._scheduler.submit(ticket, now)
+                queue.submit(ticket, ticket.arrival)
                 return
             waiter.lease = lease
             self._lease_seq[lease.id] = next(self._dispatched)
@@ -250,3 +273,4 @@ class Gateway:
             self.release(waiter.lease, ok=False)
             return
         self._scheduler.cancel(waiter.ticket.id)
+        self._background.cancel(waiter.ticket.id)

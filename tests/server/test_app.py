@@ -351,3 +351,55 @@ async def test_slot_table_shows_agents_and_hits(serve: Any) -> None:
     assert view["hits"]["prefix"] == 1
     assert [r["match"] for r in view["recent"]] == ["miss", "prefix"]
     assert view["agents"]["frontend"]["requests"] == 2
+
+
+async def test_prompt_that_cannot_fit_gets_the_prompt_too_long_400(serve: Any) -> None:
+    """An oversize prompt gets exactly 'prompt is too long: N tokens > M maximum', unsent."""
+    fake = FakeLlama()
+    http = serve(fake, ctx_per_slot=200, compaction=False)
+    big = {**BODY, "messages": [{"role": "user", "content": "word " * 400}]}
+    r = await http.post("/v1/messages", json=big)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    # The fake tokenizer counts one token per 4 characters of "<user>" + content.
+    tokens = len("<user>" + "word " * 400) // 4
+    assert err["message"] == f"prompt is too long: {tokens} tokens > {200 - 64} maximum"
+    assert fake.requests == []
+
+
+async def test_max_tokens_is_capped_to_what_the_slot_can_hold(serve: Any) -> None:
+    """Claude Code's max_tokens of 32000 becomes what is left of the slot's context."""
+    fake = FakeLlama()
+    http = serve(fake, ctx_per_slot=1000)
+    r = await http.post("/v1/messages", json={**BODY, "max_tokens": 32000})
+    assert r.status_code == 200
+    tokens = len("<user>Say hello.") // 4
+    assert fake.requests[0]["max_tokens"] == 1000 - tokens
+
+
+async def test_background_work_waits_for_every_foreground_request() -> None:
+    """A background (compaction) ticket gets a slot only when no agent request waits."""
+    from agentkv_server.gateway import Gateway
+
+    # Aging so fast that, in one queue, the waiting compaction would outrank everything.
+    gateway = Gateway(n_slots=1, aging=100.0)
+    order: list[str] = []
+
+    async def run(name: str, priority: int, background: bool) -> None:
+        ticket = gateway.submit(name, priority, None, background=background)
+        async with gateway.hold(ticket):
+            order.append(name)
+            await anyio.sleep(0.05)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, "busy", 1, False)
+        await anyio.sleep(0.01)
+        tg.start_soon(run, "compaction", 3, True)
+        await anyio.sleep(0.01)
+        tg.start_soon(run, "late-p2", 2, False)
+        await anyio.sleep(0.01)
+        tg.start_soon(run, "late-p1", 1, False)
+    assert order[0] == "busy" and order[-1] == "compaction"
+    assert sorted(order[1:3]) == ["late-p1", "late-p2"]
+    assert gateway.slots.free == 1

@@ -1,0 +1,216 @@
+"""Context compaction: replace an agent's oldest turns with a summary, on agentkv's side only.
+
+The client owns the conversation and keeps sending all of it. agentkv remembers, per agent, "this
+prefix (by fingerprint) is now represented by this summary", and from then on sends the engine the
+summary plus the untouched recent turns. Everything here is pure: it plans which messages to
+replace, builds the engine request that asks for the summary, and rewrites later requests. The
+server decides when to run it (lowest priority, only when nothing else waits).
+
+Rules that keep a compacted conversation valid:
+- the system head and the tool list are never touched;
+- a cut never separates an assistant ``tool_calls`` message from its ``tool`` results;
+- the most recent ``keep_recent`` messages are never summarised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from agentkv._types import Fingerprint
+from agentkv.fingerprint import PrefixFingerprinter
+
+__all__ = ["Compaction", "CompactionPlan", "CompactionStore", "plan_compaction", "summary_request"]
+
+SUMMARY_INSTRUCTIONS = (
+    "You summarise the beginning of a conversation between a user and a coding assistant so that "
+    "the assistant can continue without it. Keep every fact that later turns may need: the task, "
+    "decisions, file names, function names, commands run and their results, errors, and what is "
+    "still open. Write plain sentences, at most 200 words. Do not add anything that is not in the "
+    "conversation."
+)
+#: The wrapper the summary is sent in, as the first message after the system prompt.
+SUMMARY_OPEN = "<conversation-summary>\nSummary of the earlier part of this conversation:\n"
+SUMMARY_CLOSE = "\n</conversation-summary>"
+#: Characters of one message kept in the transcript given to the summariser.
+_TRANSCRIPT_MESSAGE_CHARS = 2000
+
+
+def _head_length(messages: Sequence[Mapping[str, Any]]) -> int:
+    head = 0
+    while head < len(messages) and messages[head].get("role") == "system":
+        head += 1
+    return head
+
+
+@attrs.frozen
+class CompactionPlan:
+    """Which messages of an engine request a compaction replaces.
+
+    ``cut`` counts conversation messages after the system head. ``key`` is the fingerprint block
+    that covers system, tools and those ``cut`` messages, at position ``block_index``; a later
+    request whose fingerprint has the same block there starts with the same prefix.
+    """
+
+    agent: str
+    cut: int
+    key: str
+    block_index: int
+
+
+@attrs.frozen
+class Compaction:
+    """A finished compaction: the summary that now stands for a prefix of one agent's history."""
+
+    plan: CompactionPlan
+    summary: str
+    created_at: float
+    tokens_before: int = 0
+    tokens_after: int = 0
+
+    @property
+    def saved_tokens(self) -> int:
+        return max(0, self.tokens_before - self.tokens_after)
+
+    def summary_message(self) -> dict[str, Any]:
+        return {"role": "user", "content": SUMMARY_OPEN + self.summary.strip() + SUMMARY_CLOSE}
+
+    def matches(self, fingerprint: Fingerprint) -> bool:
+        index = self.plan.block_index
+        return len(fingerprint.blocks) > index and fingerprint.blocks[index] == self.plan.key
+
+    def apply(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The request with the planned messages replaced by the summary (no match check)."""
+        messages = list(body["messages"])
+        head = _head_length(messages)
+        kept = messages[head + self.plan.cut :]
+        return {**body, "messages": [*messages[:head], self.summary_message(), *kept]}
+
+
+def plan_compaction(
+    body: Mapping[str, Any],
+    *,
+    agent: str,
+    keep_recent: int,
+    fingerprinter: PrefixFingerprinter,
+    min_messages: int = 2,
+) -> CompactionPlan | None:
+    """Plan to replace all but the last ``keep_recent`` messages; None if too little to gain."""
+    messages = list(body.get("messages") or [])
+    head = _head_length(messages)
+    conversation = messages[head:]
+    cut = len(conversation) - max(0, keep_recent)
+    # A tool result must stay with the assistant message that called the tool: move the cut back
+    # to that assistant message, so the call and its results stay together in the kept part.
+    while 0 < cut < len(conversation) and conversation[cut].get("role") == "tool":
+        cut -= 1
+    if cut < min_messages:
+        return None
+    prefix = fingerprinter.fingerprint({**body, "messages": messages[: head + cut]})
+    return CompactionPlan(
+        agent=agent, cut=cut, key=prefix.blocks[-1], block_index=len(prefix.blocks) - 1
+    )
+
+
+def _render(message: Mapping[str, Any]) -> str:
+    role = str(message.get("role", "?"))
+    content = message.get("content")
+    if isinstance(content, list):  # image and text parts: keep the text
+        text = "\n".join(
+            str(part.get("text", "[image]")) for part in content if isinstance(part, Mapping)
+        )
+    else:
+        text = "" if content is None else str(content)
+    calls = message.get("tool_calls") or []
+    for call in calls:
+        function = call.get("function", {}) if isinstance(call, Mapping) else {}
+        text += f"\n[calls tool {function.get('name')} with {function.get('arguments')}]"
+    if len(text) > _TRANSCRIPT_MESSAGE_CHARS:
+        half = _TRANSCRIPT_MESSAGE_CHARS // 2
+        text = text[:half] + "\n[…]\n" + text[-half:]
+    label = {"tool": "tool result", "user": "user", "assistant": "assistant"}.get(role, role)
+    return f"{label}: {text.strip()}"
+
+
+def summary_request(
+    body: Mapping[str, Any], plan: CompactionPlan, *, max_tokens: int = 320
+) -> dict[str, Any]:
+    """The engine request that asks the model to summarise the planned messages."""
+    messages = list(body["messages"])
+    head = _head_length(messages)
+    transcript = "\n\n".join(_render(m) for m in messages[head : head + plan.cut])
+    return {
+        "messages": [
+            {"role": "system", "content": SUMMARY_INSTRUCTIONS},
+            {
+                "role": "user",
+                "content": "Summarise this conversation:\n\n"
+                + transcript
+                + "\n\nWrite the summary now.",
+            },
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0.2,
+    }
+
+
+@attrs.define
+class CompactionStore:
+    """Per agent, the compactions in force, oldest first; and which agents have one in flight."""
+
+    max_per_agent: int = 4
+    _done: dict[str, list[Compaction]] = attrs.field(factory=dict)
+    _pending: set[str] = attrs.field(factory=set)
+
+    def begin(self, agent: str) -> bool:
+        """Mark a compaction for ``agent`` as in flight; False if one already is."""
+        if agent in self._pending:
+            return False
+        self._pending.add(agent)
+        return True
+
+    def end(self, agent: str, compaction: Compaction | None) -> None:
+        """Clear the in-flight mark and remember the result, if any."""
+        self._pending.discard(agent)
+        if compaction is not None:
+            done = self._done.setdefault(agent, [])
+            done.append(compaction)
+            del done[: -self.max_per_agent]
+
+    def pending(self, agent: str) -> bool:
+        return agent in self._pending
+
+    def rewrite(
+        self, agent: str, body: Mapping[str, Any], fingerprinter: PrefixFingerprinter
+    ) -> tuple[dict[str, Any], Fingerprint, list[Compaction]]:
+        """Apply every compaction of ``agent`` whose prefix this request still starts with.
+
+        Compactions are applied oldest first, each to the output of the one before, because a
+        later compaction was planned on an already compacted request.
+        """
+        current = dict(body)
+        fingerprint = fingerprinter.fingerprint(current)
+        applied: list[Compaction] = []
+        for compaction in self._done.get(agent, []):
+            if compaction.matches(fingerprint):
+                current = compaction.apply(current)
+                fingerprint = fingerprinter.fingerprint(current)
+                applied.append(compaction)
+        return current, fingerprint, applied
+
+    def table(self) -> list[dict[str, Any]]:
+        """What the slot table shows: one row per compaction in force."""
+        return [
+            {
+                "agent": agent,
+                "messages_replaced": c.plan.cut,
+                "tokens_before": c.tokens_before,
+                "tokens_after": c.tokens_after,
+                "saved_tokens": c.saved_tokens,
+                "summary_chars": len(c.summary),
+            }
+            for agent, done in sorted(self._done.items())
+            for c in done
+        ] + [{"agent": agent, "pending": True} for agent in sorted(self._pending)]

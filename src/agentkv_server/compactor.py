@@ -1,0 +1,125 @@
+"""Running compaction jobs: ask the model for a summary through the scheduler, then warm the slot.
+
+The planning and rewriting are pure (``agentkv.compaction``); this module does the waiting and
+the engine calls. A background job takes a slot only while no agent request waits (the gateway's
+background lane), at priority 3.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+import anyio.abc
+import attrs
+
+from agentkv import AgentKVError, LlamaSlotClient, PrefixFingerprinter
+from agentkv.compaction import Compaction, CompactionStore, plan_compaction, summary_request
+from agentkv_server.gateway import Gateway
+
+__all__ = ["Compactor"]
+
+log = logging.getLogger("agentkv.server")
+
+BACKGROUND_PRIORITY = 3
+
+
+@attrs.define
+class Compactor:
+    """Plans, runs and records compactions for the agents of one engine."""
+
+    gateway: Gateway
+    client: LlamaSlotClient
+    fingerprinter: PrefixFingerprinter
+    keep_recent: int = 6
+    summary_tokens: int = 320
+    store: CompactionStore = attrs.field(factory=CompactionStore)
+    clock: Callable[[], float] = time.monotonic
+    _tasks: anyio.abc.TaskGroup | None = None
+
+    def attach(self, tasks: anyio.abc.TaskGroup | None) -> None:
+        """Where background jobs run (the server's lifespan task group); None stops scheduling."""
+        self._tasks = tasks
+
+    def schedule(self, agent: str, body: Mapping[str, Any], tokens: int) -> bool:
+        """Start a background compaction for ``agent`` unless one is running; True if started."""
+        if self._tasks is None or self.store.pending(agent):
+            return False
+        if self._plan(agent, body) is None:
+            return False
+        self._tasks.start_soon(self._background, agent, dict(body), tokens)
+        return True
+
+    async def _background(self, agent: str, body: dict[str, Any], tokens: int) -> None:
+        try:
+            await self.compact(agent, body, tokens, priority=BACKGROUND_PRIORITY, background=True)
+        except AgentKVError as exc:
+            log.warning("background compaction for agent %s failed: %s", agent, exc.message)
+
+    def _plan(self, agent: str, body: Mapping[str, Any]) -> Any:
+        return plan_compaction(
+            body, agent=agent, keep_recent=self.keep_recent, fingerprinter=self.fingerprinter
+        )
+
+    async def compact(
+        self,
+        agent: str,
+        body: Mapping[str, Any],
+        tokens: int,
+        *,
+        priority: int,
+        background: bool,
+    ) -> Compaction | None:
+        """Summarise the oldest turns of ``body`` and remember it for ``agent``.
+
+        The summary is asked for on a leased slot; the same slot is then prefilled with the
+        compacted conversation, so the agent's next request is a prefix hit there.
+        """
+        plan = self._plan(agent, body)
+        if plan is None or not self.store.begin(agent):
+            return None
+        result: Compaction | None = None
+        try:
+            ticket = self.gateway.submit(
+                f"{agent} (compaction)", priority, None, background=background
+            )
+            lease = await self.gateway.wait(ticket)
+            cached = None
+            try:
+                reply = await self.client.chat(
+                    summary_request(body, plan, max_tokens=self.summary_tokens), slot=lease.slot
+                )
+                summary = _reply_text(reply)
+                if not summary:
+                    log.warning("compaction for agent %s produced no summary", agent)
+                    return None
+                result = Compaction(plan, summary, created_at=self.clock(), tokens_before=tokens)
+                compacted = result.apply(body)
+                warm = await self.client.chat({**compacted, "max_tokens": 1}, slot=lease.slot)
+                timings = warm.get("timings") or {}
+                after = int(timings.get("prompt_n", 0)) + int(timings.get("cache_n", 0))
+                result = attrs.evolve(result, tokens_after=after)
+                cached = self.fingerprinter.fingerprint(compacted)
+            finally:
+                self.gateway.release(lease, cached, ok=cached is not None)
+            log.info(
+                "compacted agent %s: %d messages -> summary, %d -> %d prompt tokens",
+                agent,
+                plan.cut,
+                result.tokens_before,
+                result.tokens_after,
+            )
+            return result
+        finally:
+            self.store.end(agent, result)
+
+
+def _reply_text(reply: Mapping[str, Any]) -> str:
+    try:
+        content = reply["choices"][0]["message"].get("content")
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return ""
+    return content.strip() if isinstance(content, str) else ""
