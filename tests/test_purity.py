@@ -15,6 +15,8 @@ PURE_MODULES = (
     "agentkv.fingerprint",
     "agentkv.slots",
     "agentkv.scheduler",
+    "agentkv.repair",
+    "agentkv.compaction",
 )
 IO_LIBRARIES = ("httpx", "starlette", "anyio", "uvicorn", "tenacity")
 

@@ -1,0 +1,569 @@
+"""Conservative recovery of tool calls that a small model wrote as text.
+
+Small models asked to call tools in ``auto`` mode often answer with the call as text: bare JSON
+(``{"name": "Read", "arguments": {...}}``), a fenced ```` ```json ```` block, or Qwen's
+``<tool_call>`` tags, sometimes with a slip such as a trailing comma or a missing final brace. This
+module finds such calls and repairs only slips whose fix is unambiguous. It promises that every
+call it returns names a declared tool and that its input validates against that tool's
+``input_schema``; anything else stays text. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "ExtractedCall",
+    "RejectedCandidate",
+    "RepairOutcome",
+    "ToolCallExtraction",
+    "extract_tool_calls",
+    "looks_like_call",
+    "needs_retry",
+    "repair_arguments",
+    "repair_json",
+    "validate",
+]
+
+Schema = Mapping[str, Any] | bool
+
+# -- validation ------------------------------------------------------------------------------------
+
+_TYPE_NAMES = ("null", "boolean", "integer", "number", "string", "array", "object")
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type name of a parsed value (``integer`` for whole numbers, as JSON Schema says)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "integer" if value.is_integer() else "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _is_type(value: Any, name: str) -> bool:
+    actual = _json_type(value)
+    return actual == name or (name == "number" and actual == "integer")
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    """Equality as JSON sees it: ``true`` is not ``1`` (Python's ``True == 1`` must not leak in)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    return type(a) is type(b) and bool(a == b)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def validate(instance: Any, schema: Schema, path: str = "$") -> list[str]:
+    """Errors of ``instance`` against a tool ``input_schema`` (empty when it is valid).
+
+    Covers what tool schemas use: ``type``, ``properties``, ``required``,
+    ``additionalProperties``, ``enum``, ``const``, ``items``, ``minItems``/``maxItems``,
+    ``minLength``/``maxLength``, ``pattern``, ``minimum``/``maximum`` (and the exclusive forms),
+    ``anyOf``/``oneOf``/``allOf``. Other keywords (``$ref``, ``format``, ...) are ignored. Each
+    error starts with the path of the offending value (``$.todos[0].status``).
+    """
+    if schema is True:
+        return []
+    if schema is False:
+        return [f"{path}: no value is allowed here"]
+    errors: list[str] = []
+
+    expected = schema.get("type")
+    if expected is not None:
+        names = [expected] if isinstance(expected, str) else list(expected)
+        known = [n for n in names if n in _TYPE_NAMES]
+        if known and not any(_is_type(instance, n) for n in known):
+            # Nothing else can be checked meaningfully against a value of the wrong type.
+            return [f"{path}: expected {' or '.join(known)}, got {_json_type(instance)}"]
+
+    if "const" in schema and not _json_equal(instance, schema["const"]):
+        errors.append(f"{path}: must be {_short(schema['const'])}")
+    enum = schema.get("enum")
+    if isinstance(enum, list) and not any(_json_equal(instance, e) for e in enum):
+        errors.append(f"{path}: {_short(instance)} is not one of {_short(enum)}")
+
+    if isinstance(instance, dict):
+        errors.extend(_validate_object(instance, schema, path))
+    elif isinstance(instance, list):
+        errors.extend(_validate_array(instance, schema, path))
+    elif isinstance(instance, str):
+        errors.extend(_validate_string(instance, schema, path))
+    elif isinstance(instance, int | float) and not isinstance(instance, bool):
+        errors.extend(_validate_number(instance, schema, path))
+
+    for sub in schema.get("allOf") or ():
+        errors.extend(validate(instance, sub, path))
+    any_of = schema.get("anyOf")
+    if isinstance(any_of, list) and any_of and all(validate(instance, s, path) for s in any_of):
+        errors.append(f"{path}: matches none of the {len(any_of)} anyOf alternatives")
+    one_of = schema.get("oneOf")
+    if isinstance(one_of, list) and one_of:
+        matched = sum(1 for s in one_of if not validate(instance, s, path))
+        if matched != 1:
+            errors.append(f"{path}: matches {matched} of the oneOf alternatives, not exactly one")
+    return errors
+
+
+def _validate_object(instance: dict[str, Any], schema: Mapping[str, Any], path: str) -> list[str]:
+    errors: list[str] = []
+    properties: Mapping[str, Any] = schema.get("properties") or {}
+    for name in schema.get("required") or ():
+        if name not in instance:
+            errors.append(f"{path}: missing required property {name!r}")
+    extra = schema.get("additionalProperties", True)
+    for name, value in instance.items():
+        where = f"{path}.{name}"
+        if name in properties:
+            errors.extend(validate(value, properties[name], where))
+        elif extra is False:
+            errors.append(f"{path}: unexpected property {name!r}")
+        elif isinstance(extra, Mapping):
+            errors.extend(validate(value, extra, where))
+    return errors
+
+
+def _validate_array(instance: list[Any], schema: Mapping[str, Any], path: str) -> list[str]:
+    errors: list[str] = []
+    low, high = schema.get("minItems"), schema.get("maxItems")
+    if isinstance(low, int) and len(instance) < low:
+        errors.append(f"{path}: needs at least {low} items, has {len(instance)}")
+    if isinstance(high, int) and len(instance) > high:
+        errors.append(f"{path}: allows at most {high} items, has {len(instance)}")
+    items = schema.get("items")
+    if isinstance(items, Mapping | bool):
+        for i, item in enumerate(instance):
+            errors.extend(validate(item, items, f"{path}[{i}]"))
+    return errors
+
+
+def _validate_string(instance: str, schema: Mapping[str, Any], path: str) -> list[str]:
+    errors: list[str] = []
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(low, int) and len(instance) < low:
+        errors.append(f"{path}: shorter than {low} characters")
+    if isinstance(high, int) and len(instance) > high:
+        errors.append(f"{path}: longer than {high} characters")
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        try:
+            compiled = re.compile(pattern)
+        except re.error:
+            # An ECMA-only construct Python cannot compile: unknown, so not checked.
+            compiled = None
+        if compiled is not None and compiled.search(instance) is None:
+            errors.append(f"{path}: does not match {pattern!r}")
+    return errors
+
+
+_BOUNDS: dict[str, tuple[Callable[[float, float], bool], str]] = {
+    "minimum": (lambda v, b: v < b, "less than"),
+    "maximum": (lambda v, b: v > b, "greater than"),
+    "exclusiveMinimum": (lambda v, b: v <= b, "not greater than"),
+    "exclusiveMaximum": (lambda v, b: v >= b, "not less than"),
+}
+
+
+def _validate_number(instance: float, schema: Mapping[str, Any], path: str) -> list[str]:
+    errors: list[str] = []
+    for keyword, bound in schema.items():
+        if keyword not in _BOUNDS or not isinstance(bound, int | float) or isinstance(bound, bool):
+            continue
+        fails, words = _BOUNDS[keyword]
+        if fails(instance, bound):
+            errors.append(f"{path}: {_short(instance)} is {words} {bound}")
+    return errors
+
+
+# -- JSON repair -----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RepairOutcome:
+    """A parsed value, the text it was parsed from, and the fixes that text needed (none if any)."""
+
+    value: Any
+    repaired_text: str
+    fixes: tuple[str, ...]
+
+
+def _reject_constant(name: str) -> Any:
+    # NaN and Infinity parse in Python but are not JSON; a client could not read them back.
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str) -> Any:
+    """Strict JSON: ``json.loads`` without NaN/Infinity. Raises ``ValueError``."""
+    return json.loads(text, parse_constant=_reject_constant)
+
+
+_FENCE = re.compile(r"\A```[A-Za-z0-9_+-]*[ \t]*\n(?P<body>.*?)(?:\n[ \t]*```)?[ \t]*\Z", re.DOTALL)
+_CLOSER = {"{": "}", "[": "]"}
+
+
+def repair_json(text: str) -> RepairOutcome | None:
+    """``text`` parsed as JSON, repairing only unambiguous slips; None when it cannot be.
+
+    Valid JSON (after stripping surrounding whitespace) comes back unchanged with no fixes. The
+    slips repaired: a markdown code fence around the JSON, a trailing comma before ``}`` or ``]``,
+    and a missing closing quote, brackets or braces at the very end. Nothing else — single quotes,
+    comments, unquoted keys, a missing comma mid-text — is guessed at.
+    """
+    stripped = text.strip()
+    try:
+        return RepairOutcome(_loads(stripped), stripped, ())
+    except ValueError:
+        pass
+    fixes: list[str] = []
+    fence = _FENCE.match(stripped)
+    if fence is not None:
+        stripped = fence.group("body").strip()
+        fixes.append("removed code fence")
+        try:
+            return RepairOutcome(_loads(stripped), stripped, tuple(fixes))
+        except ValueError:
+            pass
+    repaired = _repair_syntax(stripped, fixes)
+    if repaired is None:
+        return None
+    try:
+        value = _loads(repaired)
+    except ValueError:
+        return None
+    return RepairOutcome(value, repaired, tuple(fixes))
+
+
+def _repair_syntax(text: str, fixes: list[str]) -> str | None:
+    """Drop trailing commas and close what is left open at the end; None on anything else odd."""
+    out: list[str] = []
+    stack: list[str] = []
+    in_string = escaped = False
+    dropped = 0
+    last = ""  # the last significant character outside strings
+    i = 0
+    while i < len(text):
+        char = text[i]
+        i += 1
+        if in_string:
+            out.append(char)
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+                last = '"'
+            continue
+        if char == '"':
+            in_string = True
+        elif char in _CLOSER:
+            stack.append(char)
+        elif char in "}]":
+            if not stack or _CLOSER[stack.pop()] != char:
+                return None  # a mismatched or extra closer is not a slip we can read
+        elif char == ",":
+            rest = text[i:].lstrip()
+            if rest[:1] in ("}", "]") and last not in ("", ",", ":", "[", "{"):
+                dropped += 1
+                continue
+        out.append(char)
+        if not char.isspace():
+            last = char
+    if dropped:
+        fixes.append(f"removed {dropped} trailing comma{'s' if dropped > 1 else ''}")
+    if in_string:
+        if escaped:
+            return None  # cut inside an escape sequence
+        out.append('"')
+        fixes.append("closed an unterminated string at the end")
+        last = '"'
+    if stack:
+        if last in (",", ":"):
+            return None  # cut between a key and its value, or before the next item
+        closers = "".join(_CLOSER[opener] for opener in reversed(stack))
+        out.append(closers)
+        fixes.append(f"added missing {closers!r} at the end")
+    return "".join(out)
+
+
+# -- extraction ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ExtractedCall:
+    """A tool call recovered from text: a declared tool and an input its schema accepts."""
+
+    name: str
+    input: dict[str, Any]
+    fixes: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class RejectedCandidate:
+    """Text that looked like a tool call but is not emitted as one, and why."""
+
+    text: str
+    reason: str
+
+
+@attrs.frozen
+class ToolCallExtraction:
+    """The calls found in a reply, the reply's remaining text, and the candidates turned down."""
+
+    calls: tuple[ExtractedCall, ...]
+    text: str
+    rejected: tuple[RejectedCandidate, ...]
+
+
+_TAG = re.compile(r"<tool_call>(?P<body>.*?)(?:(?P<close></tool_call>)|\Z)", re.DOTALL)
+_FENCE_LINE = re.compile(r"^[ \t]*```(?P<label>[^\s`]*)[ \t]*$", re.MULTILINE)
+# Only fences labelled as JSON (or unlabelled): a ```python block is code, not a call.
+_CALL_LABELS = frozenset({"", "json", "JSON", "tool_call"})
+_CALL_KEYS = frozenset({"name", "arguments", "parameters", "id", "type"})
+_TEXT_JOIN = "\n\n"
+_PARTIAL = "valid, but written together with a rejected candidate"
+
+
+def extract_tool_calls(
+    text: str, tools: Mapping[str, Schema | None], *, repair: bool = True
+) -> ToolCallExtraction:
+    """The tool calls a reply wrote as text, for declared ``tools`` (name -> input_schema).
+
+    Looks only where a call is unmistakable: ``<tool_call>`` tags (a final unclosed tag included);
+    else fenced ``json`` blocks; else a reply that is nothing but JSON objects. Prose that merely
+    contains JSON gives nothing. A candidate becomes a call only if its shape is a call
+    (``{"name", "arguments"|"parameters"}`` or ``{"function": {"name", "arguments"}}``), the name
+    is declared, and the input validates against the schema. With ``repair=False`` (say, for a
+    reply cut off by the token limit) only candidates that parse as they are count. Accepted calls
+    are cut out of the text; rejected candidates stay in it.
+    """
+    spans = [
+        (m.start(), m.end(), m.group("body"), m.group("close") is None) for m in _TAG.finditer(text)
+    ]
+    if not spans:
+        spans = _fenced(text)
+    if not spans and text.lstrip().startswith("{"):
+        spans = [(0, len(text), text, False)]
+
+    calls: list[ExtractedCall] = []
+    rejected: list[RejectedCandidate] = []
+    keep: list[tuple[int, int]] = []
+    for start, end, body, unclosed in spans:
+        found, turned_down = _calls_in(body, tools, repair=repair)
+        if unclosed:
+            container = "unclosed <tool_call> tag" if text[start] == "<" else "unclosed code fence"
+            found = [attrs.evolve(c, fixes=(container, *c.fixes)) for c in found]
+        rejected.extend(turned_down)
+        if found and not turned_down:
+            calls.extend(found)
+            keep.append((start, end))
+        else:
+            # Part of one block is unusable: emitting the rest would act on half of what the
+            # model wrote, so the whole block stays text.
+            rejected.extend(
+                RejectedCandidate(json.dumps({"name": c.name, "arguments": c.input}), _PARTIAL)
+                for c in found
+            )
+    return ToolCallExtraction(tuple(calls), _leftover(text, keep), tuple(rejected))
+
+
+def _fenced(text: str) -> list[tuple[int, int, str, bool]]:
+    """Fenced blocks that may hold a call: (start, end, body, unclosed) for each.
+
+    Fence lines are paired in order, so the closing fence of a ```bash block is never mistaken
+    for the opening of the next one. A fence is a candidate only if it is labelled as JSON (or
+    not at all) and holds an object: ``` around a shell command is not a call.
+    """
+    blocks: list[tuple[int, int, str, bool]] = []
+    lines = list(_FENCE_LINE.finditer(text))
+    for opening, closing in itertools.zip_longest(lines[::2], lines[1::2]):
+        body_start = opening.end() + 1
+        end = closing.end() if closing is not None else len(text)
+        body = text[body_start : closing.start() if closing is not None else len(text)]
+        if opening.group("label") in _CALL_LABELS and body.lstrip().startswith("{"):
+            blocks.append((opening.start(), end, body, closing is None))
+    return blocks
+
+
+def _leftover(text: str, cut: Sequence[tuple[int, int]]) -> str:
+    if not cut:
+        return text.strip()
+    pieces: list[str] = []
+    position = 0
+    for start, end in cut:
+        pieces.append(text[position:start])
+        position = end
+    pieces.append(text[position:])
+    return _TEXT_JOIN.join(p.strip() for p in pieces if p.strip())
+
+
+def _calls_in(
+    body: str, tools: Mapping[str, Schema | None], *, repair: bool
+) -> tuple[list[ExtractedCall], list[RejectedCandidate]]:
+    """Calls in one candidate body: one JSON object, or several one after another."""
+    values = _objects(body, repair=repair)
+    if values is None:
+        reason = "not valid JSON" if not repair else "not JSON, and no safe repair"
+        return [], [RejectedCandidate(body.strip(), reason)]
+    found: list[ExtractedCall] = []
+    rejected: list[RejectedCandidate] = []
+    for source, value, fixes in values:
+        call = _call(value, tools, fixes, repair=repair)
+        if isinstance(call, str):
+            rejected.append(RejectedCandidate(source, call))
+        else:
+            found.append(call)
+    return found, rejected
+
+
+def _objects(body: str, *, repair: bool) -> list[tuple[str, Any, tuple[str, ...]]] | None:
+    """Each JSON value in ``body`` (whitespace between them), the last one repaired if need be."""
+    decoder = json.JSONDecoder(parse_constant=_reject_constant)
+    values: list[tuple[str, Any, tuple[str, ...]]] = []
+    position = 0
+    while True:
+        while position < len(body) and body[position].isspace():
+            position += 1
+        if position == len(body):
+            return values or None
+        try:
+            value, end = decoder.raw_decode(body, position)
+        except ValueError:
+            outcome = repair_json(body[position:]) if repair else None
+            if outcome is None:
+                return None
+            values.append((body[position:].strip(), outcome.value, outcome.fixes))
+            return values
+        values.append((body[position:end], value, ()))
+        position = end
+
+
+def _call(
+    value: Any, tools: Mapping[str, Schema | None], fixes: tuple[str, ...], *, repair: bool
+) -> ExtractedCall | str:
+    """The call ``value`` spells, or the reason it is not one."""
+    if not isinstance(value, dict):
+        return f"not a JSON object but {_json_type(value)}"
+    if isinstance(value.get("function"), dict) and value.keys() <= {"function", "id", "type"}:
+        value = value["function"]
+    if not isinstance(value.get("name"), str):
+        return "no tool name"
+    if not value.keys() <= _CALL_KEYS or ("arguments" in value and "parameters" in value):
+        extra = sorted(value.keys() - _CALL_KEYS) or ["both arguments and parameters"]
+        return f"not a tool call shape (unexpected {', '.join(extra)})"
+    name: str = value["name"]
+    if name not in tools:
+        return f"unknown tool {name!r}"
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):
+        # The OpenAI shape: arguments as a JSON string.
+        outcome = repair_json(arguments) if repair else _parsed(arguments)
+        if outcome is None:
+            return "arguments are a string that is not a JSON object"
+        arguments, fixes = outcome.value, fixes + outcome.fixes
+    if not isinstance(arguments, dict):
+        return f"arguments are {_json_type(arguments)}, not an object"
+    schema = tools[name]
+    errors = validate(arguments, _object_schema(schema))
+    if errors:
+        return f"input does not match the {name} schema: {'; '.join(errors[:3])}"
+    return ExtractedCall(name, arguments, fixes)
+
+
+def _parsed(text: str) -> RepairOutcome | None:
+    try:
+        return RepairOutcome(_loads(text), text, ())
+    except ValueError:
+        return None
+
+
+def _object_schema(schema: Schema | None) -> Schema:
+    # A tool input is always an object, whatever a schema without ``type`` would allow.
+    if schema is None or schema is True:
+        return {"type": "object"}
+    if schema is False or "type" in schema:
+        return schema
+    return {**schema, "type": "object"}
+
+
+def repair_arguments(
+    name: str, arguments_text: str, schema: Schema | None
+) -> dict[str, Any] | None:
+    """The input for a structured call whose ``arguments`` string did not parse, or None.
+
+    Repairs like :func:`repair_json`. Blank arguments mean ``{}``. A model that wrapped the whole
+    call (``{"name": name, "arguments": {...}}``) gets the inner input, but only when the outer
+    object itself does not fit the schema. Returns an input only if it validates.
+    """
+    target = _object_schema(schema)
+    if not arguments_text.strip():
+        return {} if not validate({}, target) else None
+    outcome = repair_json(arguments_text)
+    if outcome is None or not isinstance(outcome.value, dict):
+        return None
+    value: dict[str, Any] = outcome.value
+    if not validate(value, target):
+        return value
+    inner = value.get("arguments", value.get("parameters"))
+    if value.get("name") == name and isinstance(inner, dict) and not validate(inner, target):
+        return inner
+    return None
+
+
+# -- where a reply may be a call -------------------------------------------------------------------
+
+_CALL_STARTS = ("{", "```", "<tool_call>")
+
+
+def looks_like_call(text: str) -> bool | None:
+    """Whether a reply that begins with ``text`` may be a tool call written as text.
+
+    True when it starts (after whitespace) with ``{``, a code fence or ``<tool_call>``; False when
+    it cannot; None while ``text`` is too short to tell (``<too``). A reply that may be a call is
+    held back until it is complete, so that it can become a ``tool_use`` block instead of text.
+    """
+    head = text.lstrip()
+    if not head:
+        return None
+    if head.startswith(_CALL_STARTS):
+        return True
+    if any(marker.startswith(head) for marker in _CALL_STARTS):
+        return None
+    return False
+
+
+def needs_retry(text: str, tools: Mapping[str, Schema | None]) -> bool:
+    """True when a complete reply tried to call a tool but no valid call can be recovered.
+
+    The server then asks once more with constrained decoding over the declared tools.
+    """
+    if looks_like_call(text) is not True:
+        return False
+    found = extract_tool_calls(text, tools)
+    return not found.calls and bool(found.rejected)
