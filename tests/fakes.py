@@ -20,6 +20,8 @@ class FakeLlama:
     """Answers chat requests with ``reply`` split into ``chunk_chars`` pieces, ``delay`` apart."""
 
     reply: str = "Hello from the fake engine."
+    #: When not empty, each chat request takes the next reply from here instead of ``reply``.
+    script: list[str] = attrs.field(factory=list)
     chunk_chars: int = 4
     delay: float = 0.0
     #: Seconds before the first chunk (a stand-in for prefill).
@@ -69,12 +71,13 @@ class FakeLlama:
             )
         slot = int(body.get("id_slot", -1))
         prompt_n = sum(len(json.dumps(m)) for m in body["messages"]) // 4
+        reply = self.script.pop(0) if self.script else self.reply
         if not body.get("stream"):
-            return httpx.Response(200, json=self._final(self.reply, prompt_n))
+            return httpx.Response(200, json=self._final(reply, prompt_n))
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
-            content=self._stream(slot, prompt_n),
+            content=self._stream(slot, prompt_n, reply),
         )
 
     def _final(self, text: str, prompt_n: int) -> dict[str, Any]:
@@ -91,7 +94,7 @@ class FakeLlama:
             "timings": {"cache_n": 0, "prompt_n": prompt_n, "predicted_n": len(text) // 4},
         }
 
-    async def _stream(self, slot: int, prompt_n: int) -> AsyncIterator[bytes]:
+    async def _stream(self, slot: int, prompt_n: int, reply: str) -> AsyncIterator[bytes]:
         # A stream the client drops is never finished; httpx may not close the generator, so the
         # bookkeeping happens before the last chunk rather than in a ``finally``.
         self.started += 1
@@ -99,10 +102,7 @@ class FakeLlama:
         self.max_per_slot = max(self.max_per_slot, self.active[slot])
         if self.prefill_delay:
             await anyio.sleep(self.prefill_delay)
-        pieces = [
-            self.reply[i : i + self.chunk_chars]
-            for i in range(0, len(self.reply), self.chunk_chars)
-        ]
+        pieces = [reply[i : i + self.chunk_chars] for i in range(0, len(reply), self.chunk_chars)]
         for n, piece in enumerate(pieces):
             yield _sse(
                 {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}

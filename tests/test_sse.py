@@ -672,3 +672,81 @@ def test_any_chunk_mix_gives_a_valid_stream(chunks: list[dict[str, Any]], chars:
             assert block["text"].strip()
         if block["type"] == "tool_use":
             assert isinstance(block["input"], dict)
+
+
+WEATHER_SCHEMAS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    }
+}
+
+
+def test_call_written_as_text_becomes_tool_use() -> None:
+    """In auto mode, a reply that is a call written as JSON text is emitted as tool_use."""
+    chunks = [
+        text('{"name": "get_weather", '),
+        text('"arguments": {"city": "Paris"},}'),
+        done("stop"),
+    ]
+    message = accumulate(run(chunks, tool_schemas=WEATHER_SCHEMAS))
+    assert message["content"] == [
+        {
+            "type": "tool_use",
+            "id": message["content"][0]["id"],
+            "name": "get_weather",
+            "input": {"city": "Paris"},
+        }
+    ]
+    assert message["content"][0]["id"].startswith("toolu_")
+    assert message["stop_reason"] == "tool_use"
+
+
+def test_prose_still_streams_when_tools_are_declared() -> None:
+    """A reply that cannot be a call is streamed as it comes, not held."""
+    sse = assembler(tool_schemas=WEATHER_SCHEMAS, coalesce_chars=1)
+    sse.start()
+    events = sse.feed(text("  It is "), 0.0)
+    assert [e["type"] for e in events] == ["content_block_start", "content_block_delta"]
+    assert sse.feed(text("sunny."), 0.0)[0]["delta"]["text"] == "sunny."
+
+
+def test_unrecoverable_call_stays_text_and_a_retry_can_replace_it() -> None:
+    """A held call naming an unknown tool stays text; after begin_retry a valid call wins."""
+    bad = '{"name": "weather", "arguments": {"city": "Paris"}}'
+    assert accumulate(run([text(bad), done("stop")], tool_schemas=WEATHER_SCHEMAS))["content"] == [
+        {"type": "text", "text": bad}
+    ]
+    sse = assembler(tool_schemas=WEATHER_SCHEMAS, tool_names=("get_weather",))
+    events = sse.start() + sse.feed(text(bad), 0.0)
+    events += sse.feed(done("stop", timings={"prompt_n": 30, "cache_n": 0, "predicted_n": 12}), 0)
+    sse.begin_retry()
+    retry = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    events += sse.feed(text(retry), 0.0)
+    events += sse.feed(done("stop", timings={"prompt_n": 5, "cache_n": 25, "predicted_n": 14}), 0)
+    message = accumulate(events + sse.finish(1.0))
+    assert [b["type"] for b in message["content"]] == ["tool_use"]
+    assert message["content"][0]["input"] == {"city": "Paris"}
+    assert message["usage"]["input_tokens"] == 35
+    assert message["usage"]["cache_read_input_tokens"] == 25
+    assert message["usage"]["output_tokens"] == 26
+
+
+def test_failed_retry_falls_back_to_the_first_reply_as_text() -> None:
+    """If the constrained retry does not give a call either, the first reply comes back as text."""
+    bad = '{"name": "weather", "arguments": {}}'
+    sse = assembler(tool_schemas=WEATHER_SCHEMAS, tool_names=("get_weather",))
+    events = sse.start() + sse.feed(text(bad), 0.0) + sse.feed(done("stop"), 0.0)
+    sse.begin_retry()
+    events += sse.feed(text('{"name": "nope"'), 0.0) + sse.feed(done("length"), 0.0)
+    message = accumulate(events + sse.finish(1.0))
+    assert message["content"] == [{"type": "text", "text": bad}]
+
+
+def test_call_cut_off_by_the_token_limit_is_not_repaired() -> None:
+    """A truncated call is not completed by repair: it stays text, with stop_reason max_tokens."""
+    cut = '{"name": "get_weather", "arguments": {"city": "Par'
+    message = accumulate(run([text(cut), done("length")], tool_schemas=WEATHER_SCHEMAS))
+    assert message["content"] == [{"type": "text", "text": cut}]
+    assert message["stop_reason"] == "max_tokens"

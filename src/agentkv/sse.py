@@ -15,6 +15,7 @@ from typing import Any, Literal
 import attrs
 
 from agentkv.exceptions import AgentKVError, EngineResponseError, SSEProtocolError
+from agentkv.repair import extract_tool_calls, looks_like_call, repair_arguments
 
 __all__ = ["SSEAssembler", "accumulate", "encode_event"]
 
@@ -65,6 +66,9 @@ class SSEAssembler:
     coalesce_chars: int = attrs.field(default=16, kw_only=True)
     coalesce_seconds: float = attrs.field(default=0.05, kw_only=True)
     input_tokens_hint: int = attrs.field(default=0, kw_only=True)
+    #: Declared tools (name -> input_schema) in ``auto`` mode, when tool-call repair is on: a
+    #: reply that starts like a call written as text is held back and turned into tool_use blocks.
+    tool_schemas: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True)
 
     _state: Literal["new", "streaming", "done"] = attrs.field(default="new", init=False)
     _index: int = attrs.field(default=0, init=False)
@@ -77,6 +81,10 @@ class SSEAssembler:
     _input_tokens: int | None = attrs.field(default=None, init=False)
     _cache_read: int = attrs.field(default=0, init=False)
     _output_tokens: int = attrs.field(default=0, init=False)
+    _hold: Literal["undecided", "hold", "stream"] = attrs.field(default="undecided", init=False)
+    _held: str = attrs.field(default="", init=False)
+    _fallback: str | None = attrs.field(default=None, init=False)
+    _usage_before_retry: tuple[int, int, int] = attrs.field(default=(0, 0, 0), init=False)
 
     def start(self) -> list[dict[str, Any]]:
         """``[message_start]``; send it as early as possible (it keeps clients from timing out)."""
@@ -122,6 +130,8 @@ class SSEAssembler:
             if content:
                 if self.forced_tool is not None:
                     self._forced_text += content
+                elif self.tool_schemas and self._hold != "stream":
+                    self._gate(content, now, out)
                 else:
                     self._append("text", content, now, out)
             for call in delta.get("tool_calls") or ():
@@ -154,6 +164,8 @@ class SSEAssembler:
         self._close(out)
         if self.forced_tool is not None:
             self._emit_forced(out)
+        elif self._held:
+            self._emit_held(out)
         self._state = "done"
         out.append(
             {
@@ -164,6 +176,23 @@ class SSEAssembler:
         )
         out.append({"type": "message_stop"})
         return out
+
+    def begin_retry(self) -> None:
+        """The held reply was a tool call that could not be recovered; a second engine reply,
+        constrained to ``{"name", "arguments"}`` over the declared tools, follows. If that one
+        does not parse either, the first reply is given as plain text."""
+        if self._state != "streaming" or self._hold != "hold":
+            raise SSEProtocolError("begin_retry() needs a held reply")
+        usage = self.usage
+        self._usage_before_retry = (
+            usage["input_tokens"],
+            usage["cache_read_input_tokens"],
+            usage["output_tokens"],
+        )
+        self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
+        self._fallback, self._held = self._held, ""
+        self._finish_reason = None
+        self.forced_tool = "*"
 
     def ping(self) -> dict[str, Any]:
         """A keep-alive event; valid anywhere in the stream."""
@@ -176,13 +205,16 @@ class SSEAssembler:
     @property
     def usage(self) -> dict[str, int]:
         """Token counts so far: uncached prompt, cache reads and generated tokens."""
+        uncached, cached, output = self._usage_before_retry
+        if self._input_tokens is not None:
+            uncached += self._input_tokens
+        elif not uncached:
+            uncached = self.input_tokens_hint
         return {
-            "input_tokens": self.input_tokens_hint
-            if self._input_tokens is None
-            else self._input_tokens,
+            "input_tokens": uncached,
             "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": self._cache_read,
-            "output_tokens": self._output_tokens,
+            "cache_read_input_tokens": cached + self._cache_read,
+            "output_tokens": output + self._output_tokens,
         }
 
     # -- engine chunk parts ------------------------------------------------------------------
@@ -228,6 +260,34 @@ class SSEAssembler:
             or now - current.pending_since >= self.coalesce_seconds
         ):
             self._emit_pending(current, out)
+
+    def _gate(self, content: str, now: float, out: list[dict[str, Any]]) -> None:
+        """Auto mode with tools: hold a reply that starts like a call, stream anything else."""
+        self._held += content
+        if self._hold == "undecided":
+            verdict = looks_like_call(self._held)
+            if verdict is None:
+                return
+            if verdict:
+                self._hold = "hold"
+                return
+            self._hold = "stream"
+            text, self._held = self._held, ""
+            self._append("text", text, now, out)
+
+    def _emit_held(self, out: list[dict[str, Any]]) -> None:
+        assert self.tool_schemas is not None
+        # A reply cut off by the token limit is not repaired: a "fixed" half Write would write
+        # half a file.
+        found = extract_tool_calls(
+            self._held, self.tool_schemas, repair=self._finish_reason != "length"
+        )
+        if not found.calls:
+            self._emit_text(self._held, out)
+            return
+        self._emit_text(found.text, out)
+        for call in found.calls:
+            self._emit_tool("", call.name, json.dumps(call.input, ensure_ascii=False), out)
 
     def _tool_delta(self, call: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
         key = int(call.get("index", 0))
@@ -281,6 +341,8 @@ class SSEAssembler:
         self, engine_id: str, name: str, arguments: str, out: list[dict[str, Any]]
     ) -> None:
         tool_input = _json_object(arguments) if name else None
+        if tool_input is None and self.tool_schemas and name in self.tool_schemas:
+            tool_input = repair_arguments(name, arguments, self.tool_schemas[name])
         if tool_input is None:
             # Never a tool_use whose input the client cannot parse: show the model's text instead.
             self._emit_text(arguments, out)
@@ -312,7 +374,7 @@ class SSEAssembler:
         arguments = call.get("arguments") if call is not None else None
         known = isinstance(name, str) and (not self.tool_names or name in self.tool_names)
         if call is None or not known or not isinstance(arguments, dict):
-            self._emit_text(text, out)
+            self._emit_text(text if self._fallback is None else self._fallback, out)
             return
         self._emit_tool("", str(name), json.dumps(arguments, ensure_ascii=False), out)
 

@@ -148,6 +148,25 @@ class MessagesTranslator:
         """``parse`` then ``to_engine``."""
         return self.to_engine(self.parse(body))
 
+    def force_any_tool(self, request: EngineRequest, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``body`` (an auto-mode engine body for ``request``) constrained to call one tool.
+
+        Used for the one retry after a reply that tried to call a tool but wrote it wrongly: the
+        same conversation, with the JSON schema ``{"name", "arguments"}`` over the declared tools.
+        """
+        tools = [tool for tool in request.request.tools or () if tool.input_schema is not None]
+        forced = {
+            key: value
+            for key, value in body.items()
+            if key not in ("tools", "tool_choice", "parallel_tool_calls")
+        }
+        messages = [dict(message) for message in body["messages"]]
+        schema = {"oneOf": [_named_call_schema(tool) for tool in tools]}
+        forced["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+        _append_user_note(messages, _forced_note(tools, single=False))
+        forced["messages"] = messages
+        return forced
+
 
 def _system_messages(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
     if system is None:

@@ -13,7 +13,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import attrs
@@ -35,6 +35,7 @@ from agentkv import (
     SSEAssembler,
     Ticket,
 )
+from agentkv.repair import needs_retry
 from agentkv.sse import accumulate, encode_event
 from agentkv.translate import EngineRequest
 from agentkv_server.compactor import Compactor
@@ -47,6 +48,11 @@ __all__ = ["AgentKV", "create_app", "error_response"]
 log = logging.getLogger("agentkv.server")
 
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+#: Sent by the engine task between a failed tool-call reply and its constrained retry.
+_RETRY: Final = "retry"
+_Item = dict[str, Any] | AgentKVError | str
 
 
 class RequestTooLargeError(AgentKVError):
@@ -93,9 +99,7 @@ class _Exchange:
         """
         app, asm = self.app, self.assembler
         await emit(asm.start())
-        send, receive = anyio.create_memory_object_stream[dict[str, Any] | AgentKVError](
-            max_buffer_size=256
-        )
+        send, receive = anyio.create_memory_object_stream[_Item](max_buffer_size=256)
         failure: AgentKVError | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._engine, send)
@@ -116,7 +120,7 @@ class _Exchange:
 
     async def _relay(
         self,
-        receive: anyio.abc.ObjectReceiveStream[dict[str, Any] | AgentKVError],
+        receive: anyio.abc.ObjectReceiveStream[_Item],
         emit: Callable[[list[dict[str, Any]]], Awaitable[None]],
         idle: Callable[[], Awaitable[None]],
     ) -> None:
@@ -132,6 +136,9 @@ class _Exchange:
                     return
                 if isinstance(item, AgentKVError):
                     raise item
+                if isinstance(item, str):  # _RETRY, the only string sent
+                    asm.begin_retry()
+                    continue
                 now = app.clock()
                 events = asm.feed(item, now)
                 if events:
@@ -149,9 +156,23 @@ class _Exchange:
                 await idle()
                 last_sent = now
 
-    async def _engine(
-        self, send: anyio.abc.ObjectSendStream[dict[str, Any] | AgentKVError]
-    ) -> None:
+    async def _stream(
+        self, send: anyio.abc.ObjectSendStream[_Item], body: dict[str, Any], slot: int
+    ) -> tuple[str, str | None]:
+        """Relay one engine stream; return its text content and finish reason."""
+        text: list[str] = []
+        finish: str | None = None
+        async with self.app.client.stream(body, slot=slot) as chunks:
+            async for chunk in chunks:
+                for choice in chunk.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    if isinstance(delta.get("content"), str):
+                        text.append(delta["content"])
+                    finish = choice.get("finish_reason") or finish
+                await send.send(chunk)
+        return "".join(text), finish
+
+    async def _engine(self, send: anyio.abc.ObjectSendStream[_Item]) -> None:
         app = self.app
         async with send:
             try:
@@ -163,9 +184,15 @@ class _Exchange:
                     self.record.status = "running"
                     body = dict(self.engine_request.body)
                     body["stream"] = True
-                    async with app.client.stream(body, slot=lease.slot) as chunks:
-                        async for chunk in chunks:
-                            await send.send(chunk)
+                    text, finish = await self._stream(send, body, lease.slot)
+                    schemas = self.assembler.tool_schemas
+                    if schemas and finish != "length" and needs_retry(text, schemas):
+                        # The reply tried to call a tool and got it wrong: ask once more, with
+                        # decoding constrained to a valid call of a declared tool.
+                        self.record.retried = True
+                        await send.send(_RETRY)
+                        forced = app.translator.force_any_tool(self.engine_request, body)
+                        await self._stream(send, forced, lease.slot)
             except AgentKVError as exc:
                 log.warning("request of agent %s failed: %s", self.agent, exc.message)
                 await send.send(exc)
@@ -323,6 +350,7 @@ class AgentKV:
             coalesce_chars=self.config.coalesce_chars,
             coalesce_seconds=self.config.coalesce_seconds,
             input_tokens_hint=prompt_tokens or 0,
+            tool_schemas=self._repairable_tools(engine_request),
         )
         exchange = _Exchange(
             app=self,
@@ -342,6 +370,13 @@ class AgentKV:
             engine_request.stream,
         )
         return _ExchangeResponse(exchange, stream=engine_request.stream)
+
+    def _repairable_tools(self, engine_request: EngineRequest) -> dict[str, Any] | None:
+        """Declared tools for tool-call repair: auto mode only (forced calls are constrained)."""
+        if not self.config.tool_repair or "tools" not in engine_request.body:
+            return None
+        tools = engine_request.request.tools or ()
+        return {tool.name: tool.input_schema for tool in tools if tool.input_schema is not None}
 
     async def _fit(
         self, agent: str, priority: int, engine_request: EngineRequest

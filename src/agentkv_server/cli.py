@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds after which the watchdog reclaims a lease (default 900)",
     )
 
+    server.add_argument(
+        "--no-tool-repair",
+        action="store_true",
+        help="pass the model's text through as it is, even when it holds a tool call",
+    )
     context = parser.add_argument_group("long contexts")
     context.add_argument(
         "--no-compaction",
@@ -233,6 +238,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 ctx_per_slot=ctx_per_slot,
                 model_name=args.model_name,
                 compaction=not args.no_compaction,
+                tool_repair=not args.no_tool_repair,
                 compact_at=args.compact_at,
                 compact_keep_messages=args.compact_keep,
             )

@@ -43,6 +43,9 @@ class ServerConfig:
     check_prompt_length: bool = True
     #: Tokens kept free for the reply when deciding whether a prompt fits (or max_tokens, if less).
     output_reserve: int = 256
+    #: Turn tool calls that the model wrote as text into tool_use blocks (auto mode), repairing
+    #: clear syntax slips, and retry once with constrained decoding when that fails.
+    tool_repair: bool = True
     #: Summarise an agent's oldest turns when its prompt passes ``compact_at`` tokens.
     compaction: bool = True
     #: The high-water mark in tokens; None = three quarters of ``ctx_per_slot``.

@@ -47,6 +47,8 @@ class RequestRecord:
     cached_tokens: int = 0
     output_tokens: int = 0
     ttft_s: float | None = None
+    #: The reply tried a tool call that could not be recovered, and was asked for again.
+    retried: bool = False
     status: str = "queued"
 
 

@@ -403,3 +403,57 @@ async def test_background_work_waits_for_every_foreground_request() -> None:
     assert order[0] == "busy" and order[-1] == "compaction"
     assert sorted(order[1:3]) == ["late-p1", "late-p2"]
     assert gateway.slots.free == 1
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather for a city.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
+}
+
+
+async def test_tool_call_written_as_text_is_returned_as_tool_use(serve: Any) -> None:
+    """The model's JSON-as-text call (with a trailing comma) arrives as a valid tool_use."""
+    fake = FakeLlama(
+        script=['```json\n{"name": "get_weather", "arguments": {"city": "Oslo",}}\n```']
+    )
+    http = serve(fake)
+    r = await http.post("/v1/messages", json={**BODY, "tools": [WEATHER]})
+    msg = r.json()
+    assert msg["stop_reason"] == "tool_use"
+    assert [(b["type"], b.get("input")) for b in msg["content"]] == [("tool_use", {"city": "Oslo"})]
+    assert len(fake.requests) == 1
+
+
+async def test_broken_tool_call_is_retried_once_with_constrained_decoding(serve: Any) -> None:
+    """An unrecoverable call is asked for again, constrained to a declared tool, exactly once."""
+    fake = FakeLlama(
+        script=[
+            '{"name": "weather", "arguments": {"city": "Oslo"}}',
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+        ]
+    )
+    http = serve(fake)
+    r = await http.post("/v1/messages", json={**BODY, "stream": True, "tools": [WEATHER]})
+    events = [e for e in sse_events(r.text) if e["type"] != "ping"]
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["tool_use"]
+    assert len(fake.requests) == 2
+    first, second = fake.requests
+    assert "tools" in first and "response_format" not in first
+    assert "tools" not in second
+    assert second["response_format"]["type"] == "json_schema"
+    assert table(http)["recent"][-1]["retried"] is True
+
+
+async def test_tool_repair_can_be_switched_off(serve: Any) -> None:
+    """With tool repair off, the model's text passes through untouched."""
+    reply = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    fake = FakeLlama(script=[reply])
+    http = serve(fake, tool_repair=False)
+    r = await http.post("/v1/messages", json={**BODY, "tools": [WEATHER]})
+    assert r.json()["content"] == [{"type": "text", "text": reply}]
