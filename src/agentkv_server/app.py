@@ -106,7 +106,10 @@ class _Exchange:
             try:
                 async with receive:
                     await self._relay(receive, emit, idle)
-                await emit(asm.finish(app.clock()))
+                now = app.clock()
+                if self.record.ttft_s is None:  # a held tool call arrives only at the end
+                    self.record.ttft_s = round(now - self.started, 4)
+                await emit(asm.finish(now))
             except AgentKVError as exc:
                 # From the engine task, or from the assembler refusing what the engine sent.
                 failure = exc
@@ -216,8 +219,11 @@ class _ExchangeResponse(Response):
             async def watch() -> None:
                 while (await receive())["type"] != "http.disconnect":
                     pass
-                log.info("client of agent %s disconnected", self.exchange.agent)
-                self.exchange.record.status = "disconnected"
+                record = self.exchange.record
+                # A server also reports the disconnect that follows a complete response.
+                if record.status in ("queued", "running"):
+                    log.info("client of agent %s disconnected", self.exchange.agent)
+                    record.status = "disconnected"
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch)

@@ -273,3 +273,33 @@ def test_disconnect_mid_stream_frees_the_slot(live: Live) -> None:
         model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Still there?"}]
     )
     assert msg.content[0].text.strip()
+
+
+def test_auto_mode_tool_call_written_as_text_arrives_as_tool_use(live: Live) -> None:
+    """With tools in auto mode the small model writes its call as JSON text; agentkv returns a
+    tool_use block with schema-valid input instead."""
+    msg = sdk(live).messages.create(
+        model=MODEL,
+        max_tokens=64,
+        extra_body={"temperature": 0},
+        tools=[WEATHER_TOOL],
+        messages=[{"role": "user", "content": "Check the weather in Tokyo."}],
+    )
+    assert msg.stop_reason == "tool_use"
+    calls = [b for b in msg.content if b.type == "tool_use"]
+    assert [c.name for c in calls] == ["get_weather"]
+    assert isinstance(calls[0].input, dict) and isinstance(calls[0].input.get("city"), str)
+
+
+def test_tiny_capability_probe_is_answered_by_the_engine(live: Live) -> None:
+    """A max_tokens=1 probe gets one real generated token, quickly, and is recorded as ok."""
+    started = time.monotonic()
+    msg = sdk(live, **{"X-Agent-Id": "prober"}).messages.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "quota"}]
+    )
+    assert time.monotonic() - started < 30
+    assert msg.stop_reason == "max_tokens"
+    assert msg.usage.output_tokens == 1
+    recent = [r for r in live.state.gateway.table()["recent"] if r["agent"] == "prober"]
+    assert [r["status"] for r in recent] == ["ok"]
+    assert recent[0]["output_tokens"] == 1
