@@ -1,0 +1,254 @@
+"""The multi-agent benchmark workload: pure, seeded, and identical for every configuration.
+
+Several agents share one system prompt and tool list (request shapes like Claude Code's: system
+text blocks, tools with ``input_schema``). Each agent's conversation is scripted in advance: turn
+``t`` holds the task plus ``t`` finished rounds of an assistant tool call and a tool result, so
+every configuration under test sees byte-identical requests, whatever the model answers.
+
+Also here: the unavoidable prefill of a request sequence (:func:`minimum_prefill`), the yardstick
+the measured prefill is compared against.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "Agent",
+    "Workload",
+    "WorkloadSpec",
+    "build_workload",
+    "minimum_prefill",
+    "shared_prefix_len",
+]
+
+# Code-ish words: tokenizers split them roughly like real source and prose about source.
+_WORD_TEXT = (
+    "agent buffer cache client config context decode engine error event file fingerprint "
+    "gateway handler index json kernel lease limit loader message model module parse path "
+    "prefill prompt queue reader record request response retry scheduler server session "
+    "slot stream table task ticket token tool translate value worker async await return "
+    "import class def self none true false list dict str int float bytes yield raise with "
+    "for while if else try except finally lambda test assert fixture mock patch result"
+)
+_WORDS = tuple(_WORD_TEXT.split())
+
+_TOOL_NAMES = ("Read", "Grep", "Edit", "Bash", "Glob", "Write", "TodoWrite", "WebFetch")
+
+
+@attrs.frozen
+class WorkloadSpec:
+    """How big the workload is. Sizes are in words; roughly 1.3 tokens each for the default model.
+
+    ``agents`` run on ``slots`` engine slots, ``turns`` requests each, closed loop. Agent 0 is the
+    P0 coordinator; the others alternate between P1 and P2.
+    """
+
+    agents: int = 6
+    slots: int = 2
+    turns: int = 4
+    system_words: int = 400
+    tool_words: int = 30
+    tools: int = 6
+    task_words: int = 50
+    result_words: int = 100
+    reply_words: int = 20
+    max_tokens: int = 24
+    seed: int = 1
+
+    @classmethod
+    def quick(cls, seed: int = 1) -> WorkloadSpec:
+        """A small version for CI: still more agents than slots, a few seconds per config."""
+        return cls(
+            agents=3,
+            slots=2,
+            turns=2,
+            system_words=160,
+            tool_words=16,
+            tools=3,
+            task_words=24,
+            result_words=60,
+            reply_words=10,
+            max_tokens=12,
+            seed=seed,
+        )
+
+
+@attrs.frozen
+class Agent:
+    """One simulated agent: its id (sent as ``X-Agent-Id``), priority and scripted requests."""
+
+    name: str
+    priority: int
+    requests: tuple[dict[str, Any], ...]
+
+
+@attrs.frozen
+class Workload:
+    """The agents and their requests; ``canonical_order()`` lists requests turn by turn."""
+
+    spec: WorkloadSpec
+    agents: tuple[Agent, ...]
+
+    def canonical_order(self) -> list[tuple[str, int, dict[str, Any]]]:
+        """Every request as ``(agent, turn, body)``: all agents' turn 0, then turn 1, …"""
+        return [
+            (agent.name, turn, agent.requests[turn])
+            for turn in range(self.spec.turns)
+            for agent in self.agents
+        ]
+
+    @property
+    def n_requests(self) -> int:
+        return self.spec.turns * len(self.agents)
+
+
+def _text(rng: random.Random, words: int) -> str:
+    out: list[str] = []
+    for i in range(words):
+        word = rng.choice(_WORDS)
+        out.append(word + ("." if i % 12 == 11 else ""))
+    return " ".join(out)
+
+
+def _code(rng: random.Random, words: int) -> str:
+    """Tool output that looks like source: short lines with line numbers."""
+    lines: list[str] = []
+    left = words
+    n = rng.randrange(1, 400)
+    while left > 0:
+        take = min(left, rng.randrange(3, 9))
+        lines.append(f"{n:>5}\t" + " ".join(rng.choice(_WORDS) for _ in range(take)))
+        left -= take
+        n += 1
+    return "\n".join(lines)
+
+
+def _tools(rng: random.Random, spec: WorkloadSpec) -> list[dict[str, Any]]:
+    tools = []
+    for i in range(spec.tools):
+        name = _TOOL_NAMES[i % len(_TOOL_NAMES)] + ("" if i < len(_TOOL_NAMES) else str(i))
+        tools.append(
+            {
+                "name": name,
+                "description": _text(rng, spec.tool_words),
+                "input_schema": {
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string", "description": _text(rng, 6)},
+                        "pattern": {"type": "string", "description": _text(rng, 6)},
+                        "limit": {"type": "integer", "description": _text(rng, 4)},
+                    },
+                    "required": ["path"],
+                    "additionalProperties": False,
+                },
+            }
+        )
+    return tools
+
+
+def _agent_requests(
+    rng: random.Random,
+    spec: WorkloadSpec,
+    index: int,
+    system: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+) -> tuple[dict[str, Any], ...]:
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": f"Task {index}: " + _text(rng, spec.task_words)}
+    ]
+    requests = []
+    for turn in range(spec.turns):
+        requests.append(
+            {
+                "model": "bench",
+                "max_tokens": spec.max_tokens,
+                "stream": True,
+                "temperature": 0.0,
+                "system": system,
+                "tools": tools,
+                "messages": [dict(m) for m in messages],
+            }
+        )
+        call_id = f"toolu_{index:02d}{turn:02d}{rng.randrange(16**8):08x}"
+        tool = tools[rng.randrange(len(tools))]["name"]
+        messages.append(
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": _text(rng, spec.reply_words)},
+                    {
+                        "type": "tool_use",
+                        "id": call_id,
+                        "name": tool,
+                        "input": {"path": f"src/{rng.choice(_WORDS)}/{rng.choice(_WORDS)}.py"},
+                    },
+                ],
+            }
+        )
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": call_id,
+                        "content": _code(rng, spec.result_words),
+                    },
+                    {"type": "text", "text": "Answer in one short sentence."},
+                ],
+            }
+        )
+    return tuple(requests)
+
+
+def build_workload(spec: WorkloadSpec) -> Workload:
+    """The workload for ``spec``; the same spec (seed included) always gives the same requests."""
+    rng = random.Random(spec.seed)
+    system: list[dict[str, Any]] = [
+        {"type": "text", "text": "You are a coding agent working in a shared repository."},
+        {
+            "type": "text",
+            "text": _text(rng, spec.system_words),
+            "cache_control": {"type": "ephemeral"},
+        },
+    ]
+    tools = _tools(rng, spec)
+    agents = []
+    for index in range(spec.agents):
+        # Each agent draws from its own stream, so adding agents does not change the others.
+        agent_rng = random.Random(f"{spec.seed}:{index}")
+        priority = 0 if index == 0 else 1 + (index - 1) % 2
+        name = "coordinator" if index == 0 else f"worker-{index}"
+        agents.append(
+            Agent(
+                name=name,
+                priority=priority,
+                requests=_agent_requests(agent_rng, spec, index, system, tools),
+            )
+        )
+    return Workload(spec=spec, agents=tuple(agents))
+
+
+def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def minimum_prefill(sequences: Sequence[Sequence[int]]) -> int:
+    """The prefill no cache can avoid: each sequence minus its longest prefix shared with any
+    earlier one (the shared system prompt counts once, each agent's own tokens once)."""
+    total = 0
+    for i, tokens in enumerate(sequences):
+        shared = max((shared_prefix_len(tokens, earlier) for earlier in sequences[:i]), default=0)
+        total += len(tokens) - shared
+    return total
