@@ -17,6 +17,7 @@ PURE_MODULES = (
     "agentkv.scheduler",
     "agentkv.repair",
     "agentkv.compaction",
+    "agentkv.parking",
 )
 IO_LIBRARIES = ("httpx", "starlette", "anyio", "uvicorn", "tenacity")
 

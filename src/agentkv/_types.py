@@ -78,6 +78,10 @@ class Lease:
     agent: str
     acquired_at: float
     fingerprint: Fingerprint | None = None
+    #: What the slot held before this lease (and whose it was), when that differs from the
+    #: request: the context a miss is about to overwrite, which a caller may want to park.
+    evicted: Fingerprint | None = None
+    evicted_agent: str | None = None
 
 
 @attrs.frozen

@@ -135,6 +135,8 @@ class SlotManager:
         if chosen is None:
             return None
         index, match = chosen
+        slot = self._slots[index]
+        overwritten = match.kind is MatchKind.MISS and slot.fingerprint is not None
         lease = Lease(
             id=self._next_lease,
             slot=index,
@@ -142,9 +144,10 @@ class SlotManager:
             agent=agent,
             acquired_at=now,
             fingerprint=fingerprint,
+            evicted=slot.fingerprint if overwritten else None,
+            evicted_agent=slot.agent if overwritten else None,
         )
         self._next_lease += 1
-        slot = self._slots[index]
         slot.refcount += 1
         slot.last_used = now
         slot.agent = agent

@@ -26,8 +26,10 @@ from starlette.types import Receive, Scope, Send
 
 from agentkv import (
     AgentKVError,
+    EngineError,
     Fingerprint,
     InvalidRequestError,
+    Lease,
     LlamaSlotClient,
     MessagesTranslator,
     PrefixFingerprinter,
@@ -35,6 +37,7 @@ from agentkv import (
     SSEAssembler,
     Ticket,
 )
+from agentkv.parking import ParkingLot
 from agentkv.repair import needs_retry
 from agentkv.sse import accumulate, encode_event
 from agentkv.translate import EngineRequest
@@ -185,6 +188,7 @@ class _Exchange:
                     self.record.match = lease.match.kind.value
                     self.record.queued_s = round(app.clock() - self.started, 4)
                     self.record.status = "running"
+                    await app.prepare_slot(lease, self.ticket.fingerprint, self.record)
                     body = dict(self.engine_request.body)
                     body["stream"] = True
                     text, finish = await self._stream(send, body, lease.slot)
@@ -295,7 +299,34 @@ class AgentKV:
     compactor: Compactor
     fingerprinter: PrefixFingerprinter
     translator: MessagesTranslator = attrs.field(factory=MessagesTranslator)
+    parking: ParkingLot = attrs.field(factory=ParkingLot)
     clock: Callable[[], float] = time.monotonic
+    _parking_off: bool = False
+
+    async def prepare_slot(
+        self, lease: Lease, fingerprint: Fingerprint | None, record: RequestRecord
+    ) -> None:
+        """Before a request runs on its slot: park the context a miss overwrites, and restore the
+        agent's own parked context when it is a longer prefix than what the slot holds."""
+        if not self.config.park_contexts or self._parking_off:
+            return
+        lot = self.parking
+        try:
+            if lease.evicted_agent is not None and lot.should_park(
+                lease.evicted_agent, lease.evicted
+            ):
+                assert lease.evicted is not None
+                await self.client.save_slot(lease.slot, lot.filename(lease.evicted_agent))
+                lot.park(lease.evicted_agent, lease.evicted, self.clock())
+            parked = lot.best(lease.agent, fingerprint, lease.match.shared_size)
+            if parked is not None:
+                await self.client.restore_slot(lease.slot, parked.filename)
+                record.match = "restored"
+        except EngineError as exc:
+            # Most likely llama-server runs without --slot-save-path. Requests still work; they
+            # just prefill what a parked context would have saved.
+            log.warning("parking agent contexts is off: %s", exc.message)
+            self._parking_off = True
 
     # -- helpers ---------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -460,7 +491,10 @@ class AgentKV:
 
     async def slots(self, request: Request) -> Response:
         self.check_auth(request)
-        return JSONResponse({**self.gateway.table(), "compactions": self.compactor.store.table()})
+        table = self.gateway.table()
+        table["compactions"] = self.compactor.store.table()
+        table["parked"] = [] if self._parking_off else self.parking.table()
+        return JSONResponse(table)
 
 
 def _lower(headers: Mapping[str, str]) -> dict[str, str]:

@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds after which the watchdog reclaims a lease (default 900)",
     )
 
+    sched.add_argument(
+        "--no-parking",
+        action="store_true",
+        help="do not save an evicted agent's slot to disk for its return (parking needs "
+        "llama-server's --slot-save-path; agentkv sets it when it launches llama-server)",
+    )
     server.add_argument(
         "--no-tool-repair",
         action="store_true",
@@ -181,7 +187,7 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[str, int | No
         yield args.upstream.rstrip("/"), None
         return
     from agentkv.engine import EngineConfig, LlamaServerProcess, find_llama_server
-    from agentkv.model import default_model_path
+    from agentkv.model import default_cache_dir, default_model_path
 
     binary = find_llama_server(args.llama_server)
     model = args.model if args.model is not None else default_model_path()
@@ -192,7 +198,8 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[str, int | No
         gpu_layers=args.gpu_layers,
         port=args.engine_port,
         threads=args.threads,
-        slot_save_dir=args.slot_save_dir,
+        # Parking evicted contexts saves slots here (llama-server needs an existing directory).
+        slot_save_dir=args.slot_save_dir or default_cache_dir() / "slots",
     )
 
     def progress(message: str) -> None:
@@ -239,6 +246,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 model_name=args.model_name,
                 compaction=not args.no_compaction,
                 tool_repair=not args.no_tool_repair,
+                park_contexts=not args.no_parking,
                 compact_at=args.compact_at,
                 compact_keep_messages=args.compact_keep,
             )

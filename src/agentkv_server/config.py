@@ -43,6 +43,9 @@ class ServerConfig:
     check_prompt_length: bool = True
     #: Tokens kept free for the reply when deciding whether a prompt fits (or max_tokens, if less).
     output_reserve: int = 256
+    #: Save the context a miss is about to overwrite (llama-server slot save, needs
+    #: --slot-save-path) and restore it when its agent comes back: more agents than slots.
+    park_contexts: bool = True
     #: Turn tool calls that the model wrote as text into tool_use blocks (auto mode), repairing
     #: clear syntax slips, and retry once with constrained decoding when that fails.
     tool_repair: bool = True

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import anyio.from_thread
+import httpx
 import pytest
 import uvicorn
 
@@ -26,6 +27,10 @@ class Live(NamedTuple):
     engine_url: str
     state: AgentKV
     portal: anyio.from_thread.BlockingPortal
+
+    def engine_table(self) -> dict[str, Any]:
+        """agentkv's own slot table, as GET /agentkv/slots shows it."""
+        return httpx.get(f"{self.url}/agentkv/slots", timeout=30).json()  # type: ignore[no-any-return]
 
     def engine_slots(self) -> list[dict[str, Any]]:
         async def get() -> list[dict[str, Any]]:

@@ -303,3 +303,33 @@ def test_tiny_capability_probe_is_answered_by_the_engine(live: Live) -> None:
     recent = [r for r in live.state.gateway.table()["recent"] if r["agent"] == "prober"]
     assert [r["status"] for r in recent] == ["ok"]
     assert recent[0]["output_tokens"] == 1
+
+
+def test_more_agents_than_slots_get_their_parked_context_back(live: Live) -> None:
+    """Three agents take turns on two slots; the one whose slot was taken gets its context
+    restored from a parked slot file instead of prefilling its history again."""
+    notes = {
+        name: "\n".join(f"{name} note {i}: the value of k{i} is {i * 7}." for i in range(40))
+        for name in ("park-a", "park-b", "park-c")
+    }
+
+    def turn(name: str, n: int) -> anthropic.types.Message:
+        messages: list[dict[str, Any]] = [{"role": "user", "content": notes[name]}]
+        for i in range(n):
+            messages += [
+                {"role": "assistant", "content": "Noted."},
+                {"role": "user", "content": f"Question {i}: what is k{i}?"},
+            ]
+        return sdk(live, **{"X-Agent-Id": name}).messages.create(
+            model=MODEL, max_tokens=4, system="Answer briefly.", messages=messages
+        )
+
+    for name in ("park-a", "park-b", "park-c"):  # c's miss evicts a's slot: a is parked
+        turn(name, 0)
+    again = turn("park-a", 1)
+    records = [r for r in live.state.gateway.table()["recent"] if r["agent"] == "park-a"]
+    assert records[-1]["match"] == "restored"
+    cached = again.usage.cache_read_input_tokens or 0
+    assert cached >= 0.9 * (again.usage.input_tokens + cached)
+    parked = {row["agent"] for row in live.engine_table()["parked"]}
+    assert {"park-a", "park-b"} <= parked
