@@ -179,7 +179,10 @@ async def _agentkv(
     binary: Path, model: Path, slots: int, ctx: int, log_dir: Path
 ) -> AsyncIterator[tuple[str, str]]:
     """agentkv's own launch of llama-server plus its gateway; yields (gateway URL, engine URL)."""
-    config = EngineConfig(model=model, slots=slots, ctx_per_slot=ctx, port=0)
+    # As agentkv-server launches it: with a slot-save directory, so evicted contexts are parked.
+    config = EngineConfig(
+        model=model, slots=slots, ctx_per_slot=ctx, port=0, slot_save_dir=log_dir / "slots"
+    )
     async with LlamaServerProcess(config, binary=binary, log_dir=log_dir) as engine:
         client = LlamaSlotClient(engine.base_url)
         try:
