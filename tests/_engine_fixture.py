@@ -2,7 +2,7 @@
 
 Import the fixtures into a conftest
 (``from tests._engine_fixture import anyio_backend, engine``); the
-``engine`` fixture is session-scoped, so the server starts once per test run. When no
+``engine`` fixture is module-scoped, so the server starts once per test module. When no
 llama-server or no default model is installed the fixture skips, except under ``CI`` where it
 fails, so a broken engine install cannot pass CI silently.
 """
@@ -32,9 +32,10 @@ class Engine(NamedTuple):
     base_url: str
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def anyio_backend() -> str:
-    """One asyncio loop for the session: the session-scoped server and client live in it."""
+    """One asyncio loop per module: the module-scoped server and client live in it, and it is closed
+    afterwards, so later tests can start event loops of their own."""
     return "asyncio"
 
 
@@ -47,7 +48,7 @@ def locate_engine() -> tuple[Path, Path]:
         pytest.skip(f"no engine: {exc}")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 async def engine(
     anyio_backend: str, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Engine]:
