@@ -219,16 +219,24 @@ def test_urgent_request_is_served_before_earlier_background_requests(live: Live)
         )
         done[name] = None
 
-    busy = [threading.Thread(target=call, args=(f"busy-{i}", 1, 48)) for i in range(2)]
+    def wait_for(condition: Any, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not condition(live.state.gateway.table()):
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    # Two long generations occupy both slots for many seconds.
+    busy = [threading.Thread(target=call, args=(f"busy-{i}", 1, 300)) for i in range(2)]
     for t in busy:
         t.start()
-    time.sleep(1.0)
+    wait_for(lambda t: all(s["refcount"] == 1 for s in t["slots"]), "both slots busy")
     waiting = [threading.Thread(target=call, args=(f"bg-{i}", 2, 4)) for i in range(3)]
-    for t in waiting:
+    for i, t in enumerate(waiting):
         t.start()
-        time.sleep(0.2)
+        wait_for(lambda t, n=i + 1: len(t["queue"]) == n, "background request queued")
     urgent = threading.Thread(target=call, args=("coordinator", 0, 4))
     urgent.start()
+    wait_for(lambda t: len(t["queue"]) == 4, "urgent request queued")
     for t in [*busy, *waiting, urgent]:
         t.join(timeout=600)
     assert len(done) == 6
