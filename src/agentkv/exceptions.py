@@ -10,13 +10,16 @@ from typing import Any, ClassVar
 
 __all__ = [
     "AgentKVError",
+    "AuthenticationError",
     "EngineError",
     "EngineResponseError",
     "EngineTimeoutError",
     "EngineUnavailableError",
     "InvalidRequestError",
+    "NotFoundError",
     "PromptTooLongError",
     "QueueFullError",
+    "RequestTooLargeError",
     "SSEProtocolError",
 ]
 
@@ -54,6 +57,27 @@ class PromptTooLongError(InvalidRequestError):
         super().__init__(f"prompt is too long: {tokens} tokens > {maximum} maximum")
         self.tokens = tokens
         self.maximum = maximum
+
+
+class AuthenticationError(AgentKVError):
+    """The request lacks the API key the server was configured with, or carries a wrong one."""
+
+    status = 401
+    error_type = "authentication_error"
+
+
+class NotFoundError(AgentKVError):
+    """No such route."""
+
+    status = 404
+    error_type = "not_found_error"
+
+
+class RequestTooLargeError(AgentKVError):
+    """The request body is over the server's size limit."""
+
+    status = 413
+    error_type = "request_too_large"
 
 
 class QueueFullError(AgentKVError):

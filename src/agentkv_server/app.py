@@ -37,6 +37,7 @@ from agentkv import (
     SSEAssembler,
     Ticket,
 )
+from agentkv.exceptions import AuthenticationError, NotFoundError, RequestTooLargeError
 from agentkv.parking import ParkingLot
 from agentkv.repair import needs_retry
 from agentkv.sse import accumulate, encode_event
@@ -56,21 +57,6 @@ _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 #: Sent by the engine task between a failed tool-call reply and its constrained retry.
 _RETRY: Final = "retry"
 _Item = dict[str, Any] | AgentKVError | str
-
-
-class RequestTooLargeError(AgentKVError):
-    status = 413
-    error_type = "request_too_large"
-
-
-class AuthenticationError(AgentKVError):
-    status = 401
-    error_type = "authentication_error"
-
-
-class NotFoundError(AgentKVError):
-    status = 404
-    error_type = "not_found_error"
 
 
 def error_response(exc: AgentKVError) -> JSONResponse:
