@@ -37,7 +37,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def typing(session: nox.Session) -> None:
-    session.install("-e", ".[server]", "mypy>=1.10")
+    session.install("-e", ".[bench]", "mypy>=1.10")
     session.run("mypy", "src")
 
 
