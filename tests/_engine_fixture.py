@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -48,6 +48,18 @@ def locate_engine() -> tuple[Path, Path]:
         pytest.skip(f"no engine: {exc}")
 
 
+def engine_config(model: Path, root: Path, **overrides: Any) -> EngineConfig:
+    """The test engine: 2 slots of 4096 tokens, a free port, slot saving under ``root``."""
+    return EngineConfig(
+        model=model,
+        slots=ENGINE_SLOTS,
+        ctx_per_slot=ENGINE_CTX_PER_SLOT,
+        port=0,
+        slot_save_dir=root / "slots",
+        **overrides,
+    )
+
+
 @pytest.fixture(scope="module")
 async def engine(
     anyio_backend: str, tmp_path_factory: pytest.TempPathFactory
@@ -55,15 +67,8 @@ async def engine(
     """llama-server with the default model: 2 slots of 4096 tokens, a free port, slot saving on."""
     binary, model = locate_engine()
     root = tmp_path_factory.mktemp("engine")
-    config = EngineConfig(
-        model=model,
-        slots=ENGINE_SLOTS,
-        ctx_per_slot=ENGINE_CTX_PER_SLOT,
-        port=0,
-        slot_save_dir=root / "slots",
-        # No host-RAM prompt cache: the tests observe what each slot's own KV cache holds.
-        cache_ram_mib=0,
-    )
+    # No host-RAM prompt cache: the tests observe what each slot's own KV cache holds.
+    config = engine_config(model, root, cache_ram_mib=0)
     async with LlamaServerProcess(
         config, binary=binary, log_dir=root / "logs", startup_timeout=300
     ) as process:

@@ -16,10 +16,15 @@ import pytest
 import uvicorn
 
 from agentkv import LlamaSlotClient
-from agentkv.engine import EngineConfig, LlamaServerProcess, free_port
+from agentkv.engine import LlamaServerProcess, free_port
 from agentkv_server import ServerConfig, create_app
 from agentkv_server.app import AgentKV
-from tests._engine_fixture import ENGINE_CTX_PER_SLOT, ENGINE_SLOTS, locate_engine
+from tests._engine_fixture import (
+    ENGINE_CTX_PER_SLOT,
+    ENGINE_SLOTS,
+    engine_config,
+    locate_engine,
+)
 
 
 class Live(NamedTuple):
@@ -45,15 +50,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     """agentkv on a free loopback port, fronting llama-server with 2 slots."""
     binary, model = locate_engine()
     root = tmp_path_factory.mktemp("live")
-    engine_config = EngineConfig(
-        model=model,
-        slots=ENGINE_SLOTS,
-        ctx_per_slot=ENGINE_CTX_PER_SLOT,
-        port=0,
-        slot_save_dir=root / "slots",
-    )
     with anyio.from_thread.start_blocking_portal() as portal:
-        process = LlamaServerProcess(engine_config, binary=binary, log_dir=root / "logs")
+        process = LlamaServerProcess(
+            engine_config(model, root), binary=binary, log_dir=root / "logs"
+        )
         with portal.wrap_async_context_manager(process):
             client = LlamaSlotClient(process.base_url, read_timeout=300)
             config = ServerConfig(
