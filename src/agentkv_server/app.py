@@ -149,46 +149,69 @@ class _Exchange:
                 last_sent = now
 
     async def _stream(
-        self, send: anyio.abc.ObjectSendStream[_Item], body: dict[str, Any], slot: int
+        self, send: anyio.abc.ObjectSendStream[_Item], body: dict[str, Any], lease: Lease
     ) -> tuple[str, str | None]:
         """Relay one engine stream; return its text content and finish reason."""
         text: list[str] = []
         finish: str | None = None
-        async with self.app.client.stream(body, slot=slot) as chunks:
+        async with self.app.client.stream(body, slot=lease.slot) as chunks:
             async for chunk in chunks:
                 for choice in chunk.get("choices") or ():
                     delta = choice.get("delta") or {}
                     if isinstance(delta.get("content"), str):
                         text.append(delta["content"])
                     finish = choice.get("finish_reason") or finish
+                if chunk.get("choices") or chunk.get("timings"):
+                    # Output has begun (or the reply is done): the slot is no longer up for grabs.
+                    self.app.gateway.started(lease)
                 await send.send(chunk)
         return "".join(text), finish
 
     async def _engine(self, send: anyio.abc.ObjectSendStream[_Item]) -> None:
         app = self.app
+        ticket = self.ticket
         async with send:
             try:
-                async with app.gateway.hold(self.ticket) as lease:
-                    self.record.slot = lease.slot
-                    self.record.dispatch_seq = app.gateway.dispatch_seq(lease)
-                    self.record.match = lease.match.kind.value
-                    self.record.queued_s = round(app.clock() - self.started, 4)
-                    self.record.status = "running"
-                    await app.prepare_slot(lease, self.ticket.fingerprint, self.record)
-                    body = dict(self.engine_request.body)
-                    body["stream"] = True
-                    text, finish = await self._stream(send, body, lease.slot)
-                    schemas = self.assembler.tool_schemas
-                    if schemas and finish != "length" and needs_retry(text, schemas):
-                        # The reply tried to call a tool and got it wrong: ask once more, with
-                        # decoding constrained to a valid call of a declared tool.
-                        self.record.retried = True
-                        await send.send(_RETRY)
-                        forced = app.translator.force_any_tool(self.engine_request, body)
-                        await self._stream(send, forced, lease.slot)
+                while not await self._attempt(send, ticket):
+                    # Pre-empted by a P0 request before producing anything: queue again, keeping
+                    # the original arrival (and so the aging credit).
+                    self.record.preempted += 1
+                    self.record.status = "queued"
+                    ticket = app.gateway.submit(
+                        ticket.agent, ticket.priority, ticket.fingerprint, arrival=ticket.arrival
+                    )
             except AgentKVError as exc:
                 log.warning("request of agent %s failed: %s", self.agent, exc.message)
                 await send.send(exc)
+
+    async def _attempt(self, send: anyio.abc.ObjectSendStream[_Item], ticket: Ticket) -> bool:
+        """Run the request on a slot; False if it was pre-empted before its first output."""
+        app = self.app
+        with anyio.CancelScope() as preemption:
+            async with app.gateway.hold(ticket) as lease:
+                self.record.slot = lease.slot
+                self.record.dispatch_seq = app.gateway.dispatch_seq(lease)
+                self.record.match = lease.match.kind.value
+                self.record.queued_s = round(app.clock() - self.started, 4)
+                self.record.status = "running"
+                app.gateway.running(lease, ticket.priority, preemption.cancel)
+                await self._run_on(send, lease)
+        return not preemption.cancelled_caught
+
+    async def _run_on(self, send: anyio.abc.ObjectSendStream[_Item], lease: Lease) -> None:
+        app = self.app
+        await app.prepare_slot(lease, self.ticket.fingerprint, self.record)
+        body = dict(self.engine_request.body)
+        body["stream"] = True
+        text, finish = await self._stream(send, body, lease)
+        schemas = self.assembler.tool_schemas
+        if schemas and finish != "length" and needs_retry(text, schemas):
+            # The reply tried to call a tool and got it wrong: ask once more, with
+            # decoding constrained to a valid call of a declared tool.
+            self.record.retried = True
+            await send.send(_RETRY)
+            forced = app.translator.force_any_tool(self.engine_request, body)
+            await self._stream(send, forced, lease)
 
 
 class _ExchangeResponse(Response):
@@ -531,6 +554,7 @@ def create_app(
         max_queue=config.max_queue,
         lease_ttl=config.lease_ttl,
         tie_window=config.tie_window,
+        preempt_from=config.preempt_from,
     )
     fingerprinter = PrefixFingerprinter()
     compactor = Compactor(

@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sched.add_argument(
+        "--no-preempt",
+        action="store_true",
+        help="never let a P0 request take the slot of a P2/P3 request that is still in prefill",
+    )
+    sched.add_argument(
         "--no-parking",
         action="store_true",
         help="do not save an evicted agent's slot to disk for its return (parking needs "
@@ -247,6 +252,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 compaction=not args.no_compaction,
                 tool_repair=not args.no_tool_repair,
                 park_contexts=not args.no_parking,
+                preempt_from=None if args.no_preempt else 2,
                 compact_at=args.compact_at,
                 compact_keep_messages=args.compact_keep,
             )

@@ -23,6 +23,10 @@ class ServerConfig:
     #: Scores this close count as a tie, broken in favour of a request that hits an idle slot.
     tie_window: float = 0.25
     #: A lease held longer than this is reclaimed by the watchdog (a leak, or a hung engine).
+    #: A P0 request that finds every slot busy takes the slot of a running request of at least
+    #: this priority that has produced no output yet; that request queues again with its
+    #: original arrival. None switches pre-emption off.
+    preempt_from: int | None = 2
     lease_ttl: float = 900.0
     watchdog_interval: float = 15.0
     #: Seconds of silence after which a stream gets a ``ping`` (in the queue and during prefill).

@@ -32,6 +32,15 @@ class _Waiter:
 
 
 @attrs.define
+class _Running:
+    """A leased request that may still be pre-empted (it has produced no output yet)."""
+
+    priority: int
+    acquired_at: float
+    preempt: Callable[[], None]
+
+
+@attrs.define
 class RequestRecord:
     """What the slot table shows about one finished (or running) request."""
 
@@ -49,6 +58,8 @@ class RequestRecord:
     ttft_s: float | None = None
     #: The reply tried a tool call that could not be recovered, and was asked for again.
     retried: bool = False
+    #: Times this request gave its slot up, before producing anything, to a P0 request.
+    preempted: int = 0
     status: str = "queued"
 
 
@@ -61,6 +72,9 @@ class Gateway:
     max_queue: int = 256
     lease_ttl: float = 900.0
     tie_window: float = 0.25
+    #: A P0 request that finds every slot busy takes one from a running request of at least this
+    #: priority that has not produced output yet (None: never pre-empt).
+    preempt_from: int | None = 2
     clock: Callable[[], float] = time.monotonic
     _slots: SlotManager = attrs.field(init=False)
     _scheduler: FairScheduler = attrs.field(init=False)
@@ -70,6 +84,7 @@ class Gateway:
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _dispatched: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _lease_seq: dict[int, int] = attrs.field(init=False, factory=dict)
+    _running: dict[int, _Running] = attrs.field(init=False, factory=dict)
     _recent: list[RequestRecord] = attrs.field(init=False, factory=list)
     _agents: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
 
@@ -95,23 +110,54 @@ class Gateway:
         fingerprint: Fingerprint | None,
         *,
         background: bool = False,
+        arrival: float | None = None,
     ) -> Ticket:
         """Queue a ticket (QueueFullError at the cap); dispatch at once if a slot is free.
 
         A ``background`` ticket gets a slot only when no foreground ticket is waiting, whatever
-        its score: compaction must never delay an agent's request.
+        its score: compaction must never delay an agent's request. A request that gave its slot
+        up to a P0 request comes back with its original ``arrival``, so it keeps its aging credit.
         """
         ticket = Ticket(
             id=next(self._ids),
             agent=agent,
             priority=priority,
-            arrival=self.clock(),
+            arrival=self.clock() if arrival is None else arrival,
             fingerprint=fingerprint,
         )
         (self._background if background else self._scheduler).submit(ticket, ticket.arrival)
         self._waiters[ticket.id] = _Waiter(ticket)
         self._dispatch()
+        waiter = self._waiters[ticket.id]
+        if priority == 0 and not background and waiter.lease is None:
+            self._preempt_for(ticket)
         return ticket
+
+    def running(self, lease: Lease, priority: int, preempt: Callable[[], None]) -> None:
+        """Declare a leased request pre-emptible until :meth:`started` (or its release)."""
+        self._running[lease.id] = _Running(priority, lease.acquired_at, preempt)
+
+    def started(self, lease: Lease) -> None:
+        """The request produced output: from now on it keeps its slot to the end."""
+        self._running.pop(lease.id, None)
+
+    def _preempt_for(self, ticket: Ticket) -> None:
+        if self.preempt_from is None:
+            return
+        victims = [
+            (running.priority, running.acquired_at, lease_id)
+            for lease_id, running in self._running.items()
+            if running.priority >= max(self.preempt_from, ticket.priority + 1)
+        ]
+        if not victims:
+            return
+        # The least urgent, and among those the one that started last (least work lost).
+        _, _, lease_id = max(victims)
+        victim = self._running.pop(lease_id)
+        log.info(
+            "pre-empting lease %d (priority %d) for ticket %d", lease_id, victim.priority, ticket.id
+        )
+        victim.preempt()
 
     async def wait(self, ticket: Ticket) -> Lease:
         """Wait for the ticket's lease. Cancellation withdraws the ticket or returns the lease."""
@@ -133,6 +179,7 @@ class Gateway:
         """Return a lease. After a failure the slot's cache is in an unknown state: forget it."""
         now = self.clock()
         self._lease_seq.pop(lease.id, None)
+        self._running.pop(lease.id, None)
         if self._slots.release(lease, now, fingerprint=fingerprint) and not ok:
             self._slots.invalidate(lease.slot)
         self._dispatch()

@@ -457,3 +457,49 @@ async def test_tool_repair_can_be_switched_off(serve: Any) -> None:
     http = serve(fake, tool_repair=False)
     r = await http.post("/v1/messages", json={**BODY, "tools": [WEATHER]})
     assert r.json()["content"] == [{"type": "text", "text": reply}]
+
+
+async def test_p0_preempts_a_background_request_that_has_not_started(serve: Any) -> None:
+    """With the only slot in a P2 request's prefill, a P0 request takes it; the P2 request is
+    queued again and still completes, and its client sees one clean reply."""
+    fake = FakeLlama(prefill_delay=1.0, reply="done")
+    http = serve(fake, n_slots=1)
+    results: dict[str, Any] = {}
+
+    async def call(name: str, priority: int) -> None:
+        body = {**BODY, "stream": True, "messages": [{"role": "user", "content": name}]}
+        headers = {"x-agent-priority": str(priority), "x-agent-id": name}
+        results[name] = await http.post("/v1/messages", json=body, headers=headers)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call, "background", 2)
+        await anyio.sleep(0.2)  # the P2 request is in its (fake) prefill
+        tg.start_soon(call, "coordinator", 0)
+    order = [r["messages"][-1]["content"] for r in fake.requests]
+    assert order == ["background", "coordinator", "background"]
+    for name in ("background", "coordinator"):
+        events = [e for e in sse_events(results[name].text) if e["type"] != "ping"]
+        assert events[0]["type"] == "message_start"
+        assert events[-1]["type"] == "message_stop"
+        assert sum(e["type"] == "content_block_start" for e in events) == 1
+    records = {r["agent"]: r for r in table(http)["recent"]}
+    assert records["background"]["preempted"] == 1
+    assert records["coordinator"]["preempted"] == 0
+    assert table(http)["slots"][0]["refcount"] == 0
+
+
+async def test_a_request_that_has_started_output_is_not_preempted(serve: Any) -> None:
+    """Once a reply is streaming it keeps its slot: P0 waits for it."""
+    fake = FakeLlama(reply="x" * 40, chunk_chars=1, delay=0.02)
+    http = serve(fake, n_slots=1)
+
+    async def call(name: str, priority: int) -> None:
+        body = {**BODY, "messages": [{"role": "user", "content": name}]}
+        await http.post("/v1/messages", json=body, headers={"x-agent-priority": str(priority)})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(call, "background", 2)
+        await anyio.sleep(0.3)  # streaming by now
+        tg.start_soon(call, "coordinator", 0)
+    assert [r["messages"][-1]["content"] for r in fake.requests] == ["background", "coordinator"]
+    assert all(r["preempted"] == 0 for r in table(http)["recent"])
