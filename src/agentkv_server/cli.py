@@ -132,9 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sched.add_argument(
-        "--no-preempt",
-        action="store_true",
-        help="never let a P0 request take the slot of a P2/P3 request that is still in prefill",
+        "--preempt-from",
+        type=int,
+        choices=[1, 2, 3],
+        default=None,
+        metavar="P",
+        help="let a P0 request take the slot of a running request of priority P or less urgent "
+        "that has produced no output yet (default: off)",
     )
     sched.add_argument(
         "--no-parking",
@@ -252,7 +256,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 compaction=not args.no_compaction,
                 tool_repair=not args.no_tool_repair,
                 park_contexts=not args.no_parking,
-                preempt_from=None if args.no_preempt else 2,
+                preempt_from=args.preempt_from,
                 compact_at=args.compact_at,
                 compact_keep_messages=args.compact_keep,
             )

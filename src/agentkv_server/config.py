@@ -25,8 +25,9 @@ class ServerConfig:
     #: A lease held longer than this is reclaimed by the watchdog (a leak, or a hung engine).
     #: A P0 request that finds every slot busy takes the slot of a running request of at least
     #: this priority that has produced no output yet; that request queues again with its
-    #: original arrival. None switches pre-emption off.
-    preempt_from: int | None = 2
+    #: original arrival. None (the default) switches pre-emption off: in the benchmark it wasted
+    #: partial prefills without improving P0's p95 (docs/benchmarks.md).
+    preempt_from: int | None = None
     lease_ttl: float = 900.0
     watchdog_interval: float = 15.0
     #: Seconds of silence after which a stream gets a ``ping`` (in the queue and during prefill).

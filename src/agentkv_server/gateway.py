@@ -74,7 +74,7 @@ class Gateway:
     tie_window: float = 0.25
     #: A P0 request that finds every slot busy takes one from a running request of at least this
     #: priority that has not produced output yet (None: never pre-empt).
-    preempt_from: int | None = 2
+    preempt_from: int | None = None
     clock: Callable[[], float] = time.monotonic
     _slots: SlotManager = attrs.field(init=False)
     _scheduler: FairScheduler = attrs.field(init=False)

@@ -463,7 +463,7 @@ async def test_p0_preempts_a_background_request_that_has_not_started(serve: Any)
     """With the only slot in a P2 request's prefill, a P0 request takes it; the P2 request is
     queued again and still completes, and its client sees one clean reply."""
     fake = FakeLlama(prefill_delay=1.0, reply="done")
-    http = serve(fake, n_slots=1)
+    http = serve(fake, n_slots=1, preempt_from=2)
     results: dict[str, Any] = {}
 
     async def call(name: str, priority: int) -> None:
@@ -491,7 +491,7 @@ async def test_p0_preempts_a_background_request_that_has_not_started(serve: Any)
 async def test_a_request_that_has_started_output_is_not_preempted(serve: Any) -> None:
     """Once a reply is streaming it keeps its slot: P0 waits for it."""
     fake = FakeLlama(reply="x" * 40, chunk_chars=1, delay=0.02)
-    http = serve(fake, n_slots=1)
+    http = serve(fake, n_slots=1, preempt_from=2)
 
     async def call(name: str, priority: int) -> None:
         body = {**BODY, "messages": [{"role": "user", "content": name}]}
