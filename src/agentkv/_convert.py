@@ -36,6 +36,7 @@ from agentkv._anthropic import (
     UrlImageSource,
 )
 from agentkv.exceptions import InvalidRequestError
+from agentkv.repair import json_type
 
 __all__ = ["converter", "structure"]
 
@@ -52,48 +53,32 @@ class _FieldError(ValueError):
 
 def _strict_str(value: Any, _: type) -> str:
     if not isinstance(value, str):
-        raise _FieldError(f"expected a string, got {_json_type(value)}")
+        raise _FieldError(f"expected a string, got {json_type(value)}")
     return value
 
 
 def _strict_int(value: Any, _: type) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _FieldError(f"expected an integer, got {_json_type(value)}")
+        raise _FieldError(f"expected an integer, got {json_type(value)}")
     return value
 
 
 def _strict_float(value: Any, _: type) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _FieldError(f"expected a number, got {_json_type(value)}")
+        raise _FieldError(f"expected a number, got {json_type(value)}")
     return float(value)
 
 
 def _strict_bool(value: Any, _: type) -> bool:
     if not isinstance(value, bool):
-        raise _FieldError(f"expected a boolean, got {_json_type(value)}")
+        raise _FieldError(f"expected a boolean, got {json_type(value)}")
     return value
 
 
 def _json_object(value: Any, _: type) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _FieldError(f"expected an object, got {_json_type(value)}")
+        raise _FieldError(f"expected an object, got {json_type(value)}")
     return value
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
 
 
 def _tagged(classes: tuple[type[Any], ...]) -> Callable[[Any, Any], Any]:
@@ -103,7 +88,7 @@ def _tagged(classes: tuple[type[Any], ...]) -> Callable[[Any, Any], Any]:
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, dict):
-            raise _FieldError(f"expected an object, got {_json_type(value)}")
+            raise _FieldError(f"expected an object, got {json_type(value)}")
         if "type" not in value:
             raise _FieldError("field required", "type")
         tag = value["type"]
@@ -132,7 +117,7 @@ def _str_or_list(value: Any, tp: Any) -> Any:
     if isinstance(value, list):
         (list_type,) = [a for a in args if get_origin(a) is list]
         return converter.structure(value, list_type)
-    raise _FieldError(f"expected a string or an array of blocks, got {_json_type(value)}")
+    raise _FieldError(f"expected a string or an array of blocks, got {json_type(value)}")
 
 
 def _is_literal(tp: Any) -> bool:
@@ -161,7 +146,7 @@ def _list_factory(tp: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, list):
-            raise _FieldError(f"expected an array, got {_json_type(value)}")
+            raise _FieldError(f"expected an array, got {json_type(value)}")
         return inner(value, tp)
 
     return hook
@@ -176,7 +161,7 @@ def _attrs_factory(tp: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, dict):
-            raise _FieldError(f"expected an object, got {_json_type(value)}")
+            raise _FieldError(f"expected an object, got {json_type(value)}")
         if isinstance(tag, str) and "type" in value and value["type"] != tag:
             raise _FieldError(f"expected {tag!r}, got {value['type']!r}", "type")
         return inner(value, tp)
@@ -252,7 +237,7 @@ def structure(data: Mapping[str, Any], cls: type[T]) -> T:
     The first failing field is reported (like the Anthropic API, which names one field per 400).
     """
     if not isinstance(data, Mapping):
-        raise InvalidRequestError(f"expected a JSON object, got {_json_type(data)}")
+        raise InvalidRequestError(f"expected a JSON object, got {json_type(data)}")
     try:
         return converter.structure(dict(data), cls)
     except (cattrs.BaseValidationError, _FieldError) as exc:

@@ -24,6 +24,7 @@ __all__ = [
     "RepairOutcome",
     "ToolCallExtraction",
     "extract_tool_calls",
+    "json_type",
     "looks_like_call",
     "needs_retry",
     "repair_arguments",
@@ -38,7 +39,7 @@ Schema = Mapping[str, Any] | bool
 _TYPE_NAMES = ("null", "boolean", "integer", "number", "string", "array", "object")
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     """The JSON type name of a parsed value (``integer`` for whole numbers, as JSON Schema says)."""
     if value is None:
         return "null"
@@ -58,7 +59,7 @@ def _json_type(value: Any) -> str:
 
 
 def _is_type(value: Any, name: str) -> bool:
-    actual = _json_type(value)
+    actual = json_type(value)
     return actual == name or (name == "number" and actual == "integer")
 
 
@@ -101,7 +102,7 @@ def validate(instance: Any, schema: Schema, path: str = "$") -> list[str]:
         known = [n for n in names if n in _TYPE_NAMES]
         if known and not any(_is_type(instance, n) for n in known):
             # Nothing else can be checked meaningfully against a value of the wrong type.
-            return [f"{path}: expected {' or '.join(known)}, got {_json_type(instance)}"]
+            return [f"{path}: expected {' or '.join(known)}, got {json_type(instance)}"]
 
     if "const" in schema and not _json_equal(instance, schema["const"]):
         errors.append(f"{path}: must be {_short(schema['const'])}")
@@ -469,7 +470,7 @@ def _call(
 ) -> ExtractedCall | str:
     """The call ``value`` spells, or the reason it is not one."""
     if not isinstance(value, dict):
-        return f"not a JSON object but {_json_type(value)}"
+        return f"not a JSON object but {json_type(value)}"
     if isinstance(value.get("function"), dict) and value.keys() <= {"function", "id", "type"}:
         value = value["function"]
     if not isinstance(value.get("name"), str):
@@ -488,7 +489,7 @@ def _call(
             return "arguments are a string that is not a JSON object"
         arguments, fixes = outcome.value, fixes + outcome.fixes
     if not isinstance(arguments, dict):
-        return f"arguments are {_json_type(arguments)}, not an object"
+        return f"arguments are {json_type(arguments)}, not an object"
     schema = tools[name]
     errors = validate(arguments, _object_schema(schema))
     if errors:
