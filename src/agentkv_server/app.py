@@ -76,6 +76,7 @@ class _Exchange:
     record: RequestRecord
     assembler: SSEAssembler
     started: float
+    published: bool = False
 
     async def run(
         self,
@@ -85,11 +86,14 @@ class _Exchange:
         """Drive the request to its end. ``emit`` gets events; ``idle`` is called on silence.
 
         Returns the error that ended the request early, if any; the events before it were emitted.
+        The request is recorded in the slot table *before* its last events go out, so a client
+        that has its reply can already see it there.
         """
         app, asm = self.app, self.assembler
         await emit(asm.start())
         send, receive = anyio.create_memory_object_stream[_Item](max_buffer_size=256)
         failure: AgentKVError | None = None
+        last: list[dict[str, Any]] = []
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._engine, send)
             try:
@@ -98,7 +102,7 @@ class _Exchange:
                 now = app.clock()
                 if self.record.ttft_s is None:  # a held tool call arrives only at the end
                     self.record.ttft_s = round(now - self.started, 4)
-                await emit(asm.finish(now))
+                last = asm.finish(now)
             except AgentKVError as exc:
                 # From the engine task, or from the assembler refusing what the engine sent.
                 failure = exc
@@ -108,7 +112,15 @@ class _Exchange:
         self.record.cached_tokens = int(usage.get("cache_read_input_tokens", 0) or 0)
         self.record.output_tokens = int(usage.get("output_tokens", 0) or 0)
         self.record.status = "ok" if failure is None else f"error: {failure.error_type}"
+        self.publish()
+        await emit(last)
         return failure
+
+    def publish(self) -> None:
+        """Add this request to the slot table's history, once."""
+        if not self.published:
+            self.published = True
+            self.app.gateway.record(self.record)
 
     async def _relay(
         self,
@@ -247,7 +259,7 @@ class _ExchangeResponse(Response):
                     await self._whole(send)
             finally:
                 tg.cancel_scope.cancel()
-                self.exchange.app.gateway.record(self.exchange.record)
+                self.exchange.publish()  # a disconnected or cancelled request, too
 
     async def _stream(self, send: Send) -> None:
         await send(
