@@ -321,8 +321,8 @@ async def _engine(
         yield upstream
         return
     # Imported here: only the launching path needs them.
-    from agentkv.engine import EngineConfig, LlamaServerProcess
-    from agentkv.model import default_model_path
+    from agentkv.runtime.engine import EngineConfig, LlamaServerProcess
+    from agentkv.runtime.model import default_model_path
 
     # The first call joins the model's parts and hashes them: file work, kept off the loop.
     model = await anyio.to_thread.run_sync(default_model_path)

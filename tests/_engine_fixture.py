@@ -16,9 +16,14 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from agentkv.client import LlamaSlotClient
-from agentkv.engine import EngineConfig, EngineNotFoundError, LlamaServerProcess, find_llama_server
-from agentkv.model import ModelNotFoundError, default_model_path
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.engine import (
+    EngineConfig,
+    EngineNotFoundError,
+    LlamaServerProcess,
+    find_llama_server,
+)
+from agentkv.runtime.model import ModelNotFoundError, default_model_path
 
 ENGINE_SLOTS = 2
 ENGINE_CTX_PER_SLOT = 4096

@@ -10,12 +10,12 @@ import anyio
 import httpx
 import pytest
 
-from agentkv.client import LlamaSlotClient
 from agentkv.exceptions import (
     EngineResponseError,
     EngineTimeoutError,
     EngineUnavailableError,
 )
+from agentkv.runtime.client import LlamaSlotClient
 
 pytestmark = pytest.mark.anyio
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import agentkv.engine as engine_mod
-from agentkv.engine import (
+import agentkv.runtime.engine as engine_mod
+from agentkv.runtime.engine import (
     ENV_LLAMA_SERVER,
     EngineConfig,
     EngineNotFoundError,
@@ -20,7 +20,7 @@ from agentkv.engine import (
     drop_unsupported,
     find_llama_server,
 )
-from agentkv.model import ModelNotFoundError, assemble_model, default_model_path
+from agentkv.runtime.model import ModelNotFoundError, assemble_model, default_model_path
 
 
 def flag_value(args: list[str], flag: str) -> str:

@@ -13,8 +13,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agentkv.engine import EngineNotFoundError, find_llama_server
-from agentkv.model import ModelNotFoundError, default_model_path
+from agentkv.runtime.engine import EngineNotFoundError, find_llama_server
+from agentkv.runtime.model import ModelNotFoundError, default_model_path
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

@@ -29,7 +29,7 @@ from agentkv.sse import SSEAssembler
 from agentkv.translate import EngineRequest, MessagesTranslator
 
 if TYPE_CHECKING:
-    from agentkv.client import LlamaSlotClient
+    from agentkv.runtime.client import LlamaSlotClient
 
 __version__ = "0.1.0"
 
@@ -64,7 +64,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The I/O client is imported lazily: the pure core must stay importable without httpx.
     if name == "LlamaSlotClient":
-        from agentkv.client import LlamaSlotClient
+        from agentkv.runtime.client import LlamaSlotClient
 
         return LlamaSlotClient
     raise AttributeError(f"module 'agentkv' has no attribute {name!r}")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from agentkv.runtime.gateway import Gateway
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
-from agentkv_server.gateway import Gateway
 
 __all__ = ["Gateway", "ServerConfig", "create_app"]

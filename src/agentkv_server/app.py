@@ -40,11 +40,11 @@ from agentkv import (
 from agentkv.exceptions import AuthenticationError, NotFoundError, RequestTooLargeError
 from agentkv.parking import ParkingLot
 from agentkv.repair import needs_retry
+from agentkv.runtime.compactor import Compactor
+from agentkv.runtime.gateway import Gateway, RequestRecord
 from agentkv.sse import accumulate, encode_event
 from agentkv.translate import EngineRequest
-from agentkv_server.compactor import Compactor
 from agentkv_server.config import ServerConfig
-from agentkv_server.gateway import Gateway, RequestRecord
 from agentkv_server.identity import agent_identity, agent_priority
 
 __all__ = ["AgentKV", "create_app", "error_response"]

@@ -46,9 +46,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agentkv import LlamaSlotClient, MessagesTranslator
-from agentkv.client import probe
-from agentkv.engine import EngineConfig, LlamaServerProcess, find_llama_server, free_port
-from agentkv.model import default_model_path
+from agentkv.runtime.client import probe
+from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_server, free_port
+from agentkv.runtime.model import default_model_path
 from agentkv_server._workload import (
     Workload,
     WorkloadSpec,

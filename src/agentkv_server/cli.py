@@ -195,8 +195,8 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[str, int | No
     if args.upstream:
         yield args.upstream.rstrip("/"), None
         return
-    from agentkv.engine import EngineConfig, LlamaServerProcess, find_llama_server
-    from agentkv.model import default_cache_dir, default_model_path
+    from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_server
+    from agentkv.runtime.model import default_cache_dir, default_model_path
 
     binary = find_llama_server(args.llama_server)
     model = args.model if args.model is not None else default_model_path()

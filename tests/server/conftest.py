@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from agentkv import LlamaSlotClient
-from agentkv.engine import LlamaServerProcess, free_port
+from agentkv.runtime.engine import LlamaServerProcess, free_port
 from agentkv_server import ServerConfig, create_app
 from agentkv_server.app import AgentKV
 from tests._engine_fixture import (

@@ -380,7 +380,7 @@ async def test_max_tokens_is_capped_to_what_the_slot_can_hold(serve: Any) -> Non
 
 async def test_background_work_waits_for_every_foreground_request() -> None:
     """A background (compaction) ticket gets a slot only when no agent request waits."""
-    from agentkv_server.gateway import Gateway
+    from agentkv.runtime.gateway import Gateway
 
     # Aging so fast that, in one queue, the waiting compaction would outrank everything.
     gateway = Gateway(n_slots=1, aging=100.0)

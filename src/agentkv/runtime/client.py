@@ -27,7 +27,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from .exceptions import (
+from agentkv.exceptions import (
     EngineError,
     EngineResponseError,
     EngineTimeoutError,

@@ -25,9 +25,9 @@ import anyio.to_thread
 import attrs
 import httpx
 
-from .client import LlamaSlotClient, probe
-from .exceptions import AgentKVError, EngineUnavailableError
-from .model import ModelNotFoundError, default_cache_dir
+from agentkv.exceptions import AgentKVError, EngineUnavailableError
+from agentkv.runtime.client import LlamaSlotClient, probe
+from agentkv.runtime.model import ModelNotFoundError, default_cache_dir
 
 __all__ = [
     "ENV_LLAMA_SERVER",

@@ -18,7 +18,7 @@ import attrs
 
 from agentkv import AgentKVError, LlamaSlotClient, PrefixFingerprinter
 from agentkv.compaction import Compaction, CompactionStore, plan_compaction, summary_request
-from agentkv_server.gateway import Gateway
+from agentkv.runtime.gateway import Gateway
 
 __all__ = ["Compactor"]
 
