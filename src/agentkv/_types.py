@@ -11,7 +11,16 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Fingerprint", "Lease", "Match", "MatchKind", "SlotView", "Ticket"]
+__all__ = [
+    "Fingerprint",
+    "Lease",
+    "Match",
+    "MatchKind",
+    "Placement",
+    "SlotView",
+    "Source",
+    "Ticket",
+]
 
 
 class MatchKind(enum.Enum):
@@ -56,6 +65,34 @@ class Match:
     shared_size: int = 0
 
 
+class Source(enum.Enum):
+    """Where the cached part of a request's prompt comes from once its slot is prepared."""
+
+    # The slot's own KV cache (it held a prefix of this prompt): nothing to do but prefill the rest.
+    SLOT = "slot"
+    # A saved state from the prefix store, restored into the slot first.
+    STORE = "store"
+    # Nothing reusable: the whole prompt is computed.
+    NONE = "none"
+
+
+@attrs.frozen
+class Placement:
+    """Where a request runs and what it finds there: the slot choice, as a value.
+
+    ``reuse`` is the number of prompt tokens found cached once the slot is prepared (restored,
+    when ``source`` is STORE); ``park`` says the slot's present content is worth saving to the
+    store before it is overwritten; ``seconds`` is the estimated time until the prompt is computed.
+    """
+
+    slot: int
+    reuse: int
+    source: Source
+    entry_id: str | None = None
+    park: bool = False
+    seconds: float = 0.0
+
+
 @attrs.frozen
 class Ticket:
     """One request waiting for its turn on the engine."""
@@ -64,23 +101,27 @@ class Ticket:
     agent: str
     priority: int  # 0 = most urgent … 3 = background / compaction
     arrival: float  # seconds, on the caller's clock
-    fingerprint: Fingerprint | None = None
+    #: The prompt in tokens, when known: what decides the slot.
+    tokens: tuple[int, ...] = attrs.field(default=(), repr=lambda t: f"<{len(t)} tokens>")
+    #: Where the prompt's shareable head ends (tokens), when known: a long head that nothing
+    #: holds yet is computed and saved on its own first, for other requests to restore.
+    head: int | None = None
     payload: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
 class Lease:
-    """The right to use one slot until released. ``match`` says what the slot already held."""
+    """The right to use one slot until released. ``placement`` says what the slot will hold."""
 
     id: int
     slot: int
-    match: Match
     agent: str
     acquired_at: float
-    fingerprint: Fingerprint | None = None
-    #: What the slot held before this lease (and whose it was), when that differs from the
-    #: request: the context a miss is about to overwrite, which a caller may want to park.
-    evicted: Fingerprint | None = None
+    placement: Placement
+    tokens: tuple[int, ...] = attrs.field(default=(), repr=lambda t: f"<{len(t)} tokens>")
+    #: What the slot held before this lease and whose it was: the context that a caller parks
+    #: (``placement.park``) before the request overwrites it.
+    evicted: tuple[int, ...] = attrs.field(default=(), repr=lambda t: f"<{len(t)} tokens>")
     evicted_agent: str | None = None
 
 
@@ -89,8 +130,10 @@ class SlotView:
     """A read-only row of the slot table."""
 
     slot: int
-    fingerprint: Fingerprint | None
+    tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     refcount: int
     last_used: float | None
     agent: str | None
     lease_ids: tuple[int, ...] = ()
+    #: The store entry that holds all of ``tokens``: overwriting the slot then loses nothing.
+    stored: str | None = None

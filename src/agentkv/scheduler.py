@@ -78,22 +78,31 @@ class FairScheduler:
     def _key(self, ticket: Ticket, now: float) -> tuple[float, float, int]:
         return (self.score(ticket, now), ticket.arrival, ticket.id)
 
-    def pop(self, now: float, *, hits: Callable[[Ticket], bool] | None = None) -> Ticket | None:
-        """Remove and return the ticket to dispatch now; None when the queue is empty.
+    def pop(
+        self,
+        now: float,
+        *,
+        hits: Callable[[Ticket], bool] | None = None,
+        ready: Callable[[Ticket], bool] | None = None,
+    ) -> Ticket | None:
+        """Remove and return the ticket to dispatch now; None when no ticket can go.
 
-        ``hits(ticket)`` (called only for tickets within ``tie_window`` of the best score) says
-        whether the ticket's prefix is cached in an idle slot; such tickets win near-ties.
+        ``ready(ticket)`` False keeps a ticket waiting whatever its score (it waits for a prefix
+        that another request is computing; that computation ends, so the wait is bounded).
+        ``hits(ticket)`` (called only for ready tickets within ``tie_window`` of the best score)
+        says whether the ticket's prefix is cached in an idle slot; such tickets win near-ties.
         """
-        if not self._queue:
+        candidates = [t for t in self._queue.values() if ready is None or ready(t)]
+        if not candidates:
             return None
 
         def key(ticket: Ticket) -> tuple[float, float, int]:
             return self._key(ticket, now)
 
-        chosen = min(self._queue.values(), key=key)
+        chosen = min(candidates, key=key)
         if hits is not None:
             limit = self.score(chosen, now) + self.tie_window
-            near = sorted((t for t in self._queue.values() if self.score(t, now) <= limit), key=key)
+            near = sorted((t for t in candidates if self.score(t, now) <= limit), key=key)
             chosen = next((ticket for ticket in near if hits(ticket)), chosen)
         del self._queue[chosen.id]
         return chosen

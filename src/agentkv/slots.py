@@ -1,10 +1,15 @@
-"""The slot table: which llama-server slot holds which prefix, and who is using it.
+"""The slot table: which tokens each llama-server slot holds, who uses it, and where a request goes.
 
-llama-server runs one request per slot, so a slot is either idle (refcount 0) or leased to exactly
-one request. :meth:`SlotManager.acquire` picks the idle slot whose KV cache saves the most prefill;
-:meth:`SlotManager.release` records what the slot holds afterwards. A request that dies without
-releasing (a bug, a lost task) would pin its slot forever, so :meth:`SlotManager.sweep` is a
-watchdog that reclaims leases held past ``lease_ttl``.
+llama-server runs one request per slot and reuses, for each request, the longest common token
+prefix of what the slot's KV cache holds and the new prompt. So the table records each slot's
+content as the token sequence it holds, and :meth:`SlotManager.place` chooses a slot by *cost*:
+for every idle slot it prices what the request would prefill there (after restoring a saved
+state from the prefix store, when that leaves less to compute) plus what it would destroy (the
+slot's present content: saved first when it is worth it, or lost). The cheapest wins. A slot that
+shares 1,300 tokens with the request beats an empty one, unless overwriting it costs more later.
+
+A request that dies without releasing (a bug, a lost task) would pin its slot forever, so
+:meth:`SlotManager.sweep` is a watchdog that reclaims leases held past ``lease_ttl``.
 
 Pure and single-threaded: time is passed in, nothing awaits, and callers serialise access.
 """
@@ -12,15 +17,21 @@ Pure and single-threaded: time is passed in, nothing awaits, and callers seriali
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from agentkv._types import Fingerprint, Lease, Match, MatchKind, SlotView
-from agentkv.fingerprint import compare
+from agentkv._types import Lease, Placement, SlotView, Source
+from agentkv.costs import CostModel
+from agentkv.store import StoreIndex
+from agentkv.tokens import Tokens, common_prefix
 
-__all__ = ["SlotManager", "SlotStats"]
+__all__ = ["SlotManager", "SlotStats", "place"]
+
+#: Chance that the owner of overwritten content comes back for it: what a destroyed token is
+#: expected to cost later (a restore when it was saved, a prefill when not).
+_RETURN_CHANCE = 0.5
 
 
 def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
@@ -28,53 +39,111 @@ def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) 
         raise ValueError(f"{attribute.name} must be > 0, got {value}")
 
 
-def _hits(request: Fingerprint, cached: Fingerprint) -> bool:
-    return compare(request, cached).kind is not MatchKind.MISS
-
-
 @attrs.frozen
 class SlotStats:
-    """Hit counters since the manager was created.
+    """Counters since the manager was created.
 
-    ``saved_size`` sums the ``shared_size`` of every acquired match: the prefix (in characters of
-    canonical JSON) that did not have to be prefilled again.
+    ``reused_tokens`` sums the prompt tokens found cached (in the slot or restored);
+    ``computed_tokens`` the ones left to prefill, as planned at acquisition.
     """
 
-    exact: int = 0
-    prefix: int = 0
-    miss: int = 0
     acquired: int = 0
+    from_slot: int = 0
+    from_store: int = 0
+    cold: int = 0
     reclaimed: int = 0
-    saved_size: int = 0
+    reused_tokens: int = 0
+    computed_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
-        """Share of acquisitions that were exact or prefix hits (0.0 before the first one)."""
-        return (self.exact + self.prefix) / self.acquired if self.acquired else 0.0
+        """Share of acquisitions that reused cached tokens (0.0 before the first one)."""
+        return (self.from_slot + self.from_store) / self.acquired if self.acquired else 0.0
+
+    @property
+    def reuse_ratio(self) -> float | None:
+        """Share of prompt tokens that were reused rather than computed."""
+        total = self.reused_tokens + self.computed_tokens
+        return self.reused_tokens / total if total else None
+
+
+def place(
+    tokens: Tokens,
+    idle: Sequence[SlotView],
+    costs: CostModel,
+    *,
+    store: StoreIndex | None = None,
+    park_min: int = 256,
+) -> Placement | None:
+    """The cheapest idle slot for a prompt of ``tokens``, and how to prepare it; None if none idle.
+
+    For each idle slot two ways are priced: use the slot's own cache, or restore the store entry
+    sharing the most tokens with the prompt. Either way the cost is the prefill left to do, plus
+    the save of the slot's present content when it is worth parking (``park_min`` tokens would be
+    lost, it is not in the store yet, and a store exists), plus the expected later cost of what is
+    overwritten. Ties go to the slot used least recently.
+    """
+    if not idle:
+        return None
+    n = len(tokens)
+    best_entry = store.best(tokens) if store is not None else None
+    best: tuple[tuple[float, float], Placement] | None = None
+    for view in idle:
+        held = len(view.tokens)
+        own = common_prefix(tokens, view.tokens)
+        options: list[tuple[int, Source, str | None, float]] = [
+            (own, Source.SLOT if own else Source.NONE, None, 0.0)
+        ]
+        if best_entry is not None and best_entry[1] > own:
+            entry, shared = best_entry
+            options.append((shared, Source.STORE, entry.id, costs.restore.estimate(entry.nbytes)))
+        for reuse, source, entry_id, restore_s in options:
+            # A restore replaces the slot's whole content; its own cache keeps the shared part.
+            kept = own if source is not Source.STORE else 0
+            lost = held - kept
+            saved = view.stored is not None
+            park = store is not None and not saved and lost >= park_min and lost > 0
+            park_s = costs.save.estimate(costs.state_bytes(held)) if park else 0.0
+            if lost <= 0:
+                later = 0.0
+            elif saved or park:
+                later = _RETURN_CHANCE * costs.restore.estimate(costs.state_bytes(held))
+            else:
+                later = _RETURN_CHANCE * costs.prefill.estimate(kept, lost)
+            seconds = restore_s + park_s + costs.prefill.estimate(reuse, n - reuse)
+            lru = -math.inf if view.last_used is None else view.last_used
+            key = (seconds + later, lru)
+            if best is None or key < best[0]:
+                best = (
+                    key,
+                    Placement(
+                        slot=view.slot,
+                        reuse=reuse,
+                        source=source,
+                        entry_id=entry_id,
+                        park=park,
+                        seconds=seconds,
+                    ),
+                )
+    return None if best is None else best[1]
 
 
 @attrs.define
 class _Slot:
-    fingerprint: Fingerprint | None = None
+    tokens: Tokens = ()
     refcount: int = 0
     last_used: float | None = None
     agent: str | None = None
     lease_ids: list[int] = attrs.Factory(list)
+    stored: str | None = None
 
 
 @attrs.define(eq=False)
 class SlotManager:
-    """Hands out llama-server slots by cache affinity; never hands out a busy slot.
-
-    ``acquire`` prefers, among idle slots: an exact hit, then the longest prefix hit, then an empty
-    slot (keeping other agents' caches alive), then the slot sharing the most with the request
-    (typically the common system prompt and tools), least recently used first. A slot that a
-    *waiting* request would hit (``protect``) is evicted only when nothing else is left: with more
-    agents than slots, plain LRU tends to evict exactly the agent that is next in line.
-    """
+    """The slot table of one engine: content, leases and a watchdog. Never leases a busy slot."""
 
     n_slots: int = attrs.field(validator=_positive)
-    lease_ttl: float = attrs.field(default=600.0, kw_only=True, validator=_positive)
+    lease_ttl: float = attrs.field(default=900.0, kw_only=True, validator=_positive)
     _slots: list[_Slot] = attrs.field(init=False)
     _leases: dict[int, Lease] = attrs.field(init=False, factory=dict)
     _next_lease: int = attrs.field(init=False, default=1)
@@ -84,116 +153,111 @@ class SlotManager:
     def _make_slots(self) -> list[_Slot]:
         return [_Slot() for _ in range(self.n_slots)]
 
-    def _choose(
-        self, fingerprint: Fingerprint | None, protect: Collection[Fingerprint] = ()
-    ) -> tuple[int, Match] | None:
-        best: tuple[tuple[int, int, float, int], int, Match] | None = None
-        for index, slot in enumerate(self._slots):
-            if slot.refcount > 0:
-                continue
-            if fingerprint is None:
-                match = Match(MatchKind.MISS)
-            else:
-                match = compare(fingerprint, slot.fingerprint)
-            if match.kind is MatchKind.EXACT:
-                rank = 0
-            elif match.kind is MatchKind.PREFIX:
-                rank = 1
-            elif slot.fingerprint is None:
-                rank = 2
-            elif any(_hits(waiting, slot.fingerprint) for waiting in protect):
-                rank = 4
-            else:
-                rank = 3
-            lru = -math.inf if slot.last_used is None else slot.last_used
-            key = (rank, -match.shared_size, lru, index)
-            if best is None or key < best[0]:
-                best = (key, index, match)
-        return None if best is None else (best[1], best[2])
-
-    def peek(
-        self, fingerprint: Fingerprint | None, protect: Collection[Fingerprint] = ()
-    ) -> Match | None:
-        """The match :meth:`acquire` would give now, without taking a slot; None if all are busy."""
-        chosen = self._choose(fingerprint, protect)
-        return None if chosen is None else chosen[1]
-
-    def acquire(
-        self,
-        fingerprint: Fingerprint | None,
-        now: float,
-        *,
-        agent: str = "",
-        protect: Collection[Fingerprint] = (),
-    ) -> Lease | None:
-        """Lease the best idle slot for ``fingerprint``; None when every slot is busy.
-
-        ``protect`` holds the fingerprints of requests still waiting: slots they would hit are
-        evicted last.
-        """
-        chosen = self._choose(fingerprint, protect)
-        if chosen is None:
-            return None
-        index, match = chosen
+    def _view(self, index: int) -> SlotView:
         slot = self._slots[index]
-        overwritten = match.kind is MatchKind.MISS and slot.fingerprint is not None
+        return SlotView(
+            slot=index,
+            tokens=slot.tokens,
+            refcount=slot.refcount,
+            last_used=slot.last_used,
+            agent=slot.agent,
+            lease_ids=tuple(slot.lease_ids),
+            stored=slot.stored,
+        )
+
+    def idle(self) -> list[SlotView]:
+        """The slots no request holds, in slot order."""
+        return [self._view(i) for i, slot in enumerate(self._slots) if slot.refcount == 0]
+
+    def place(
+        self,
+        tokens: Tokens,
+        costs: CostModel,
+        *,
+        store: StoreIndex | None = None,
+        park_min: int = 256,
+    ) -> Placement | None:
+        """:func:`place` over this table's idle slots."""
+        return place(tokens, self.idle(), costs, store=store, park_min=park_min)
+
+    def acquire(self, placement: Placement, now: float, *, agent: str, tokens: Tokens) -> Lease:
+        """Lease the slot ``placement`` names for a request of ``tokens``.
+
+        Raises ValueError when that slot is busy: a placement is only valid until the table
+        changes, so callers place and acquire in one step.
+        """
+        if not 0 <= placement.slot < self.n_slots:
+            raise ValueError(f"no slot {placement.slot}: slots are 0..{self.n_slots - 1}")
+        slot = self._slots[placement.slot]
+        if slot.refcount:
+            raise ValueError(f"slot {placement.slot} is busy")
         lease = Lease(
             id=self._next_lease,
-            slot=index,
-            match=match,
+            slot=placement.slot,
             agent=agent,
             acquired_at=now,
-            fingerprint=fingerprint,
-            evicted=slot.fingerprint if overwritten else None,
-            evicted_agent=slot.agent if overwritten else None,
+            placement=placement,
+            tokens=tokens,
+            evicted=slot.tokens,
+            evicted_agent=slot.agent,
         )
         self._next_lease += 1
-        slot.refcount += 1
+        slot.refcount = 1
         slot.last_used = now
         slot.agent = agent
         slot.lease_ids.append(lease.id)
-        # While leased the slot is being filled with this request's prefix.
-        slot.fingerprint = fingerprint
         self._leases[lease.id] = lease
         stats = self._stats
+        source = placement.source
         self._stats = attrs.evolve(
             stats,
-            exact=stats.exact + (match.kind is MatchKind.EXACT),
-            prefix=stats.prefix + (match.kind is MatchKind.PREFIX),
-            miss=stats.miss + (match.kind is MatchKind.MISS),
             acquired=stats.acquired + 1,
-            saved_size=stats.saved_size + match.shared_size,
+            from_slot=stats.from_slot + (source is Source.SLOT),
+            from_store=stats.from_store + (source is Source.STORE),
+            cold=stats.cold + (source is Source.NONE),
+            reused_tokens=stats.reused_tokens + placement.reuse,
+            computed_tokens=stats.computed_tokens + max(0, len(tokens) - placement.reuse),
         )
         return lease
 
-    def _drop(self, lease: Lease) -> _Slot:
-        del self._leases[lease.id]
-        slot = self._slots[lease.slot]
-        slot.refcount = max(0, slot.refcount - 1)
-        slot.lease_ids.remove(lease.id)
-        return slot
+    def set_content(self, slot: int, tokens: Tokens, *, stored: str | None = None) -> None:
+        """Record what a slot holds now (after a restore, a park or a finished request)."""
+        self._check(slot)
+        self._slots[slot].tokens = tuple(tokens)
+        self._slots[slot].stored = stored
 
-    def release(self, lease: Lease, now: float, *, fingerprint: Fingerprint | None = None) -> bool:
+    def mark_stored(self, slot: int, entry_id: str | None) -> None:
+        """The slot's content is (or, with None, is no longer) held by a store entry."""
+        self._check(slot)
+        self._slots[slot].stored = entry_id
+
+    def forget_entry(self, entry_id: str) -> None:
+        """A store entry is gone: slots it covered now hold unsaved content."""
+        for slot in self._slots:
+            if slot.stored == entry_id:
+                slot.stored = None
+
+    def release(self, lease: Lease, now: float, *, holds: Tokens | None) -> bool:
         """Give the slot back; False (and no change) if the lease is no longer live.
 
-        The slot's cached prefix becomes ``fingerprint`` (what the slot holds now, e.g. the request
-        plus the reply) or, when that is None, the lease's own fingerprint.
+        ``holds`` is what the slot's cache holds now (None when unknown, e.g. after a failure:
+        the slot then counts as empty, which never promises a cache that is not there).
         """
         if self._leases.get(lease.id) != lease:
             return False
         slot = self._drop(lease)
         slot.last_used = now
-        slot.fingerprint = fingerprint if fingerprint is not None else lease.fingerprint
+        if holds is None:
+            slot.tokens, slot.stored = (), None
+        elif tuple(holds) != slot.tokens:
+            slot.tokens, slot.stored = tuple(holds), None
         return True
 
     def invalidate(self, slot: int) -> None:
-        """Forget what ``slot`` holds (it was erased, or a request on it failed).
-
-        On a leased slot, call it after :meth:`release`, which records a fingerprint again.
-        """
-        if not 0 <= slot < self.n_slots:
-            raise ValueError(f"no slot {slot}: slots are 0..{self.n_slots - 1}")
-        self._slots[slot].fingerprint = None
+        """Forget what ``slot`` holds (it was erased, or a request on it failed)."""
+        self._check(slot)
+        self._slots[slot].tokens = ()
+        self._slots[slot].stored = None
 
     def sweep(self, now: float) -> list[Lease]:
         """Reclaim and return leases held longer than ``lease_ttl``, oldest id first.
@@ -201,35 +265,40 @@ class SlotManager:
         A reclaimed slot's cache is forgotten: the request may still be running on the engine,
         and nobody knows what the slot will hold when it stops.
         """
-        expired = [
-            lease for lease in self._leases.values() if now - lease.acquired_at > self.lease_ttl
-        ]
-        expired.sort(key=lambda lease: lease.id)
+        expired = sorted(
+            (lease for lease in self._leases.values() if now - lease.acquired_at > self.lease_ttl),
+            key=lambda lease: lease.id,
+        )
         for lease in expired:
-            self._drop(lease).fingerprint = None
+            slot = self._drop(lease)
+            slot.tokens, slot.stored = (), None
         if expired:
             self._stats = attrs.evolve(self._stats, reclaimed=self._stats.reclaimed + len(expired))
         return expired
 
+    def lease(self, lease_id: int) -> Lease | None:
+        """The live lease with this id, if any."""
+        return self._leases.get(lease_id)
+
     def table(self) -> list[SlotView]:
         """One read-only row per slot, in slot order."""
-        return [
-            SlotView(
-                slot=index,
-                fingerprint=slot.fingerprint,
-                refcount=slot.refcount,
-                last_used=slot.last_used,
-                agent=slot.agent,
-                lease_ids=tuple(slot.lease_ids),
-            )
-            for index, slot in enumerate(self._slots)
-        ]
+        return [self._view(i) for i in range(self.n_slots)]
 
     def stats(self) -> SlotStats:
-        """The hit counters so far."""
         return self._stats
 
     @property
     def free(self) -> int:
         """How many slots are idle."""
         return sum(1 for slot in self._slots if slot.refcount == 0)
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"no slot {slot}: slots are 0..{self.n_slots - 1}")
+
+    def _drop(self, lease: Lease) -> _Slot:
+        del self._leases[lease.id]
+        slot = self._slots[lease.slot]
+        slot.refcount = max(0, slot.refcount - 1)
+        slot.lease_ids.remove(lease.id)
+        return slot

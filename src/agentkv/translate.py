@@ -49,7 +49,13 @@ _ANY_SCHEMA: dict[str, Any] = {"type": "object"}
 
 @attrs.frozen
 class EngineRequest:
-    """A request ready for llama-server, plus what later stages need to answer the client."""
+    """A request ready for llama-server, plus what later stages need to answer the client.
+
+    ``stem_body`` is ``body`` without the words of its last user turn (None when it has none):
+    the prompt it renders is the part of this request that other requests may share — the system
+    prompt, the tools, the conversation so far and the session context — and its end is where a
+    fresh agent's own tokens begin.
+    """
 
     body: dict[str, Any]
     model: str
@@ -58,11 +64,26 @@ class EngineRequest:
     tool_names: tuple[str, ...]
     thinking: bool
     request: MessagesRequest
+    stem_body: dict[str, Any] | None = None
+
+
+#: Text blocks that carry session context rather than the user's own words.
+REMINDER_PREFIX = "<system-reminder>"
 
 
 @attrs.frozen
 class MessagesTranslator:
-    """Parses and validates Messages requests and turns them into engine requests."""
+    """Parses and validates Messages requests and turns them into engine requests.
+
+    ``session_layout`` (on by default) lays out a client's session context so that agents share
+    it: a ``system`` message that follows a user's turn (Claude Code sends its ~9 KB environment
+    note that way, after the user's first words) and the ``<system-reminder>`` blocks of that turn
+    go *before* the user's words. Two fresh agents in one project then differ only at their last
+    few tokens instead of at the user's words, ahead of the whole note. Each turn is still laid
+    out on its own, so a growing conversation only ever appends to its prompt.
+    """
+
+    session_layout: bool = True
 
     def parse(self, body: Mapping[str, Any]) -> MessagesRequest:
         """Structure and validate a client body; errors name the field (``messages[1].role``)."""
@@ -96,9 +117,12 @@ class MessagesTranslator:
             else:
                 forced_tool = "*"
 
-        messages = _system_messages(request.system)
-        for message in request.messages:
-            messages.extend(_translate_message(message))
+        head = _system_messages(request.system)
+        turns = _turns(request.messages, self.session_layout)
+        messages = list(head)
+        for message, notes in turns:
+            messages.extend(_translate_message(message, notes, self.session_layout))
+        stem = _stem(head, turns, self.session_layout)
 
         body: dict[str, Any] = {"messages": messages}
         if forced_tool is not None:
@@ -122,6 +146,10 @@ class MessagesTranslator:
                 if choice.disable_parallel_tool_use is not None:
                     body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
 
+        stem_body = None
+        if stem is not None:
+            stem_body = {k: v for k, v in body.items() if k != "messages"}
+            stem_body["messages"] = stem
         body["max_tokens"] = request.max_tokens
         body["stream"] = request.stream
         if request.stream:
@@ -142,6 +170,7 @@ class MessagesTranslator:
             tool_names=tool_names,
             thinking=request.thinking is not None and request.thinking.wanted,
             request=request,
+            stem_body=stem_body,
         )
 
     def translate(self, body: Mapping[str, Any]) -> EngineRequest:
@@ -183,23 +212,88 @@ def _blocks(content: str | Sequence[ContentBlock]) -> Sequence[ContentBlock]:
     return [TextBlock(text=content)] if isinstance(content, str) else content
 
 
-def _translate_message(message: Message) -> list[dict[str, Any]]:
+_Turn = tuple[Message, list[str]]
+
+
+def _is_reminder(block: ContentBlock) -> bool:
+    return isinstance(block, TextBlock) and block.text.lstrip().startswith(REMINDER_PREFIX)
+
+
+def _note(message: Message) -> str:
+    """A mid-conversation system message as text, wrapped the way Claude Code marks such notes."""
+    text = _TEXT_JOIN.join(_texts(_blocks(message.content)))
+    if text and not text.lstrip().startswith(REMINDER_PREFIX):
+        text = f"{REMINDER_PREFIX}\n{text}\n</system-reminder>"
+    return text
+
+
+def _is_human_turn(message: Message) -> bool:
+    return message.role == "user" and not any(
+        isinstance(b, ToolResultBlock) for b in _blocks(message.content)
+    )
+
+
+def _turns(messages: Sequence[Message], layout: bool) -> list[_Turn]:
+    """Messages with the system notes that belong before their words (session layout)."""
+    turns: list[_Turn] = []
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        i += 1
+        notes: list[str] = []
+        if layout and _is_human_turn(message):
+            while i < len(messages) and messages[i].role == "system":
+                note = _note(messages[i])
+                if note:
+                    notes.append(note)
+                i += 1
+        turns.append((message, notes))
+    return turns
+
+
+def _stem(
+    head: list[dict[str, Any]], turns: list[_Turn], layout: bool
+) -> list[dict[str, Any]] | None:
+    """The engine messages of ``turns`` without the last human turn's own words, if it has any."""
+    if not turns:
+        return None
+    message, notes = turns[-1]
+    if not _is_human_turn(message):
+        return None
+    blocks = _blocks(message.content)
+    context = [b for b in blocks if _is_reminder(b)]
+    if len(context) == len([b for b in blocks if not (isinstance(b, TextBlock) and not b.text)]):
+        return None  # nothing but session context: no words to leave out
+    stem = list(head)
+    for earlier, earlier_notes in turns[:-1]:
+        stem.extend(_translate_message(earlier, earlier_notes, layout))
+    if notes or context:
+        stem.extend(_user_turn(context, notes))
+    return stem
+
+
+def _translate_message(
+    message: Message, notes: Sequence[str] = (), layout: bool = True
+) -> list[dict[str, Any]]:
     blocks = _blocks(message.content)
     if message.role == "assistant":
         return [_assistant(blocks)]
     if message.role == "system":
-        # A mid-conversation system note (Claude Code sends these) becomes a user turn wrapped the
-        # way Claude Code itself marks such notes. Many chat templates accept a system message only
-        # at the start and raise otherwise, and merging it into the head system prompt or into a
-        # neighbouring turn would rewrite text that is already cached: every message maps to its
-        # own engine message so that a growing conversation only ever appends.
-        text = _TEXT_JOIN.join(_texts(blocks))
-        if not text:
-            return []
-        if not text.lstrip().startswith("<system-reminder>"):
-            text = f"<system-reminder>\n{text}\n</system-reminder>"
-        return [{"role": "user", "content": text}]
+        # A system note that follows no human turn becomes a user turn of its own. Many chat
+        # templates accept a system message only at the start and raise otherwise, and merging it
+        # into the head system prompt would rewrite text that is already cached.
+        text = _note(message)
+        return [{"role": "user", "content": text}] if text else []
+    if layout and (notes or any(_is_reminder(b) for b in blocks)):
+        return _user_turn(blocks, notes)
     return _user(blocks)
+
+
+def _user_turn(blocks: Sequence[ContentBlock], notes: Sequence[str]) -> list[dict[str, Any]]:
+    """A human turn in session layout: system notes, then reminders, then the user's words."""
+    context: list[ContentBlock] = [TextBlock(text=note) for note in notes]
+    context += [b for b in blocks if _is_reminder(b)]
+    return _user([*context, *(b for b in blocks if not _is_reminder(b))])
 
 
 def _texts(blocks: Sequence[ContentBlock]) -> list[str]:

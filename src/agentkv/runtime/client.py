@@ -96,6 +96,8 @@ def _check_chunk(chunk: Any) -> dict[str, Any]:
 
 
 def _finish_reason(chunk: Mapping[str, Any]) -> Any:
+    if chunk.get("stop") is True:  # llama-server's native /completion stream
+        return chunk.get("stop_type") or "stop"
     choices = chunk.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
         return choices[0].get("finish_reason")
@@ -256,13 +258,45 @@ class LlamaSlotClient:
             raise EngineResponseError(f"llama-server apply-template returned {data!r:.200}")
         return prompt
 
-    async def count_prompt_tokens(self, body: Mapping[str, Any]) -> int:
-        """How many prompt tokens a chat ``body`` costs, as llama-server counts them
-        (``timings.prompt_n + timings.cache_n`` of a real request)."""
+    async def prompt_tokens(self, body: Mapping[str, Any]) -> list[int]:
+        """The prompt tokens of a chat ``body``, exactly as llama-server computes them."""
         prompt = await self.apply_template(body)
         # llama-server tokenizes the templated chat prompt with add_special=True and
         # parse_special=True; the chat template already wrote any BOS the model wants.
-        return len(await self.tokenize(prompt, add_special=True))
+        return await self.tokenize(prompt, add_special=True)
+
+    async def count_prompt_tokens(self, body: Mapping[str, Any]) -> int:
+        """How many prompt tokens a chat ``body`` costs, as llama-server counts them
+        (``timings.prompt_n + timings.cache_n`` of a real request)."""
+        return len(await self.prompt_tokens(body))
+
+    @contextlib.asynccontextmanager
+    async def prefill(
+        self, tokens: list[int] | tuple[int, ...], *, slot: int
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Compute ``tokens`` into ``slot``'s cache and generate nothing worth keeping.
+
+        A streamed ``/completion`` of the raw token ids with one predicted token (llama-server
+        always samples at least one) and prompt progress on: the chunks report
+        ``prompt_progress`` while it computes, and the last one its ``timings``. The slot then
+        holds ``tokens``, ready to be saved or extended by the real request. Leaving the block
+        early cancels the computation; the slot keeps what was computed so far.
+        """
+        payload = {
+            "prompt": list(tokens),
+            "n_predict": 1,
+            "id_slot": slot,
+            "cache_prompt": True,
+            "stream": True,
+            "return_progress": True,
+            "temperature": 0.0,
+        }
+        response = await self._send("POST", "/completion", "prefill", payload, stream=True)
+        try:
+            yield _ChunkStream(response)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
 
     # -- slots --------------------------------------------------------------------------------
 

@@ -83,11 +83,9 @@ class Compactor:
             return None
         result: Compaction | None = None
         try:
-            ticket = self.gateway.submit(
-                f"{agent} (compaction)", priority, None, background=background
-            )
+            ticket = self.gateway.submit(f"{agent} (compaction)", priority, background=background)
             lease = await self.gateway.wait(ticket)
-            cached = None
+            holds: tuple[int, ...] | None = None
             try:
                 reply = await self.client.chat(
                     summary_request(body, plan, max_tokens=self.summary_tokens), slot=lease.slot
@@ -102,9 +100,10 @@ class Compactor:
                 timings = warm.get("timings") or {}
                 after = int(timings.get("prompt_n", 0)) + int(timings.get("cache_n", 0))
                 result = attrs.evolve(result, tokens_after=after)
-                cached = self.fingerprinter.fingerprint(compacted)
+                # The slot now holds the compacted conversation: the agent's next request hits it.
+                holds = tuple(await self.client.prompt_tokens(compacted))
             finally:
-                self.gateway.release(lease, cached, ok=cached is not None)
+                self.gateway.release(lease, holds=holds)
             log.info(
                 "compacted agent %s: %d messages -> summary, %d -> %d prompt tokens",
                 agent,

@@ -123,7 +123,8 @@ class EngineConfig:
 
     model: Path = attrs.field(converter=Path)
     slots: int = 2
-    ctx_per_slot: int = 8192
+    #: None: the model's training context.
+    ctx_per_slot: int | None = None
     gpu_layers: int = 0
     host: str = "127.0.0.1"
     port: int = 8080
@@ -137,9 +138,14 @@ class EngineConfig:
     webui: bool = False
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
+    #: KV cache element type (-ctk/-ctv); part of what a saved slot state depends on.
+    kv_type: str = "f16"
+
     @property
     def effective_ctx_per_slot(self) -> int:
         """Context tokens per slot, after the training-context cap."""
+        if self.ctx_per_slot is None:
+            return self.n_ctx_train
         return min(self.ctx_per_slot, self.n_ctx_train)
 
     @property

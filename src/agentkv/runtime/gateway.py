@@ -1,8 +1,20 @@
 """The scheduling layer at run time: tickets wait in the FairScheduler, slots come as leases.
 
-The pure components decide; this module only waits and wakes. Dispatch is event-driven: it runs
-whenever a ticket arrives or a lease comes back, so no loop polls the queue. Everything here runs on
-one event loop, and the sections between awaits are atomic, so no lock is needed.
+The pure components decide (:class:`~agentkv.FairScheduler` the order, :func:`agentkv.slots.place`
+the slot); this module only waits and wakes. Dispatch is event-driven: it runs whenever a ticket
+arrives, a lease comes back or a shared prefix finishes computing, so no loop polls the queue.
+Everything here runs on one event loop, and the sections between awaits are atomic, so no lock
+is needed.
+
+Two things make waiting deliberate rather than first come, first served:
+
+- **Checkpoints.** A request that computes a long prefix other requests may share (a fresh
+  agent's system prompt, tools and session context) announces it as a checkpoint. A request that
+  arrives meanwhile and shares most of it waits for the checkpoint to be saved and then restores
+  it, instead of computing the same tokens in parallel, when that is estimated to be sooner.
+- **Pre-emption.** A request that finds every slot busy with less urgent work may have one of
+  them suspended: the runtime saves what that request has computed so far, gives the slot up and
+  resumes it later from where it stopped, so nothing is computed twice.
 """
 
 from __future__ import annotations
@@ -10,71 +22,88 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import attrs
 
-from agentkv import FairScheduler, Fingerprint, Lease, MatchKind, SlotManager, Ticket
+from agentkv._types import Lease, Placement, Ticket
+from agentkv.costs import CostModel
+from agentkv.scheduler import FairScheduler
+from agentkv.slots import SlotManager
+from agentkv.store import StoreIndex
+from agentkv.tokens import Tokens, common_prefix
 
-__all__ = ["Gateway", "RequestRecord"]
+__all__ = ["Checkpoint", "Gateway"]
 
-log = logging.getLogger("agentkv.server")
+log = logging.getLogger("agentkv.gateway")
 
 
-@attrs.define
+@attrs.define(eq=False)
+class Checkpoint:
+    """A prefix being computed on a slot, to be saved for other requests when done."""
+
+    id: int
+    tokens: Tokens = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    slot: int
+    agent: str
+    started: float
+    #: Prompt tokens cached or computed so far (llama-server's prompt progress).
+    progress: int = 0
+    done: bool = False
+
+
+@attrs.define(eq=False)
 class _Waiter:
     ticket: Ticket
     event: anyio.Event = attrs.field(factory=anyio.Event)
     lease: Lease | None = None
+    #: A checkpoint this ticket waits for (it restores it rather than computing it again).
+    blocked_on: Checkpoint | None = None
 
 
-@attrs.define
+@attrs.define(eq=False)
 class _Running:
-    """A leased request that may still be pre-empted (it has produced no output yet)."""
+    """A leased request, as far as pre-emption is concerned."""
 
+    lease: Lease
     priority: int
-    acquired_at: float
-    preempt: Callable[[], None]
+    #: Suspends the request (it saves its progress and gives the slot up); None: not now.
+    suspend: Callable[[], None] | None = None
+    decoding: bool = False
+    suspending: bool = False
 
 
-@attrs.define
-class RequestRecord:
-    """What the slot table shows about one finished (or running) request."""
-
-    agent: str
-    priority: int
-    ticket: int = 0
-    #: Order in which requests got their slot (1, 2, …): shows what the scheduler chose.
-    dispatch_seq: int | None = None
-    slot: int | None = None
-    match: str | None = None
-    queued_s: float = 0.0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    ttft_s: float | None = None
-    #: The reply tried a tool call that could not be recovered, and was asked for again.
-    retried: bool = False
-    #: Times this request gave its slot up, before producing anything, to a P0 request.
-    preempted: int = 0
-    status: str = "queued"
+def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value}")
 
 
 @attrs.define
 class Gateway:
-    """Owns the SlotManager and FairScheduler of one engine and hands out leases fairly."""
+    """Owns the slot table and the queues of one engine and hands out leases fairly.
 
-    n_slots: int
+    ``store`` is the prefix store's index when there is one (placement may then restore a saved
+    state); ``costs`` prices prefill, save and restore. ``preempt_from``: a request of priority 0
+    that finds every slot busy suspends a running request of at least this priority (None: never).
+    """
+
+    n_slots: int = attrs.field(validator=_positive)
     aging: float = 0.1
     max_queue: int = 256
     lease_ttl: float = 900.0
     tie_window: float = 0.25
-    #: A P0 request that finds every slot busy takes one from a running request of at least this
-    #: priority that has not produced output yet (None: never pre-empt).
     preempt_from: int | None = None
+    #: Content of at least this many tokens is saved to the store before it is overwritten.
+    park_min: int = 256
+    #: A checkpoint is worth waiting for only when it adds at least this many shared tokens.
+    share_min: int = 512
+    #: A ticket's shareable head is computed and saved on its own when at least this many of its
+    #: tokens are not held anywhere.
+    split_min: int = 1024
+    costs: CostModel = attrs.field(factory=CostModel)
+    store: StoreIndex | None = None
     clock: Callable[[], float] = time.monotonic
     _slots: SlotManager = attrs.field(init=False)
     _scheduler: FairScheduler = attrs.field(init=False)
@@ -85,8 +114,8 @@ class Gateway:
     _dispatched: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _lease_seq: dict[int, int] = attrs.field(init=False, factory=dict)
     _running: dict[int, _Running] = attrs.field(init=False, factory=dict)
-    _recent: list[RequestRecord] = attrs.field(init=False, factory=list)
-    _agents: dict[str, dict[str, Any]] = attrs.field(init=False, factory=dict)
+    _checkpoints: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
+    _lease_checkpoint: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._slots = SlotManager(self.n_slots, lease_ttl=self.lease_ttl)
@@ -103,12 +132,15 @@ class Gateway:
     def scheduler(self) -> FairScheduler:
         return self._scheduler
 
+    # -- tickets --------------------------------------------------------------------------------
+
     def submit(
         self,
         agent: str,
         priority: int,
-        fingerprint: Fingerprint | None,
+        tokens: Tokens = (),
         *,
+        head: int | None = None,
         background: bool = False,
         arrival: float | None = None,
     ) -> Ticket:
@@ -116,48 +148,25 @@ class Gateway:
 
         A ``background`` ticket gets a slot only when no foreground ticket is waiting, whatever
         its score: compaction must never delay an agent's request. A request that gave its slot
-        up to a P0 request comes back with its original ``arrival``, so it keeps its aging credit.
+        up to a more urgent one comes back with its original ``arrival``, keeping its aging credit.
         """
         ticket = Ticket(
             id=next(self._ids),
             agent=agent,
             priority=priority,
             arrival=self.clock() if arrival is None else arrival,
-            fingerprint=fingerprint,
+            tokens=tuple(tokens),
+            head=head,
         )
         (self._background if background else self._scheduler).submit(ticket, ticket.arrival)
-        self._waiters[ticket.id] = _Waiter(ticket)
+        waiter = _Waiter(ticket)
+        self._waiters[ticket.id] = waiter
+        if not background:
+            waiter.blocked_on = self._worth_waiting_for(ticket.tokens)
         self._dispatch()
-        waiter = self._waiters[ticket.id]
-        if priority == 0 and not background and waiter.lease is None:
+        if not background and waiter.lease is None and waiter.blocked_on is None:
             self._preempt_for(ticket)
         return ticket
-
-    def running(self, lease: Lease, priority: int, preempt: Callable[[], None]) -> None:
-        """Declare a leased request pre-emptible until :meth:`started` (or its release)."""
-        self._running[lease.id] = _Running(priority, lease.acquired_at, preempt)
-
-    def started(self, lease: Lease) -> None:
-        """The request produced output: from now on it keeps its slot to the end."""
-        self._running.pop(lease.id, None)
-
-    def _preempt_for(self, ticket: Ticket) -> None:
-        if self.preempt_from is None:
-            return
-        victims = [
-            (running.priority, running.acquired_at, lease_id)
-            for lease_id, running in self._running.items()
-            if running.priority >= max(self.preempt_from, ticket.priority + 1)
-        ]
-        if not victims:
-            return
-        # The least urgent, and among those the one that started last (least work lost).
-        _, _, lease_id = max(victims)
-        victim = self._running.pop(lease_id)
-        log.info(
-            "pre-empting lease %d (priority %d) for ticket %d", lease_id, victim.priority, ticket.id
-        )
-        victim.preempt()
 
     async def wait(self, ticket: Ticket) -> Lease:
         """Wait for the ticket's lease. Cancellation withdraws the ticket or returns the lease."""
@@ -173,41 +182,150 @@ class Gateway:
         assert waiter.lease is not None
         return waiter.lease
 
-    def release(
-        self, lease: Lease, fingerprint: Fingerprint | None = None, *, ok: bool = True
-    ) -> None:
-        """Return a lease. After a failure the slot's cache is in an unknown state: forget it."""
-        now = self.clock()
+    def withdraw(self, ticket: Ticket) -> None:
+        """Forget a ticket that will never be waited for (its request failed before waiting)."""
+        waiter = self._waiters.get(ticket.id)
+        if waiter is not None:
+            self._withdraw(waiter)
+
+    def release(self, lease: Lease, *, holds: Tokens | None) -> None:
+        """Return a lease; ``holds`` is what the slot's cache holds now (None: unknown)."""
         self._lease_seq.pop(lease.id, None)
         self._running.pop(lease.id, None)
-        if self._slots.release(lease, now, fingerprint=fingerprint) and not ok:
-            self._slots.invalidate(lease.slot)
+        checkpoint = self._lease_checkpoint.pop(lease.id, None)
+        if checkpoint is not None and not checkpoint.done:
+            self.end_checkpoint(checkpoint)  # the request ended before saving it
+        self._slots.release(lease, self.clock(), holds=holds)
         self._dispatch()
 
     def dispatch_seq(self, lease: Lease) -> int | None:
         """The order in which this lease was handed out (1, 2, …), while it is held."""
         return self._lease_seq.get(lease.id)
 
-    @asynccontextmanager
-    async def hold(self, ticket: Ticket) -> AsyncIterator[Lease]:
-        """``async with gateway.hold(ticket) as lease``: wait for the lease and always release it.
+    # -- running requests and pre-emption -----------------------------------------------------
 
-        Release is synchronous, so it happens on normal exit, on error, on client disconnect and on
-        cancellation alike. Only a clean exit records the request's prefix as the slot's cache.
-        """
-        lease = await self.wait(ticket)
-        ok = False
-        try:
-            yield lease
-            ok = True
-        finally:
-            # Synchronous, so no cancellation can cut it short, whatever ended the block.
-            self.release(lease, ticket.fingerprint if ok else None, ok=ok)
+    def running(
+        self, lease: Lease, priority: int, suspend: Callable[[], None] | None = None
+    ) -> None:
+        """Declare a leased request; ``suspend`` lets a more urgent request take its slot."""
+        self._running[lease.id] = _Running(lease, priority, suspend)
+
+    def decoding(self, lease: Lease) -> None:
+        """The request's prompt is computed; it now generates."""
+        running = self._running.get(lease.id)
+        if running is not None:
+            running.decoding = True
+
+    def _preempt_for(self, ticket: Ticket) -> None:
+        if self.preempt_from is None or ticket.priority > 0:
+            return
+        victims = [
+            running
+            for running in self._running.values()
+            if running.suspend is not None
+            and not running.suspending
+            and running.priority >= max(self.preempt_from, ticket.priority + 1)
+        ]
+        if not victims:
+            return
+        # The least urgent; among those, one still computing its prompt, then the latest started.
+        victim = max(victims, key=lambda r: (r.priority, not r.decoding, r.lease.acquired_at))
+        victim.suspending = True
+        log.info(
+            "suspending lease %d (agent %s, priority %d) for ticket %d (priority %d)",
+            victim.lease.id,
+            victim.lease.agent,
+            victim.priority,
+            ticket.id,
+            ticket.priority,
+        )
+        assert victim.suspend is not None
+        victim.suspend()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def checkpoint_of(self, lease: Lease) -> Checkpoint | None:
+        """The head this lease's request must compute and save first, if one was planned."""
+        return self._lease_checkpoint.get(lease.id)
+
+    def _plan_checkpoint(self, ticket: Ticket, lease: Lease) -> None:
+        """Decided at dispatch, so that requests dispatched right after see it and wait."""
+        head = ticket.head
+        if self.store is None or head is None or head - lease.placement.reuse < self.split_min:
+            return
+        if self.store.covers(ticket.tokens[:head], slack=16) is not None:
+            return
+        checkpoint = Checkpoint(
+            id=next(self._ids),
+            tokens=ticket.tokens[:head],
+            slot=lease.slot,
+            agent=lease.agent,
+            started=self.clock(),
+            progress=lease.placement.reuse,
+        )
+        self._checkpoints[checkpoint.id] = checkpoint
+        self._lease_checkpoint[lease.id] = checkpoint
+        # Requests already queued may prefer to wait for it.
+        for waiter in self._waiters.values():
+            if waiter.lease is None and waiter.blocked_on is None:
+                waiter.blocked_on = self._worth_waiting_for(waiter.ticket.tokens)
+
+    def checkpoint_progress(self, checkpoint: Checkpoint, computed: int) -> None:
+        checkpoint.progress = max(checkpoint.progress, computed)
+
+    def end_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """The checkpoint is saved (or failed): requests waiting for it may go."""
+        checkpoint.done = True
+        self._checkpoints.pop(checkpoint.id, None)
+        for lease_id, planned in list(self._lease_checkpoint.items()):
+            if planned is checkpoint:
+                del self._lease_checkpoint[lease_id]
+        for waiter in self._waiters.values():
+            if waiter.blocked_on is checkpoint:
+                waiter.blocked_on = None
+        self._dispatch()
+
+    def _available(self, tokens: Tokens) -> int:
+        """Tokens of ``tokens`` that could be had now without computing them."""
+        best = max((common_prefix(tokens, row.tokens) for row in self._slots.table()), default=0)
+        if self.store is not None:
+            found = self.store.best(tokens)
+            if found is not None:
+                best = max(best, found[1])
+        return best
+
+    def _worth_waiting_for(self, tokens: Tokens) -> Checkpoint | None:
+        """The checkpoint this request should wait for, if waiting is estimated to be sooner."""
+        if not tokens or not self._checkpoints or self.store is None:
+            return None
+        available = self._available(tokens)
+        costs = self.costs
+        # Computing alone would run next to the prompts being computed now (the checkpoint's at
+        # least), which share the engine: each goes about that many times slower.
+        contention = 1 + sum(1 for r in self._running.values() if not r.decoding)
+        best: tuple[float, Checkpoint] | None = None
+        for checkpoint in self._checkpoints.values():
+            shared = common_prefix(tokens, checkpoint.tokens)
+            if shared < available + self.share_min:
+                continue
+            remaining = costs.prefill.estimate(
+                checkpoint.progress, len(checkpoint.tokens) - checkpoint.progress
+            )
+            wait = remaining + costs.restore.estimate(costs.state_bytes(len(checkpoint.tokens)))
+            alone = contention * costs.prefill.estimate(available, shared - available)
+            gain = alone - wait
+            if gain > 0 and (best is None or gain > best[0]):
+                best = (gain, checkpoint)
+        return None if best is None else best[1]
+
+    # -- watchdog -------------------------------------------------------------------------------
 
     def sweep(self) -> list[Lease]:
         """The watchdog's work: reclaim leases held past their TTL, then dispatch."""
         reclaimed = self._slots.sweep(self.clock())
         for lease in reclaimed:
+            self._running.pop(lease.id, None)
+            self._lease_seq.pop(lease.id, None)
             log.warning(
                 "watchdog reclaimed lease %d on slot %d (agent %s), held since %.1f",
                 lease.id,
@@ -220,38 +338,39 @@ class Gateway:
         return reclaimed
 
     async def run_watchdog(self, interval: float) -> None:
-        """Sweep forever, every ``interval`` seconds. Run it in the server's task group."""
+        """Sweep forever, every ``interval`` seconds. Run it in the runtime's task group."""
         while True:
             await anyio.sleep(interval)
             self.sweep()
 
-    def record(self, record: RequestRecord) -> None:
-        """Keep the last requests for the slot table."""
-        self._recent.append(record)
-        del self._recent[:-64]
-        agent = self._agents.setdefault(
-            record.agent, {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
-        )
-        agent["requests"] += 1
-        agent["prompt_tokens"] += record.prompt_tokens
-        agent["cached_tokens"] += record.cached_tokens
-        agent["priority"] = record.priority
+    # -- the operator's view --------------------------------------------------------------------
 
     def table(self) -> dict[str, Any]:
-        """The operator's view: slots, queue, hit counters, recent requests."""
+        """Slots, queue, checkpoints and counters, as plain data."""
         now = self.clock()
         stats = self._slots.stats()
-        engine_prompt = sum(r.prompt_tokens for r in self._recent)
-        engine_cached = sum(r.cached_tokens for r in self._recent)
+        running = {r.lease.slot: r for r in self._running.values()}
         return {
             "slots": [
                 {
                     "slot": row.slot,
-                    "fingerprint": row.fingerprint.short if row.fingerprint else None,
-                    "prefix_blocks": len(row.fingerprint.blocks) if row.fingerprint else 0,
-                    "refcount": row.refcount,
-                    "idle_s": None if row.last_used is None else round(now - row.last_used, 3),
                     "agent": row.agent,
+                    "tokens": len(row.tokens),
+                    "stored": row.stored,
+                    "busy": row.refcount > 0,
+                    "state": (
+                        "idle"
+                        if row.refcount == 0
+                        else "decoding"
+                        if row.slot in running and running[row.slot].decoding
+                        else "prefilling"
+                    ),
+                    "priority": running[row.slot].priority if row.slot in running else None,
+                    "idle_s": (
+                        None
+                        if row.last_used is None or row.refcount
+                        else round(now - row.last_used, 3)
+                    ),
                     "leases": list(row.lease_ids),
                 }
                 for row in self._slots.table()
@@ -261,65 +380,91 @@ class Gateway:
                     "ticket": ticket.id,
                     "agent": ticket.agent,
                     "priority": ticket.priority,
+                    "tokens": len(ticket.tokens),
                     "waited_s": round(now - ticket.arrival, 3),
                     "score": round(score, 3),
+                    "waiting_for_checkpoint": self._blocked_id(ticket),
                 }
                 for ticket, score in self._scheduler.queued(now)
             ],
             "background": [
-                {
-                    "ticket": ticket.id,
-                    "agent": ticket.agent,
-                    "waited_s": round(now - ticket.arrival, 3),
-                }
-                for ticket, _ in self._background.queued(now)
+                {"ticket": t.id, "agent": t.agent, "waited_s": round(now - t.arrival, 3)}
+                for t, _ in self._background.queued(now)
             ],
-            "hits": {
-                "exact": stats.exact,
-                "prefix": stats.prefix,
-                "miss": stats.miss,
+            "checkpoints": [
+                {
+                    "id": c.id,
+                    "agent": c.agent,
+                    "slot": c.slot,
+                    "tokens": len(c.tokens),
+                    "progress": c.progress,
+                    "running_s": round(now - c.started, 3),
+                }
+                for c in self._checkpoints.values()
+            ],
+            "placements": {
+                "acquired": stats.acquired,
+                "from_slot": stats.from_slot,
+                "from_store": stats.from_store,
+                "cold": stats.cold,
                 "reclaimed": stats.reclaimed,
                 "hit_rate": round(stats.hit_rate, 4),
-                "recent_cached_token_ratio": (
-                    round(engine_cached / (engine_cached + engine_prompt), 4)
-                    if engine_cached + engine_prompt
-                    else None
-                ),
+                "planned_reused_tokens": stats.reused_tokens,
+                "planned_computed_tokens": stats.computed_tokens,
             },
-            "agents": self._agents,
-            "recent": [attrs.asdict(r) for r in self._recent[-16:]],
         }
 
+    def _blocked_id(self, ticket: Ticket) -> int | None:
+        waiter = self._waiters.get(ticket.id)
+        return None if waiter is None or waiter.blocked_on is None else waiter.blocked_on.id
+
+    # -- dispatch -------------------------------------------------------------------------------
+
+    def _ready(self, ticket: Ticket) -> bool:
+        waiter = self._waiters.get(ticket.id)
+        return waiter is not None and waiter.blocked_on is None
+
     def _hits(self, ticket: Ticket) -> bool:
-        match = self._slots.peek(ticket.fingerprint)
-        return match is not None and match.kind is not MatchKind.MISS
+        placement = self._place(ticket)
+        return placement is not None and placement.reuse > 0
+
+    def _place(self, ticket: Ticket) -> Placement | None:
+        return self._slots.place(
+            ticket.tokens, self.costs, store=self.store, park_min=self.park_min
+        )
 
     def _dispatch(self) -> None:
         now = self.clock()
         while self._slots.free and (len(self._scheduler) or len(self._background)):
             queue = self._scheduler if len(self._scheduler) else self._background
-            ticket = queue.pop(now, hits=self._hits)
+            ticket = queue.pop(now, hits=self._hits, ready=self._ready)
             if ticket is None:
+                # Every foreground ticket waits for a checkpoint; background work waits too.
                 return
             waiter = self._waiters.get(ticket.id)
             if waiter is None:  # withdrawn between submit and now; nothing holds it
                 continue
-            waiting = [t.fingerprint for t, _ in self._scheduler.queued(now) if t.fingerprint]
-            lease = self._slots.acquire(
-                ticket.fingerprint, now, agent=ticket.agent, protect=waiting
-            )
-            if lease is None:  # cannot happen while free > 0; keep the ticket rather than lose it
+            if queue is self._scheduler:
+                # A checkpoint planned earlier in this same pass may be worth waiting for.
+                waiter.blocked_on = self._worth_waiting_for(ticket.tokens)
+                if waiter.blocked_on is not None:
+                    queue.submit(ticket, ticket.arrival)
+                    continue
+            placement = self._place(ticket)
+            if placement is None:  # cannot happen while free > 0; keep the ticket
                 queue.submit(ticket, ticket.arrival)
                 return
+            lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
             waiter.lease = lease
             self._lease_seq[lease.id] = next(self._dispatched)
+            self._plan_checkpoint(ticket, lease)
             waiter.event.set()
 
     def _withdraw(self, waiter: _Waiter) -> None:
         self._waiters.pop(waiter.ticket.id, None)
         if waiter.lease is not None:  # woken, but the caller went away before using it
-            # Nothing ran, but the lease claims the request's prefix: forget rather than lie.
-            self.release(waiter.lease, ok=False)
+            # Nothing ran on the slot: it still holds what it held before.
+            self.release(waiter.lease, holds=waiter.lease.evicted)
             return
         self._scheduler.cancel(waiter.ticket.id)
         self._background.cancel(waiter.ticket.id)

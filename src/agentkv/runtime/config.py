@@ -1,0 +1,190 @@
+"""The runtime's settings: one frozen attrs value, each field documented once.
+
+Every field carries its help text in ``metadata["help"]``; the server's command line and the
+configuration table in the docs are generated from these fields (``agentkv_server.cli``), so the
+three cannot drift apart. ``metadata["flag"]`` names the command-line option where it is not
+simply the field name with dashes, and ``False`` keeps a field off the command line (it is
+derived from the engine instead).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+__all__ = ["GiB", "RuntimeConfig", "setting"]
+
+GiB = 1 << 30
+
+
+def setting(
+    default: Any, help: str, *, converter: Any = None, validator: Any = None, **metadata: Any
+) -> Any:
+    """An attrs field with its documentation attached."""
+    return attrs.field(
+        default=default,
+        converter=converter,
+        validator=validator,
+        metadata={"help": help, **metadata},
+    )
+
+
+def _ge(minimum: float) -> Any:
+    return attrs.validators.optional(attrs.validators.ge(minimum))
+
+
+@attrs.frozen
+class RuntimeConfig:
+    """How the runtime schedules, places, bounds and stores the requests of one engine."""
+
+    # -- the engine's shape (read from llama-server, not set by hand) -------------------------
+    n_slots: int = setting(
+        2,
+        "llama-server slots (-np); must equal the engine's, which the server reads from /slots",
+        flag=False,
+    )
+    ctx_per_slot: int | None = setting(
+        None,
+        "context tokens per slot; read from the engine (None: unknown, no length checks)",
+        flag=False,
+    )
+
+    # -- scheduling -------------------------------------------------------------------------------
+    aging: float = setting(
+        0.1,
+        "priority levels a request gains per second of waiting (0.1: a P3 request outranks a "
+        "fresh P0 after 30 s)",
+        group="scheduling",
+    )
+    max_queue: int = setting(
+        256, "requests allowed to wait at once; more get 529 overloaded_error", group="scheduling"
+    )
+    tie_window: float = setting(
+        0.25,
+        "scores this close count as a tie, won by a request whose prefix is cached",
+        group="scheduling",
+    )
+    lease_ttl: float = setting(
+        900.0,
+        "seconds after which the watchdog reclaims a slot lease (a leak or a hung engine)",
+        group="scheduling",
+    )
+    watchdog_interval: float = setting(15.0, "seconds between watchdog sweeps", flag=False)
+    preempt_from: int | None = setting(
+        None,
+        "let a priority-0 request suspend a running request of this priority or less urgent "
+        "(its progress is saved and it resumes later); unset: never",
+        group="scheduling",
+        metavar="P",
+    )
+
+    # -- streaming --------------------------------------------------------------------------------
+    ping_interval: float = setting(
+        5.0, "seconds of silence after which a stream gets a ping", group="streaming"
+    )
+    coalesce_chars: int = setting(16, "flush text deltas after this many characters", flag=False)
+    coalesce_seconds: float = setting(0.05, "or after this many seconds", flag=False)
+    client_timeout: float = setting(
+        900.0,
+        "seconds a client waits for a whole reply (Claude Code: API_TIMEOUT_MS, 600 s by "
+        "default); generation stops in time to answer within it",
+        group="streaming",
+    )
+    retry_grace: float = setting(
+        30.0,
+        "seconds a request keeps running after its client went away, so that the client's "
+        "retry of the same request joins it instead of computing it again",
+        group="streaming",
+    )
+
+    # -- prompts ----------------------------------------------------------------------------------
+    check_prompt_length: bool = setting(
+        True,
+        "refuse prompts that cannot fit a slot with 'prompt is too long' and cap max_tokens",
+        flag=False,
+    )
+    output_reserve: int = setting(
+        256, "tokens kept free for the reply when checking that a prompt fits", flag=False
+    )
+    session_layout: bool = setting(
+        True,
+        "put a client's session context (Claude Code's environment note and reminders) before "
+        "the user's words, so that fresh agents share it",
+        flag="--no-session-layout",
+        group="prompts",
+    )
+    tool_repair: bool = setting(
+        True,
+        "turn tool calls the model writes as text into tool_use blocks, with one constrained retry",
+        flag="--no-tool-repair",
+        group="prompts",
+    )
+
+    # -- long contexts ----------------------------------------------------------------------------
+    compaction: bool = setting(
+        True,
+        "summarise an agent's oldest turns when its prompt grows long",
+        flag="--no-compaction",
+        group="long contexts",
+    )
+    compact_at: int | None = setting(
+        None,
+        "compact when a prompt passes this many tokens (default: three quarters of a slot)",
+        group="long contexts",
+        metavar="TOKENS",
+    )
+    compact_keep_messages: int = setting(
+        6,
+        "recent messages compaction never touches",
+        flag="--compact-keep",
+        group="long contexts",
+        metavar="N",
+    )
+
+    # -- the prefix store -------------------------------------------------------------------------
+    store_dir: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
+        None,
+        "directory of saved slot states (llama-server's --slot-save-path); unset: no store",
+        converter=attrs.converters.optional(Path),
+        flag=False,
+    )
+    store_budget: int = setting(
+        4 * GiB,
+        "bytes the prefix store may use on disk",
+        group="prefix store",
+        metavar="BYTES",
+        validator=_ge(0),
+    )
+    store_context_ttl: float = setting(
+        6 * 3600.0,
+        "seconds after which an unused agent context is deleted (its agent is gone)",
+        group="prefix store",
+    )
+    park_min: int = setting(
+        256,
+        "an agent's context is saved before its slot is overwritten when it holds at least this "
+        "many tokens the store does not have",
+        group="prefix store",
+        metavar="TOKENS",
+    )
+    split_min: int = setting(
+        1024,
+        "a prompt head of at least this many uncached tokens is computed and saved on its own "
+        "first, so that other agents restore it",
+        group="prefix store",
+        metavar="TOKENS",
+    )
+    share_min: int = setting(
+        512,
+        "a request waits for another's shared head only when it gains at least this many tokens",
+        flag=False,
+    )
+
+    @property
+    def compaction_threshold(self) -> int | None:
+        """The prompt size (tokens) past which an agent's context is compacted, if known."""
+        if self.compact_at is not None:
+            return self.compact_at
+        return None if self.ctx_per_slot is None else (self.ctx_per_slot * 3) // 4

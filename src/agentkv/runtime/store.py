@@ -1,0 +1,319 @@
+"""The prefix store on disk: llama-server's slot files, indexed by the tokens they hold.
+
+:class:`agentkv.store.StoreIndex` decides; this module does the file and engine work around it:
+
+- ``save``: llama-server writes a slot to a file (``POST /slots/{id}?action=save``) in its
+  ``--slot-save-path``, which is the store directory. The file's header carries the exact tokens
+  the slot held, so the entry is indexed by what is really there, not by what agentkv assumed.
+- ``restore``: before a file is restored its header is checked against the index, and after the
+  restore the count llama-server reports is checked too; a file that fails either is deleted and
+  the slot is erased, so a wrong state never reaches a client (the caller then prefills).
+- the index is written to ``index.json`` next to the files, so entries survive a restart. Each
+  index is bound to one engine configuration (model file hash, llama-server build, context per
+  slot, KV cache type): entries made under another are refused and deleted, never restored.
+- files and the directory are readable by their owner only: a saved KV state is as sensitive as
+  the transcript it encodes. Files in the directory that no index knows are deleted at startup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import attrs
+
+from agentkv.exceptions import AgentKVError, EngineError
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.store import EntryKind, StoreEntry, StoreIndex, entry_id
+from agentkv.tokens import Tokens, digest
+
+__all__ = ["PrefixStore", "read_state_tokens"]
+
+log = logging.getLogger("agentkv.store")
+
+INDEX_FILE = "index.json"
+_INDEX_VERSION = 1
+_MAGIC = 0x67677371  # 'ggsq', llama.cpp's sequence-state file magic
+_TOKEN_NULL = 0xFFFFFFFF  # LLAMA_TOKEN_NULL as u32: marks llama-server's versioned token state
+_FILE_PREFIX = "akv-"
+
+
+def read_state_tokens(path: Path) -> Tokens | None:
+    """The tokens recorded in the header of a llama.cpp slot-state file; None if unreadable.
+
+    Layout (llama.cpp ``state_seq_save_file``): u32 magic, u32 version, u32 n, then n u32 words of
+    token data. llama-server writes that data either as a plain token list or, since it learnt to
+    save media, as ``[TOKEN_NULL, state version, u32 count, tokens…, u32 media count, …]``.
+    """
+    try:
+        with path.open("rb") as f:
+            head = f.read(12)
+            if len(head) < 12:
+                return None
+            magic, _version, n_words = struct.unpack("<III", head)
+            if magic != _MAGIC or n_words > 1 << 24:
+                return None
+            raw = f.read(4 * n_words)
+    except OSError:
+        return None
+    if len(raw) != 4 * n_words:
+        return None
+    words = struct.unpack(f"<{n_words}I", raw)
+    if words and words[0] == _TOKEN_NULL:
+        if n_words < 3:
+            return None
+        count = words[2]
+        if 3 + count > n_words:
+            return None
+        return tuple(words[3 : 3 + count])
+    return tuple(words)
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700)
+
+
+@attrs.define
+class PrefixStore:
+    """Saved slot states of one engine, under ``directory``, within ``index.budget`` bytes."""
+
+    directory: Path = attrs.field(converter=Path)
+    client: LlamaSlotClient
+    index: StoreIndex
+    #: Wall clock for entry ages (they outlive the process).
+    wall: Callable[[], float] = time.time
+    _lock: anyio.Lock = attrs.field(init=False, factory=anyio.Lock)
+
+    # -- startup ------------------------------------------------------------------------------
+
+    async def open(self) -> list[str]:
+        """Load the index of an earlier run; delete what cannot be trusted. Returns the ids
+        refused (other engine configuration, missing or mismatching file)."""
+        return await anyio.to_thread.run_sync(self._open_sync)
+
+    def _open_sync(self) -> list[str]:
+        _private_dir(self.directory)
+        records: list[dict[str, Any]] = []
+        refused: list[str] = []
+        try:
+            saved = json.loads((self.directory / INDEX_FILE).read_text())
+        except (OSError, ValueError):
+            saved = None
+        if isinstance(saved, dict) and saved.get("version") == _INDEX_VERSION:
+            if saved.get("compat") == self.index.compat:
+                records = [r for r in saved.get("entries", []) if isinstance(r, dict)]
+            else:
+                refused = [
+                    str(r.get("id")) for r in saved.get("entries", []) if isinstance(r, dict)
+                ]
+                log.info(
+                    "prefix store: %d entries were made by another engine configuration; "
+                    "deleting them",
+                    len(refused),
+                )
+        tokens = {}
+        for record in records:
+            rid = str(record.get("id", ""))
+            if rid.startswith(_FILE_PREFIX) and "/" not in rid:
+                found = read_state_tokens(self.directory / f"{rid}.bin")
+                if found is not None:
+                    tokens[rid] = found
+        refused += self.index.restore_records(records, tokens)
+        known = {entry.id for entry in self.index.entries()}
+        for path in self.directory.glob(f"{_FILE_PREFIX}*.bin"):
+            if path.stem not in known:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        self._write_index_sync()
+        return refused
+
+    # -- save and restore -----------------------------------------------------------------------
+
+    async def save(self, slot: int, kind: EntryKind, *, agent: str | None) -> StoreEntry | None:
+        """Save what ``slot`` holds as a store entry; None when there was nothing worth keeping.
+
+        Raises :class:`EngineError` when llama-server cannot save (no ``--slot-save-path``).
+        """
+        temp = f"{_FILE_PREFIX}tmp-{secrets.token_hex(8)}"
+        path = self.directory / f"{temp}.bin"
+        started = time.monotonic()
+        try:
+            reply = await self.client.save_slot(slot, f"{temp}.bin")
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_unlink, path)
+            raise
+        seconds = time.monotonic() - started
+        tokens = await anyio.to_thread.run_sync(read_state_tokens, path)
+        if not tokens:
+            await anyio.to_thread.run_sync(_unlink, path)
+            return None
+        nbytes = int(reply.get("n_written") or 0) or _size(path)
+        now = self.wall()
+        entry = StoreEntry(
+            id=entry_id(kind, tokens),
+            kind=kind,
+            tokens=tokens,
+            nbytes=nbytes,
+            created=now,
+            last_used=now,
+            agent=agent,
+        )
+        async with self._lock:
+            final = self.directory / f"{entry.id}.bin"
+            await anyio.to_thread.run_sync(_publish, path, final)
+            removed = self.index.add(entry, now)
+            await self._delete(removed)
+            await anyio.to_thread.run_sync(self._write_index_sync)
+        log.debug(
+            "saved slot %d: %d tokens, %d bytes in %.3f s as %s",
+            slot,
+            len(tokens),
+            nbytes,
+            seconds,
+            entry.id,
+        )
+        return entry if entry.id in self.index else None
+
+    async def restore(self, entry: StoreEntry, slot: int) -> dict[str, Any] | None:
+        """Load ``entry`` into ``slot``; the engine's reply, or None when the entry was bad.
+
+        A bad entry (file gone, header tokens not the indexed ones, or llama-server restoring a
+        different number of tokens) is deleted and the slot erased; the caller prefills instead.
+        """
+        self.index.pin(entry.id)
+        try:
+            path = self.directory / f"{entry.id}.bin"
+            header = await anyio.to_thread.run_sync(read_state_tokens, path)
+            if header is None or digest(header) != digest(entry.tokens):
+                log.warning("prefix store: %s does not hold what the index says; deleted", entry.id)
+                await self.drop(entry.id)
+                return None
+            try:
+                reply = await self.client.restore_slot(slot, f"{entry.id}.bin")
+            except EngineError as exc:
+                log.warning("prefix store: restoring %s failed (%s); deleted", entry.id, exc)
+                await self._erase(slot)
+                await self.drop(entry.id)
+                return None
+            if int(reply.get("n_restored", -1)) != entry.n_tokens:
+                log.warning(
+                    "prefix store: %s restored %s tokens, expected %d; deleted",
+                    entry.id,
+                    reply.get("n_restored"),
+                    entry.n_tokens,
+                )
+                await self._erase(slot)
+                await self.drop(entry.id)
+                return None
+            return reply
+        finally:
+            self.index.unpin(entry.id)
+
+    def record_hit(self, entry_id_: str, *, tokens_saved: int, seconds_saved: float) -> None:
+        self.index.touch(
+            entry_id_, self.wall(), tokens_saved=tokens_saved, seconds_saved=seconds_saved
+        )
+
+    async def drop(self, entry_id_: str) -> None:
+        """Delete one entry and its file."""
+        async with self._lock:
+            entry = self.index.remove(entry_id_)
+            await self._delete([entry] if entry is not None else [])
+            await anyio.to_thread.run_sync(self._write_index_sync)
+
+    async def clear(self, *, agent: str | None = None) -> int:
+        """Delete every entry, or every entry of one agent (pinned ones stay). Returns how many."""
+        async with self._lock:
+            removed = self.index.clear(agent=agent)
+            await self._delete(removed)
+            await anyio.to_thread.run_sync(self._write_index_sync)
+        return len(removed)
+
+    async def expire(self) -> int:
+        """Delete the contexts of agents that are gone."""
+        async with self._lock:
+            removed = self.index.expire(self.wall())
+            if removed:
+                await self._delete(removed)
+                await anyio.to_thread.run_sync(self._write_index_sync)
+        return len(removed)
+
+    async def _erase(self, slot: int) -> None:
+        with contextlib.suppress(AgentKVError):
+            await self.client.erase_slot(slot)
+
+    async def _delete(self, entries: list[StoreEntry]) -> None:
+        for entry in entries:
+            await anyio.to_thread.run_sync(_unlink, self.directory / f"{entry.id}.bin")
+
+    def _write_index_sync(self) -> None:
+        data = {
+            "version": _INDEX_VERSION,
+            "compat": self.index.compat,
+            "entries": [entry.to_record() for entry in self.index.entries()],
+        }
+        temp = self.directory / f".{INDEX_FILE}.{secrets.token_hex(4)}"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(temp, self.directory / INDEX_FILE)
+
+    def table(self) -> dict[str, Any]:
+        stats = self.index.stats()
+        now = self.wall()
+        return {
+            "directory_entries": stats.entries,
+            "bytes": stats.bytes,
+            "budget": stats.budget,
+            "saves": stats.saves,
+            "restores": stats.restores,
+            "tokens_restored": stats.hits_tokens,
+            "seconds_saved": stats.seconds_saved,
+            "evicted": stats.evicted,
+            "expired": stats.expired,
+            "refused": stats.refused,
+            "entries": [
+                {
+                    "id": entry.id,
+                    "kind": entry.kind.value,
+                    "agent": entry.agent,
+                    "tokens": entry.n_tokens,
+                    "bytes": entry.nbytes,
+                    "hits": entry.hits,
+                    "idle_s": round(now - entry.last_used, 1),
+                    "value": round(entry.value(now), 1),
+                }
+                for entry in sorted(self.index.entries(), key=lambda e: -e.value(now))
+            ],
+        }
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _publish(temp: Path, final: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.chmod(temp, 0o600)
+    os.replace(temp, final)
