@@ -7,7 +7,6 @@ The routes hold no state of their own. Per-engine state (slots, queue, counters)
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import secrets
 import time
@@ -37,13 +36,14 @@ from agentkv import (
     SSEAssembler,
     Ticket,
 )
-from agentkv.exceptions import AuthenticationError, NotFoundError, RequestTooLargeError
+from agentkv.exceptions import AuthenticationError, NotFoundError
 from agentkv.parking import ParkingLot
 from agentkv.repair import needs_retry
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.gateway import Gateway, RequestRecord
 from agentkv.sse import accumulate, encode_event
 from agentkv.translate import EngineRequest
+from agentkv_server.body import read_json
 from agentkv_server.config import ServerConfig
 from agentkv_server.identity import agent_identity, agent_priority
 
@@ -362,35 +362,11 @@ class AgentKV:
         if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
             raise AuthenticationError("invalid x-api-key")
 
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestTooLargeError(f"request body is {declared} bytes; the limit is {limit}")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        if not raw.strip():
-            raise InvalidRequestError("request body is empty; expected a JSON object")
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidRequestError(
-                f"request body must be a JSON object, not {type(body).__name__}"
-            )
-        return body
-
     # -- routes ----------------------------------------------------------------------------
     async def messages(self, request: Request) -> Response:
         self.check_auth(request)
-        body = await self.read_json(request)
+        body = await read_json(request, self.config.body_limits)
+        # The translator checks config.limits (tools, messages, images, ...): no engine work yet.
         engine_request = self.translator.translate(body)
         headers = _lower(request.headers)
         agent = agent_identity(headers, body, request.client.host if request.client else None)
@@ -478,7 +454,7 @@ class AgentKV:
 
     async def count_tokens(self, request: Request) -> Response:
         self.check_auth(request)
-        body = await self.read_json(request)
+        body = await read_json(request, self.config.body_limits)
         # count_tokens takes no max_tokens; the translator wants one; it does not touch the prompt.
         body.setdefault("max_tokens", 1)
         engine_request = self.translator.translate(body)
@@ -581,6 +557,7 @@ def create_app(
         gateway=gateway,
         fingerprinter=fingerprinter,
         compactor=compactor,
+        translator=MessagesTranslator(limits=config.limits),
     )
 
     @asynccontextmanager

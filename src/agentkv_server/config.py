@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import attrs
 
+from agentkv.limits import RequestLimits
+from agentkv_server.body import BodyLimits
+
 __all__ = ["ServerConfig"]
 
 
@@ -37,6 +40,11 @@ class ServerConfig:
     coalesce_seconds: float = 0.05
     #: Largest accepted request body; larger ones get 413 request_too_large.
     max_body_bytes: int = 32 * 1024 * 1024
+    #: Deepest nesting of JSON arrays and objects in a body; deeper is a 400.
+    max_json_depth: int = 64
+    #: Limits on the request's shape (tools, messages, images, ...), checked before any engine
+    #: work; see agentkv.limits. ``limits.images=False`` refuses image blocks (text-only engine).
+    limits: RequestLimits = attrs.field(factory=RequestLimits)
     #: When set, requests must carry it as ``x-api-key`` or ``Authorization: Bearer``.
     api_key: str | None = None
     #: Context per slot in tokens, if known; used for the prompt-too-long check and max_tokens.
@@ -60,6 +68,11 @@ class ServerConfig:
     compact_at: int | None = None
     #: Conversation messages at the end that compaction never touches.
     compact_keep_messages: int = 6
+
+    @property
+    def body_limits(self) -> BodyLimits:
+        """What the body reader enforces: size and nesting depth."""
+        return BodyLimits(max_bytes=self.max_body_bytes, max_depth=self.max_json_depth)
 
     @property
     def compaction_threshold(self) -> int | None:
