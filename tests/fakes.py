@@ -32,6 +32,10 @@ class FakeLlama:
     truncate: bool = False
     healthy: bool = True
     requests: list[dict[str, Any]] = attrs.field(factory=list)
+    #: The path of every request the fake received, health checks included.
+    paths: list[str] = attrs.field(factory=list)
+    #: Slot save/restore/erase calls, as (slot, action, filename).
+    slot_actions: list[tuple[int, str, str]] = attrs.field(factory=list)
     active: dict[int, int] = attrs.field(factory=dict)
     started: int = 0
     finished: int = 0
@@ -43,6 +47,7 @@ class FakeLlama:
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
+        self.paths.append(path)
         if path == "/health":
             if self.healthy:
                 return httpx.Response(200, json={"status": "ok"})
@@ -56,6 +61,12 @@ class FakeLlama:
         if path == "/tokenize":
             body = json.loads(request.content)
             return httpx.Response(200, json={"tokens": list(range(len(body["content"]) // 4))})
+        if path.startswith("/slots/") and request.method == "POST":
+            slot = int(path.rsplit("/", 1)[1])
+            action = request.url.params.get("action", "")
+            filename = json.loads(request.content or b"{}").get("filename", "")
+            self.slot_actions.append((slot, action, filename))
+            return httpx.Response(200, json={"id_slot": slot, "filename": filename})
         if path == "/slots":
             return httpx.Response(
                 200, json=[{"id": i, "is_processing": bool(self.active.get(i))} for i in range(4)]

@@ -33,6 +33,7 @@ from agentkv._anthropic import (
 )
 from agentkv._convert import structure
 from agentkv.exceptions import InvalidRequestError
+from agentkv.limits import RequestLimits, check_body, check_limits
 
 __all__ = ["BILLING_HEADER_PREFIX", "EngineRequest", "MessagesTranslator"]
 
@@ -81,12 +82,21 @@ class MessagesTranslator:
     go *before* the user's words. Two fresh agents in one project then differ only at their last
     few tokens instead of at the user's words, ahead of the whole note. Each turn is still laid
     out on its own, so a growing conversation only ever appends to its prompt.
+
+    ``limits`` bound the request's shape (tool count, schema size, ...); see :mod:`agentkv.limits`.
     """
 
     session_layout: bool = True
+    limits: RequestLimits = attrs.field(factory=RequestLimits)
 
     def parse(self, body: Mapping[str, Any]) -> MessagesRequest:
-        """Structure and validate a client body; errors name the field (``messages[1].role``)."""
+        """Structure and validate a client body; errors name the field (``messages[1].role``).
+
+        The counting limits are checked on the raw body first, so an oversized request costs no
+        structuring; the rest once it is structured. Nothing here talks to the engine.
+        """
+        if isinstance(body, Mapping):
+            check_body(body, self.limits)
         request = structure(body, MessagesRequest)
         if request.max_tokens < 1:
             raise InvalidRequestError("must be a positive integer", "max_tokens")
@@ -98,6 +108,7 @@ class MessagesTranslator:
             raise InvalidRequestError(f"tool {choice.name!r} is not in tools", "tool_choice.name")
         if isinstance(choice, ToolChoiceAny) and not names:
             raise InvalidRequestError("'any' needs at least one tool", "tool_choice.type")
+        check_limits(request, self.limits)
         return request
 
     def to_engine(self, request: MessagesRequest) -> EngineRequest:

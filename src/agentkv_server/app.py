@@ -9,7 +9,6 @@ the runtime yields, as SSE or as one JSON message.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -27,10 +26,10 @@ from agentkv.exceptions import (
     AuthenticationError,
     InvalidRequestError,
     NotFoundError,
-    RequestTooLargeError,
 )
 from agentkv.runtime.lifecycle import Emitted, Exchange, Failed, KeepAlive, Runtime
 from agentkv.sse import encode_event
+from agentkv_server.body import read_json
 from agentkv_server.config import ServerConfig
 from agentkv_server.identity import agent_identity, agent_priority
 
@@ -100,34 +99,9 @@ class _Routes:
         if given is None or not hmac.compare_digest(given.encode(), expected.encode()):
             raise AuthenticationError("invalid x-api-key")
 
-    async def read_json(self, request: Request) -> dict[str, Any]:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestTooLargeError(f"request body is {declared} bytes; the limit is {limit}")
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestTooLargeError(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-        if not raw.strip():
-            raise InvalidRequestError("request body is empty; expected a JSON object")
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidRequestError(
-                f"request body must be a JSON object, not {type(body).__name__}"
-            )
-        return body
-
     async def messages(self, request: Request) -> Response:
         self.check_auth(request)
-        body = await self.read_json(request)
+        body = await read_json(request, self.config.body_limits)
         headers = _lower(request.headers)
         agent = agent_identity(headers, body, request.client.host if request.client else None)
         priority = agent_priority(headers)
@@ -141,7 +115,7 @@ class _Routes:
 
     async def count_tokens(self, request: Request) -> Response:
         self.check_auth(request)
-        body = await self.read_json(request)
+        body = await read_json(request, self.config.body_limits)
         return JSONResponse({"input_tokens": await self.runtime.count_tokens(body)})
 
     async def models(self, request: Request) -> Response:

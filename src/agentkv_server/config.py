@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 from agentkv.runtime.config import setting
+from agentkv_server.body import BodyLimits
 
 __all__ = ["ServerConfig"]
 
@@ -27,4 +28,12 @@ class ServerConfig:
         group="server",
         metavar="BYTES",
     )
+    max_json_depth: int = setting(
+        64, "deepest nesting of JSON arrays and objects in a body; deeper is a 400", flag=False
+    )
     model_name: str = setting("agentkv-local", "the model id /v1/models lists", group="server")
+
+    @property
+    def body_limits(self) -> BodyLimits:
+        """What the body reader enforces: size and nesting depth."""
+        return BodyLimits(max_bytes=self.max_body_bytes, max_depth=self.max_json_depth)

@@ -1,51 +1,93 @@
-"""Who is asking and how urgent it is: agent identity and priority from headers and body."""
+"""Who is asking and how urgent it is: agent identity and priority from headers and body.
+
+An agent id is client input that ends up in the slot table, in log lines and (hashed) in the name
+of a parked-context file. So every id is cleaned before it is used: control and format characters
+(newlines, ANSI escapes, bidi overrides) and unpaired surrogates are dropped, and an id longer than
+:data:`MAX_AGENT_ID` characters becomes a short, stable digest form. An id that is empty once
+cleaned does not count, and the next source is asked.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from agentkv import InvalidRequestError
 
-__all__ = ["DEFAULT_PRIORITY", "agent_identity", "agent_priority"]
+__all__ = ["DEFAULT_PRIORITY", "MAX_AGENT_ID", "agent_identity", "agent_priority", "clean_agent_id"]
 
 DEFAULT_PRIORITY = 1
+#: Longest agent id kept as it is; a longer one becomes ``<first 40 characters>…#<digest>``.
+MAX_AGENT_ID: Final = 128
+#: Characters of a long id kept in its digest form, and hex digits of its digest.
+_HEAD: Final = 40
+_DIGEST: Final = 12
+#: Characters of a raw id that are cleaned at most; the digest still covers all of it.
+_SCAN: Final = 4096
+#: A ``metadata.user_id`` longer than this is not an identity source (Claude Code's is ~150).
+_MAX_USER_ID: Final = 8192
 _SESSION_IN_USER_ID = re.compile(r"session_([0-9A-Za-z-]+)")
 
 
+def clean_agent_id(raw: str) -> str | None:
+    """``raw`` as printable text of at most :data:`MAX_AGENT_ID` characters, or None if empty.
+
+    Only printable characters stay (``str.isprintable``: no control or format characters, no
+    surrogates, no line breaks), with surrounding spaces stripped. A longer result is replaced
+    by its first 40 characters, ``…#`` and 12 hex digits of its SHA-256: the same raw id always
+    gives the same result, and different long ids stay apart.
+    """
+    scanned = raw[:_SCAN]
+    text = (scanned if scanned.isprintable() else "".join(filter(str.isprintable, scanned))).strip()
+    if len(raw) <= _SCAN:
+        if not text:
+            return None
+        if len(text) <= MAX_AGENT_ID:
+            return text
+        whole = text.encode("utf-8")
+    else:
+        # Too long to clean in full: the digest is taken over the raw id instead.
+        whole = raw.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(whole).hexdigest()[:_DIGEST]
+    head = text[:_HEAD].rstrip()
+    return f"{head}…#{digest}"
+
+
 def agent_identity(headers: Mapping[str, str], body: Mapping[str, Any], client: str | None) -> str:
-    """The agent a request belongs to.
+    """The agent a request belongs to, cleaned by :func:`clean_agent_id`.
 
     In order: ``X-Agent-Id``; ``X-Claude-Code-Session-Id``; the ``session_id`` inside
     ``metadata.user_id`` (Claude Code sends a JSON string there; older versions sent
-    ``user_…_session_<uuid>``); the client's address.
+    ``user_…_session_<uuid>``); the client's address; ``anonymous``. A source that is missing,
+    empty, or empty once cleaned is skipped.
     """
     for name in ("x-agent-id", "x-claude-code-session-id"):
-        value = headers.get(name, "").strip()
+        value = clean_agent_id(headers.get(name, ""))
         if value:
             return value
     metadata = body.get("metadata")
     user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
-    if isinstance(user_id, str) and user_id:
+    if isinstance(user_id, str) and 0 < len(user_id) <= _MAX_USER_ID:
         session = _session_from_user_id(user_id)
         if session:
             return session
-    return client or "anonymous"
+    return (clean_agent_id(client) if client else None) or "anonymous"
 
 
 def _session_from_user_id(user_id: str) -> str | None:
     try:
         parsed = json.loads(user_id)
-    except ValueError:
+    except (ValueError, RecursionError):
         parsed = None
     if isinstance(parsed, Mapping):
+        # The JSON form: its session_id or nothing (the legacy pattern would find "session_id").
         session = parsed.get("session_id")
-        if isinstance(session, str) and session:
-            return session
+        return clean_agent_id(session) if isinstance(session, str) else None
     found = _SESSION_IN_USER_ID.search(user_id)
-    return found.group(1) if found else None
+    return clean_agent_id(found.group(1)) if found else None
 
 
 def agent_priority(headers: Mapping[str, str], default: int = DEFAULT_PRIORITY) -> int:
@@ -58,8 +100,9 @@ def agent_priority(headers: Mapping[str, str], default: int = DEFAULT_PRIORITY) 
     except ValueError:
         value = -1
     if not 0 <= value <= 3:
+        shown = raw if len(raw) <= 40 else raw[:40] + "…"
         raise InvalidRequestError(
-            f"must be an integer from 0 (most urgent) to 3 (background), got {raw!r}",
+            f"must be an integer from 0 (most urgent) to 3 (background), got {shown!r}",
             path="header x-agent-priority",
         )
     return value

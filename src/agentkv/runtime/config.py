@@ -14,6 +14,8 @@ from typing import Any
 
 import attrs
 
+from agentkv.limits import RequestLimits
+
 __all__ = ["GiB", "RuntimeConfig", "setting"]
 
 GiB = 1 << 30
@@ -114,6 +116,11 @@ class RuntimeConfig:
         "the user's words, so that fresh agents share it",
         flag="--no-session-layout",
         group="prompts",
+    )
+    limits: RequestLimits = setting(  # noqa: RUF009 - attrs field, not a dataclass default
+        RequestLimits(),
+        "bounds on a request's shape (tools, messages, images…), checked before any engine work",
+        flag=False,
     )
     tool_repair: bool = setting(
         True,

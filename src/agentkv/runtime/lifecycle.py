@@ -546,7 +546,9 @@ class Runtime:
 
     def __attrs_post_init__(self) -> None:
         config = self.config
-        self.translator = MessagesTranslator(session_layout=config.session_layout)
+        self.translator = MessagesTranslator(
+            session_layout=config.session_layout, limits=config.limits
+        )
         index = None
         if config.store_dir is not None:
             index = StoreIndex(

@@ -1,0 +1,262 @@
+"""Hostile and malformed requests: a 400 (or 413) naming the field, no 500, no engine work.
+
+Each case here once got through to a 500, a stuck lease or a broken slot table.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from agentkv import LlamaSlotClient
+from agentkv.limits import NO_IMAGES, RequestLimits
+from agentkv_server import ServerConfig, create_app
+from tests.fakes import FakeLlama
+
+pytestmark = pytest.mark.anyio
+
+BODY: dict[str, Any] = {
+    "model": "claude-sonnet-4-5",
+    "max_tokens": 64,
+    "messages": [{"role": "user", "content": "Say hello."}],
+}
+ROUTES = ("/v1/messages", "/v1/messages/count_tokens")
+JSON = {"content-type": "application/json"}
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+Serve = Callable[..., httpx.AsyncClient]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    made: list[tuple[httpx.AsyncClient, LlamaSlotClient]] = []
+
+    def _serve(fake: FakeLlama, **config: Any) -> httpx.AsyncClient:
+        engine = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
+        client = LlamaSlotClient("http://engine", http=engine, connect_retries=0)
+        app = create_app(client, ServerConfig(**config))
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://agentkv")
+        http.app = app  # type: ignore[attr-defined]
+        made.append((http, client))
+        return http
+
+    yield _serve
+    for http, client in made:
+        await http.aclose()
+        await client.aclose()
+
+
+def assert_idle(http: httpx.AsyncClient) -> None:
+    """No lease held, no ticket queued: nothing is left behind by a refused request."""
+    table = http.app.state.agentkv.gateway.table()  # type: ignore[attr-defined]
+    assert all(slot["refcount"] == 0 and not slot["leases"] for slot in table["slots"])
+    assert table["queue"] == [] and table["background"] == []
+
+
+def assert_400(response: httpx.Response, message: str, status: int = 400) -> None:
+    assert response.status_code == status, response.text
+    payload = response.json()
+    assert payload["type"] == "error"
+    expected = "invalid_request_error" if status == 400 else "request_too_large"
+    assert payload["error"]["type"] == expected
+    assert payload["error"]["message"].startswith(message), payload["error"]["message"]
+
+
+async def post_raw(http: httpx.AsyncClient, route: str, raw: bytes) -> httpx.Response:
+    return await http.post(route, content=raw, headers=JSON)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_lone_surrogate_in_model(serve: Serve, route: str, stream: bool) -> None:
+    """``"model": "\\ud800"`` is a 400 at parse time, streaming or not; no lease is taken."""
+    fake = FakeLlama()
+    http = serve(fake, ctx_per_slot=4096)
+    raw = json.dumps({**BODY, "stream": stream})
+    raw = raw.replace('"claude-sonnet-4-5"', '"\\ud800"')
+    response = await post_raw(http, route, raw.encode())
+    assert_400(response, "model: string contains an unpaired surrogate")
+    assert fake.paths == []
+    assert_idle(http)
+    # The server is unharmed: the next request is served.
+    assert (await http.post("/v1/messages", json={**BODY, "stream": stream})).status_code == 200
+    assert_idle(http)
+
+
+async def test_poisoned_session_id_breaks_no_one(serve: Serve) -> None:
+    """A session_id decoding to lone surrogates: its request, the agent that evicts it, and the
+    slot table all still work, and the parked-context file name is a plain digest."""
+    fake = FakeLlama(reply="fine")
+    http = serve(fake, n_slots=1)
+    poisoned = {**BODY, "metadata": {"user_id": '{"session_id":"\\udc00evil\\u001b[2J"}'}}
+    r = await http.post("/v1/messages", json=poisoned)
+    assert r.status_code == 200, r.text
+    # Another agent takes the only slot: the poisoned agent's context is parked.
+    other = {**BODY, "messages": [{"role": "user", "content": "something else"}]}
+    r = await http.post("/v1/messages", json=other, headers={"x-agent-id": "other"})
+    assert r.status_code == 200, r.text
+    assert [(action, name.startswith("agentkv-")) for _, action, name in fake.slot_actions] == [
+        ("save", True)
+    ]
+    r = await http.get("/agentkv/slots")
+    assert r.status_code == 200, r.text
+    table = r.json()
+    assert set(table["agents"]) == {"evil[2J", "other"}
+    assert [p["agent"] for p in table["parked"]] == ["evil[2J"]
+    # The same id sent as a real lone surrogate inside the body's JSON is a 400 at parse time.
+    raw = json.dumps({**BODY, "metadata": {"user_id": "x"}}).replace('"x"', '"\\udc00"')
+    assert_400(await post_raw(http, "/v1/messages", raw.encode()), "metadata.user_id: string")
+    assert_idle(http)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(
+    ("fragment", "path", "shown"),
+    [
+        ('"temperature": NaN', "temperature", "nan"),
+        ('"temperature": Infinity', "temperature", "inf"),
+        ('"top_p": -Infinity', "top_p", "-inf"),
+        ('"temperature": 1e400', "temperature", "inf"),
+        (
+            '"tools": [{"name": "t", "input_schema": {"type": "object", "maximum": 1e999}}]',
+            "tools[0].input_schema.maximum",
+            "inf",
+        ),
+    ],
+)
+async def test_non_finite_numbers(
+    serve: Serve, route: str, fragment: str, path: str, shown: str
+) -> None:
+    fake = FakeLlama()
+    http = serve(fake, ctx_per_slot=4096)
+    raw = json.dumps(BODY)[:-1] + ", " + fragment + "}"
+    response = await post_raw(http, route, raw.encode())
+    assert_400(response, f"{path}: number {shown} is not finite")
+    assert fake.paths == []
+    assert_idle(http)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_deep_nesting(serve: Serve, route: str) -> None:
+    """100,000 nested arrays, and 100: a 400 each, the second naming where."""
+    fake = FakeLlama()
+    http = serve(fake, ctx_per_slot=4096)
+    prefix = json.dumps(BODY)[:-1]
+    deep = f'{prefix}, "x": {"[" * 100_000}{"]" * 100_000}}}'
+    assert_400(await post_raw(http, route, deep.encode()), "request body is nested deeper")
+    medium = f'{prefix}, "x": {"[" * 100}{"]" * 100}}}'
+    assert_400(await post_raw(http, route, medium.encode()), "x[0][0]")
+    assert fake.paths == []
+    assert_idle(http)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(
+    ("content_type", "message"),
+    [
+        ("text/plain", "header content-type: must be application/json, got 'text/plain'"),
+        ("text/plain;charset=UTF-8", "header content-type: must be application/json"),
+        ("application/x-www-form-urlencoded", "header content-type: must be application/json"),
+        ("multipart/form-data; boundary=x", "header content-type: must be application/json"),
+        (None, "header content-type: is missing"),
+        ("application/json; charset=latin-1", "header content-type: JSON must be UTF-8"),
+    ],
+)
+async def test_only_json_content_type_is_served(
+    serve: Serve, route: str, content_type: str | None, message: str
+) -> None:
+    """A browser's "simple" cross-site request (text/plain, form, no type) never runs."""
+    fake = FakeLlama()
+    http = serve(fake, ctx_per_slot=4096)
+    request = http.build_request("POST", route, content=json.dumps(BODY).encode())
+    if content_type is not None:
+        request.headers["content-type"] = content_type
+    assert request.headers.get("content-type") == content_type
+    assert_400(await http.send(request), message)
+    assert fake.paths == []
+    assert_idle(http)
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])
+async def test_json_content_type_with_parameters_is_fine(serve: Serve, content_type: str) -> None:
+    http = serve(FakeLlama())
+    r = await http.post(
+        "/v1/messages", content=json.dumps(BODY).encode(), headers={"content-type": content_type}
+    )
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_ten_thousand_tools_cost_the_engine_nothing(serve: Serve, route: str) -> None:
+    """10,000 tools are refused before any engine request (no templating, no token count)."""
+    fake = FakeLlama()
+    http = serve(fake, ctx_per_slot=4096)
+    tools = [
+        {"name": f"tool_{i}", "input_schema": {"type": "object", "properties": {}}}
+        for i in range(10_000)
+    ]
+    r = await http.post(route, json={**BODY, "tools": tools})
+    assert_400(r, "tools: has 10000 tools; the limit is 512")
+    assert fake.paths == []
+    assert_idle(http)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_images_on_a_text_only_engine(serve: Serve, route: str) -> None:
+    """With limits.images off, an image (in a message or a tool result) is a 400 that says so."""
+    fake = FakeLlama()
+    http = serve(fake, ctx_per_slot=4096, limits=RequestLimits(images=False))
+    direct = {**BODY, "messages": [{"role": "user", "content": [IMAGE]}]}
+    assert_400(await http.post(route, json=direct), f"messages[0].content[0]: {NO_IMAGES}")
+    result = {
+        **BODY,
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t", "content": [IMAGE]}],
+            }
+        ],
+    }
+    assert_400(
+        await http.post(route, json=result), f"messages[0].content[0].content[0]: {NO_IMAGES}"
+    )
+    assert fake.paths == []
+    assert_idle(http)
+    # The same engine with images allowed (the default) takes them.
+    assert (await serve(FakeLlama()).post(route, json=direct)).status_code == 200
+
+
+async def test_oversized_agent_id_is_bounded(serve: Serve) -> None:
+    """A 1 MB X-Agent-Id becomes a 54-character digest form in the slot table."""
+    fake = FakeLlama()
+    http = serve(fake)
+    huge = "agent-" + "x" * (1024 * 1024)
+    r = await http.post("/v1/messages", json=BODY, headers={"x-agent-id": huge})
+    assert r.status_code == 200, r.text
+    view = await http.get("/agentkv/slots")
+    assert len(view.content) < 10_000
+    (agent,) = view.json()["agents"]
+    assert len(agent) == 54 and agent.startswith("agent-" + "x" * 34 + "…#")
+    # The same id maps to the same agent: its second request is a prefix hit on its slot.
+    await http.post("/v1/messages", json=BODY, headers={"x-agent-id": huge})
+    assert view.json()["agents"][agent]["requests"] == 1
+    assert (await http.get("/agentkv/slots")).json()["agents"][agent]["requests"] == 2
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_oversized_body_is_still_a_413(serve: Serve, route: str) -> None:
+    fake = FakeLlama()
+    http = serve(fake, max_body_bytes=1000)
+    big = {**BODY, "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert_400(await http.post(route, json=big), "request body", status=413)
+    assert fake.paths == []
