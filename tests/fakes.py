@@ -6,8 +6,12 @@ and records every chat request so tests can check which slot a request was pinne
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator
+import struct
+import zlib
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -41,6 +45,12 @@ class FakeLlama:
     finished: int = 0
     #: Most requests seen running at the same time on one slot (must never exceed 1).
     max_per_slot: int = 0
+    #: Where slot saves are written (llama-server's --slot-save-path); None: saving fails.
+    save_dir: Path | None = None
+    #: What each slot's KV cache holds, in tokens, as a real server would track it.
+    cache: dict[int, list[int]] = attrs.field(factory=dict)
+    #: Prompt tokens computed (not reused), summed over every request: /metrics' counter.
+    computed: int = 0
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -56,22 +66,36 @@ class FakeLlama:
             return self._chat(json.loads(request.content))
         if path == "/apply-template":
             body = json.loads(request.content)
-            prompt = "".join(f"<{m['role']}>{m.get('content')}" for m in body["messages"])
-            return httpx.Response(200, json={"prompt": prompt})
+            return httpx.Response(200, json={"prompt": render(body["messages"])})
         if path == "/tokenize":
             body = json.loads(request.content)
-            return httpx.Response(200, json={"tokens": list(range(len(body["content"]) // 4))})
+            return httpx.Response(200, json={"tokens": tokenize(body["content"])})
+        if path == "/completion":
+            return self._completion(json.loads(request.content))
         if path.startswith("/slots/") and request.method == "POST":
             slot = int(path.rsplit("/", 1)[1])
             action = request.url.params.get("action", "")
             filename = json.loads(request.content or b"{}").get("filename", "")
             self.slot_actions.append((slot, action, filename))
-            return httpx.Response(200, json={"id_slot": slot, "filename": filename})
+            return self._slot_action(slot, action, filename)
         if path == "/slots":
             return httpx.Response(
                 200, json=[{"id": i, "is_processing": bool(self.active.get(i))} for i in range(4)]
             )
         return httpx.Response(404, json={"error": {"message": "not found", "code": 404}})
+
+    def _run_prompt(self, slot: int, tokens: list[int]) -> tuple[int, int]:
+        """Reuse the slot's cache for the common prefix, as llama-server does: (cache, computed)."""
+        held = self.cache.get(slot, [])
+        cache_n = 0
+        for a, b in zip(held, tokens, strict=False):
+            if a != b:
+                break
+            cache_n += 1
+        cache_n = min(cache_n, max(0, len(tokens) - 1))  # at least one token is evaluated
+        self.cache[slot] = list(tokens)
+        self.computed += len(tokens) - cache_n
+        return cache_n, len(tokens) - cache_n
 
     def _chat(self, body: dict[str, Any]) -> httpx.Response:
         self.requests.append(body)
@@ -81,17 +105,76 @@ class FakeLlama:
                 json={"error": {"code": self.fail_status, "message": "injected failure"}},
             )
         slot = int(body.get("id_slot", -1))
-        prompt_n = sum(len(json.dumps(m)) for m in body["messages"]) // 4
+        cache_n, prompt_n = self._run_prompt(slot, tokenize(render(body["messages"])))
         reply = self.script.pop(0) if self.script else self.reply
         if not body.get("stream"):
-            return httpx.Response(200, json=self._final(reply, prompt_n))
+            return httpx.Response(200, json=self._final(reply, prompt_n, cache_n))
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
-            content=self._stream(slot, prompt_n, reply),
+            content=self._stream(slot, prompt_n, reply, cache_n),
         )
 
-    def _final(self, text: str, prompt_n: int) -> dict[str, Any]:
+    def _completion(self, body: dict[str, Any]) -> httpx.Response:
+        """A streamed raw-token prefill, as agentkv uses ``/completion`` for checkpoints."""
+        self.requests.append(body)
+        slot = int(body.get("id_slot", -1))
+        tokens = [int(t) for t in body["prompt"]]
+        cache_n, prompt_n = self._run_prompt(slot, tokens)
+
+        async def stream() -> AsyncIterator[bytes]:
+            if self.prefill_delay:
+                await anyio.sleep(self.prefill_delay)
+            progress = {"total": len(tokens), "cache": cache_n, "processed": prompt_n}
+            yield _sse({"content": "", "stop": False, "prompt_progress": progress})
+            timings = {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": 1.0 * prompt_n}
+            yield _sse({"content": "x", "stop": True, "stop_type": "limit", "timings": timings})
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=stream())
+
+    def _slot_action(self, slot: int, action: str, filename: str) -> httpx.Response:
+        if action == "erase":
+            self.cache.pop(slot, None)
+            return httpx.Response(200, json={"id_slot": slot, "n_erased": 0})
+        if self.save_dir is None:
+            return httpx.Response(
+                501,
+                json={
+                    "error": {"code": 501, "message": "This server does not support slots action"}
+                },
+            )
+        path = self.save_dir / filename
+        if action == "save":
+            tokens = self.cache.get(slot, [])
+            write_state(path, tokens)
+            return httpx.Response(
+                200,
+                json={
+                    "id_slot": slot,
+                    "filename": filename,
+                    "n_saved": len(tokens),
+                    "n_written": path.stat().st_size,
+                },
+            )
+        if action == "restore":
+            tokens = read_state(path)
+            if tokens is None:
+                return httpx.Response(
+                    400, json={"error": {"code": 400, "message": "Unable to restore slot"}}
+                )
+            self.cache[slot] = tokens
+            return httpx.Response(
+                200,
+                json={
+                    "id_slot": slot,
+                    "filename": filename,
+                    "n_restored": len(tokens),
+                    "n_read": path.stat().st_size,
+                },
+            )
+        return httpx.Response(400, json={"error": {"code": 400, "message": "bad action"}})
+
+    def _final(self, text: str, prompt_n: int, cache_n: int = 0) -> dict[str, Any]:
         return {
             "object": "chat.completion",
             "choices": [
@@ -102,10 +185,12 @@ class FakeLlama:
                 }
             ],
             "usage": {"prompt_tokens": prompt_n, "completion_tokens": len(text) // 4},
-            "timings": {"cache_n": 0, "prompt_n": prompt_n, "predicted_n": len(text) // 4},
+            "timings": {"cache_n": cache_n, "prompt_n": prompt_n, "predicted_n": len(text) // 4},
         }
 
-    async def _stream(self, slot: int, prompt_n: int, reply: str) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, slot: int, prompt_n: int, reply: str, cache_n: int = 0
+    ) -> AsyncIterator[bytes]:
         # A stream the client drops is never finished; httpx may not close the generator, so the
         # bookkeeping happens before the last chunk rather than in a ``finally``.
         self.started += 1
@@ -125,7 +210,7 @@ class FakeLlama:
         final = {
             "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": prompt_n, "completion_tokens": len(pieces)},
-            "timings": {"cache_n": 0, "prompt_n": prompt_n, "predicted_n": len(pieces)},
+            "timings": {"cache_n": cache_n, "prompt_n": prompt_n, "predicted_n": len(pieces)},
         }
         self.finished += 1
         self.active[slot] -= 1
@@ -135,3 +220,68 @@ class FakeLlama:
 
 def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+def render(messages: Sequence[dict[str, Any]]) -> str:
+    """The fake chat template: each message as ``<role>content``."""
+    return "".join(f"<{m['role']}>{m.get('content')}" for m in messages)
+
+
+def tokenize(text: str) -> list[int]:
+    """The fake tokenizer: one token per 4 characters, a hash of them, so equal text gives equal
+    tokens and a shared beginning gives a shared token prefix."""
+    return [zlib.crc32(text[i : i + 4].encode()) % 150_000 for i in range(0, len(text), 4)]
+
+
+def write_state(path: Path, tokens: Sequence[int]) -> None:
+    """A slot-state file with llama.cpp's header (magic, version, versioned token list)."""
+    words = [0xFFFFFFFF, 1, len(tokens), *tokens, 0]
+    header = struct.pack("<III", 0x67677371, 4, len(words))
+    path.write_bytes(header + struct.pack(f"<{len(words)}I", *words) + b"\0" * 64)
+
+
+def read_state(path: Path) -> list[int] | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    magic, _, n = struct.unpack("<III", data[:12])
+    if magic != 0x67677371:
+        return None
+    words = struct.unpack(f"<{n}I", data[12 : 12 + 4 * n])
+    return list(words[3 : 3 + words[2]])
+
+
+def split_config(config: dict[str, Any]) -> tuple[Any, Any]:
+    """Keyword settings as (ServerConfig, RuntimeConfig), each key to the class that has it."""
+    from agentkv.runtime.config import RuntimeConfig
+    from agentkv_server.config import ServerConfig
+
+    server_keys = {f.name for f in attrs.fields(ServerConfig)}
+    server = {k: v for k, v in config.items() if k in server_keys}
+    runtime = {k: v for k, v in config.items() if k not in server_keys}
+    return ServerConfig(**server), RuntimeConfig(**runtime)
+
+
+@contextlib.asynccontextmanager
+async def served(fake: FakeLlama, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The app over ``fake``, its runtime running, and an HTTP client for it (in-process).
+
+    ``config`` mixes ServerConfig and RuntimeConfig settings. ``http.app`` is the app and
+    ``http.runtime`` the runtime, for tests that look inside.
+    """
+    from agentkv.runtime.client import LlamaSlotClient
+    from agentkv.runtime.lifecycle import Runtime
+    from agentkv_server.app import create_app
+
+    server_config, runtime_config = split_config(config)
+    engine_http = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
+    client = LlamaSlotClient("http://engine", http=engine_http, connect_retries=0)
+    runtime = Runtime(client, runtime_config)
+    app = create_app(runtime, server_config)
+    async with runtime, engine_http:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://agentkv") as http:
+            http.app = app  # type: ignore[attr-defined]
+            http.runtime = runtime  # type: ignore[attr-defined]
+            yield http

@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 
 from agentkv import LlamaSlotClient
 from agentkv.limits import RequestLimits
-from agentkv_server import ServerConfig, create_app
+from agentkv.runtime.config import RuntimeConfig
+from agentkv.runtime.lifecycle import Runtime
+from agentkv_server import create_app
 from tests.fakes import FakeLlama
 
 EXAMPLES = int(os.environ.get("AGENTKV_FUZZ_EXAMPLES", "500"))
@@ -380,15 +382,20 @@ def test_fuzz_both_message_routes() -> None:
     fake = FakeLlama(reply='{"name": "x", "arguments": {}}')
     engine = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
     client = LlamaSlotClient("http://engine", http=engine, connect_retries=0)
-    apps = [
-        create_app(client, ServerConfig(ctx_per_slot=8192)),
-        create_app(client, ServerConfig(ctx_per_slot=8192, limits=RequestLimits(images=False))),
+    runtimes = [
+        Runtime(client, RuntimeConfig(ctx_per_slot=8192)),
+        Runtime(client, RuntimeConfig(ctx_per_slot=8192, limits=RequestLimits(images=False))),
     ]
+    apps = [create_app(runtime) for runtime in runtimes]
     statuses: Counter[int] = Counter()
     reasons: Counter[str] = Counter()
     started = time.monotonic()
 
-    with anyio.from_thread.start_blocking_portal() as portal:
+    with (
+        anyio.from_thread.start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(runtimes[0]),
+        portal.wrap_async_context_manager(runtimes[1]),
+    ):
 
         async def send(app_index: int, case: Case) -> None:
             transport = httpx.ASGITransport(app=apps[app_index])
@@ -418,9 +425,9 @@ def test_fuzz_both_message_routes() -> None:
 
     elapsed = time.monotonic() - started
     leaked = 0
-    for app in apps:
-        table = app.state.agentkv.gateway.table()
-        leaked += sum(slot["refcount"] + len(slot["leases"]) for slot in table["slots"])
+    for runtime in runtimes:
+        table = runtime.table()
+        leaked += sum(slot["busy"] + len(slot["leases"]) for slot in table["slots"])
         assert table["queue"] == [] and table["background"] == [], table
     assert leaked == 0
     assert all(count == 0 for count in fake.active.values()), fake.active

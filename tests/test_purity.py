@@ -17,7 +17,9 @@ PURE_MODULES = (
     "agentkv.scheduler",
     "agentkv.repair",
     "agentkv.compaction",
-    "agentkv.parking",
+    "agentkv.tokens",
+    "agentkv.costs",
+    "agentkv.store",
     "agentkv.limits",
 )
 IO_LIBRARIES = ("httpx", "starlette", "anyio", "uvicorn", "tenacity")

@@ -162,8 +162,11 @@ def test_system_note_already_wrapped_not_wrapped_twice() -> None:
         {"role": "user", "content": "a"},
         {"role": "system", "content": [{"type": "text", "text": note}]},
     ]
-    out = translator.translate(base(messages=messages)).body["messages"]
-    assert out[-1] == {"role": "user", "content": note}
+    out = MessagesTranslator(session_layout=False).translate(base(messages=messages)).body
+    assert out["messages"][-1] == {"role": "user", "content": note}
+    # In session layout the note goes before the user's words, in the same turn.
+    out = translator.translate(base(messages=messages)).body
+    assert out["messages"][-1] == {"role": "user", "content": note + "\n\na"}
 
 
 # -- blocks ----------------------------------------------------------------------------------
@@ -482,12 +485,33 @@ _message = st.one_of(
 )
 
 
-@given(st.lists(_message, min_size=1, max_size=6), st.integers(min_value=0, max_value=6))
-def test_growing_conversation_only_appends(messages: list[dict[str, Any]], cut: int) -> None:
-    """The engine messages for a conversation's first k turns prefix those for the whole."""
+def _is_human(message: dict[str, Any]) -> bool:
+    content = message["content"]
+    return message["role"] == "user" and not (
+        isinstance(content, list) and any(b["type"] == "tool_result" for b in content)
+    )
+
+
+@given(
+    st.lists(_message, min_size=1, max_size=6),
+    st.integers(min_value=0, max_value=6),
+    st.booleans(),
+)
+def test_growing_conversation_only_appends(
+    messages: list[dict[str, Any]], cut: int, layout: bool
+) -> None:
+    """The engine messages for a conversation's first k turns prefix those for the whole.
+
+    A turn is a human message with the system notes sent right after it (they arrive together):
+    in session layout the notes go before the words, so a cut never separates them.
+    """
     cut = max(1, min(cut, len(messages)))
-    whole = translator.translate(base(messages=messages, system="S")).body["messages"]
-    head = translator.translate(base(messages=messages[:cut], system="S")).body["messages"]
+    if layout and _is_human(messages[cut - 1]):
+        while cut < len(messages) and messages[cut]["role"] == "system":
+            cut += 1
+    translate = MessagesTranslator(session_layout=layout).translate
+    whole = translate(base(messages=messages, system="S")).body["messages"]
+    head = translate(base(messages=messages[:cut], system="S")).body["messages"]
     assert whole[: len(head)] == head
     for message in whole:
         if isinstance(message["content"], list):

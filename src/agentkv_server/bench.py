@@ -418,10 +418,20 @@ def _fake_llama(chunks_per_reply: Callable[[], int]) -> Starlette:
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
+    async def apply_template(request: Request) -> Response:
+        body = await request.json()
+        return JSONResponse({"prompt": json.dumps(body["messages"])})
+
+    async def tokenize(request: Request) -> Response:
+        content = (await request.json())["content"]
+        return JSONResponse({"tokens": [ord(c) for c in content[:: max(1, len(content) // 64)]]})
+
     return Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/apply-template", apply_template, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
         ]
     )
 
@@ -473,7 +483,7 @@ async def gateway_overhead(
                 http, gw_url + "/v1/messages", message, {"x-agent-id": "stream"}
             )
             chunks["n"] = 1
-            state = app.state.agentkv
+            runtime = app.state.runtime
             gc.collect()
             tracemalloc.start()
             try:
@@ -485,7 +495,7 @@ async def gateway_overhead(
                 grown = tracemalloc.get_traced_memory()[0]
             finally:
                 tracemalloc.stop()
-            known = len(state.gateway.table()["agents"])
+            known = len(runtime.table()["agents"])
         await client.aclose()
 
     def ms(values: Sequence[float], q: float) -> float | None:

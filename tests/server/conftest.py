@@ -6,8 +6,9 @@ and the asynchronous Anthropic SDK alike.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, NamedTuple
 
 import anyio.from_thread
@@ -16,21 +17,23 @@ import pytest
 import uvicorn
 
 from agentkv import LlamaSlotClient
+from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.engine import LlamaServerProcess, free_port
-from agentkv_server import ServerConfig, create_app
-from agentkv_server.app import AgentKV
+from agentkv.runtime.lifecycle import Runtime
+from agentkv_server import create_app
 from tests._engine_fixture import (
     ENGINE_CTX_PER_SLOT,
     ENGINE_SLOTS,
     engine_config,
     locate_engine,
 )
+from tests.fakes import FakeLlama, served
 
 
 class Live(NamedTuple):
     url: str
     engine_url: str
-    state: AgentKV
+    runtime: Runtime
     portal: anyio.from_thread.BlockingPortal
 
     def engine_table(self) -> dict[str, Any]:
@@ -56,10 +59,14 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         )
         with portal.wrap_async_context_manager(process):
             client = LlamaSlotClient(process.base_url, read_timeout=300)
-            config = ServerConfig(
-                n_slots=ENGINE_SLOTS, ctx_per_slot=ENGINE_CTX_PER_SLOT, ping_interval=1.0
+            config = RuntimeConfig(
+                n_slots=ENGINE_SLOTS,
+                ctx_per_slot=ENGINE_CTX_PER_SLOT,
+                ping_interval=1.0,
+                store_dir=root / "slots",
             )
-            app = create_app(client, config)
+            runtime = Runtime(client, config)
+            app = create_app(runtime)
             port = free_port()
             server = uvicorn.Server(
                 uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
@@ -71,8 +78,23 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                 assert time.monotonic() < deadline, "agentkv server did not start"
                 time.sleep(0.05)
             try:
-                yield Live(f"http://127.0.0.1:{port}", process.base_url, app.state.agentkv, portal)
+                yield Live(f"http://127.0.0.1:{port}", process.base_url, runtime, portal)
             finally:
                 server.should_exit = True
                 done.result(timeout=30)
                 portal.call(client.aclose)
+
+
+Serve = Callable[..., Awaitable[httpx.AsyncClient]]
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Serve]:
+    """``await serve(fake, **settings)``: the app over a fake engine, its runtime running;
+    ``settings`` mix ServerConfig and RuntimeConfig fields."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def _serve(fake: FakeLlama, **config: Any) -> httpx.AsyncClient:
+            return await stack.enter_async_context(served(fake, **config))
+
+        yield _serve

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from agentkv import LlamaSlotClient
-from agentkv_server import ServerConfig, create_app
-from tests.fakes import FakeLlama
+from agentkv.runtime.lifecycle import Runtime
+from agentkv_server import create_app
+from tests.fakes import FakeLlama, tokenize
 
 pytestmark = pytest.mark.anyio
 
@@ -28,28 +29,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def make_app(fake: FakeLlama, **config: Any) -> tuple[Any, LlamaSlotClient]:
-    http = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
-    client = LlamaSlotClient("http://engine", http=http, connect_retries=0)
-    return create_app(client, ServerConfig(**config)), client
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Callable[..., httpx.AsyncClient]]:
-    made: list[httpx.AsyncClient] = []
-
-    def _serve(fake: FakeLlama, **config: Any) -> httpx.AsyncClient:
-        app, _ = make_app(fake, **config)
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://agentkv")
-        http.app = app  # type: ignore[attr-defined]
-        made.append(http)
-        return http
-
-    yield _serve
-    for http in made:
-        await http.aclose()
-
-
 def sse_events(raw: str) -> list[dict[str, Any]]:
     events = []
     for frame in raw.strip().split("\n\n"):
@@ -61,13 +40,13 @@ def sse_events(raw: str) -> list[dict[str, Any]]:
 
 
 def table(http: httpx.AsyncClient) -> dict[str, Any]:
-    return http.app.state.agentkv.gateway.table()  # type: ignore[attr-defined,no-any-return]
+    return http.runtime.table()  # type: ignore[attr-defined,no-any-return]
 
 
 async def test_non_streaming_reply_is_an_anthropic_message(serve: Any) -> None:
     """A non-streaming request returns the engine's text as one Anthropic message."""
     fake = FakeLlama(reply="Hello there, agent.")
-    http = serve(fake)
+    http = await serve(fake)
     r = await http.post("/v1/messages", json=BODY)
     assert r.status_code == 200, r.text
     msg = r.json()
@@ -78,12 +57,12 @@ async def test_non_streaming_reply_is_an_anthropic_message(serve: Any) -> None:
     assert msg["content"][0]["text"] == "Hello there, agent."
     assert msg["stop_reason"] == "end_turn"
     assert msg["usage"]["output_tokens"] > 0
-    assert table(http)["slots"][0]["refcount"] == 0
+    assert table(http)["slots"][0]["busy"] is False
 
 
 async def test_streaming_events_come_in_anthropic_order(serve: Any) -> None:
     """A streamed reply is message_start, one text block, message_delta, message_stop."""
-    http = serve(FakeLlama(reply="one two three four five"))
+    http = await serve(FakeLlama(reply="one two three four five"))
     r = await http.post("/v1/messages", json={**BODY, "stream": True})
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -99,7 +78,7 @@ async def test_streaming_events_come_in_anthropic_order(serve: Any) -> None:
 
 async def test_query_string_is_ignored(serve: Any) -> None:
     """Claude Code's ``?beta=true`` reaches the same route."""
-    http = serve(FakeLlama())
+    http = await serve(FakeLlama())
     r = await http.post("/v1/messages?beta=true", json=BODY)
     assert r.status_code == 200
 
@@ -124,7 +103,7 @@ async def test_malformed_bodies_get_400_naming_the_field(
 ) -> None:
     """Bad JSON, wrong types, missing messages and unknown roles are 400s that say where."""
     fake = FakeLlama()
-    http = serve(fake)
+    http = await serve(fake)
     r = await http.post(
         "/v1/messages", content=content, headers={"content-type": "application/json"}
     )
@@ -138,7 +117,7 @@ async def test_malformed_bodies_get_400_naming_the_field(
 
 async def test_bad_priority_header_is_a_400(serve: Any) -> None:
     """X-Agent-Priority outside 0..3 is refused, naming the header."""
-    http = serve(FakeLlama())
+    http = await serve(FakeLlama())
     r = await http.post("/v1/messages", json=BODY, headers={"x-agent-priority": "7"})
     assert r.status_code == 400
     assert "x-agent-priority" in r.json()["error"]["message"]
@@ -146,7 +125,7 @@ async def test_bad_priority_header_is_a_400(serve: Any) -> None:
 
 async def test_api_key_is_required_when_configured(serve: Any) -> None:
     """With an API key set, requests need it as x-api-key or a Bearer token."""
-    http = serve(FakeLlama(), api_key="sekrit")
+    http = await serve(FakeLlama(), api_key="sekrit")
     r = await http.post("/v1/messages", json=BODY)
     assert r.status_code == 401
     assert r.json()["error"]["type"] == "authentication_error"
@@ -161,7 +140,7 @@ async def test_api_key_is_required_when_configured(serve: Any) -> None:
 async def test_oversized_body_gets_413(serve: Any) -> None:
     """A body over the limit is refused with request_too_large before it is parsed."""
     fake = FakeLlama()
-    http = serve(fake, max_body_bytes=1000)
+    http = await serve(fake, max_body_bytes=1000)
     big = {**BODY, "messages": [{"role": "user", "content": "x" * 5000}]}
     r = await http.post("/v1/messages", json=big)
     assert r.status_code == 413
@@ -171,7 +150,7 @@ async def test_oversized_body_gets_413(serve: Any) -> None:
 
 async def test_unknown_route_is_an_anthropic_404(serve: Any) -> None:
     """Unknown paths answer with the Anthropic error shape."""
-    http = serve(FakeLlama())
+    http = await serve(FakeLlama())
     r = await http.get("/v1/nothing")
     assert r.status_code == 404
     assert r.json()["error"]["type"] == "not_found_error"
@@ -179,20 +158,20 @@ async def test_unknown_route_is_an_anthropic_404(serve: Any) -> None:
 
 async def test_models_and_count_tokens(serve: Any) -> None:
     """/v1/models lists one model; count_tokens counts the engine's templated prompt."""
-    http = serve(FakeLlama(), model_name="local-qwen")
+    http = await serve(FakeLlama(), model_name="local-qwen")
     r = await http.get("/v1/models")
     assert r.json()["data"][0]["id"] == "local-qwen"
     body = {"model": "m", "messages": [{"role": "user", "content": "count me please"}]}
     r = await http.post("/v1/messages/count_tokens", json=body)
     assert r.status_code == 200, r.text
-    # The fake engine's tokenizer is one token per four characters of the templated prompt.
-    assert r.json()["input_tokens"] == len("<user>count me please") // 4
+    # The fake engine tokenizes four characters of the templated prompt into one token.
+    assert r.json()["input_tokens"] == len(tokenize("<user>count me please"))
 
 
 async def test_queue_cap_gives_529_overloaded(serve: Any) -> None:
     """With the slot busy and the queue full, one more request is refused with 529."""
     fake = FakeLlama(prefill_delay=0.5)
-    http = serve(fake, n_slots=1, max_queue=1)
+    http = await serve(fake, n_slots=1, max_queue=1)
     results: list[int] = []
 
     async def call() -> None:
@@ -212,7 +191,7 @@ async def test_queue_cap_gives_529_overloaded(serve: Any) -> None:
 async def test_urgent_request_overtakes_queued_background_work(serve: Any) -> None:
     """A P0 request arriving after several P2 requests is served before them."""
     fake = FakeLlama(prefill_delay=0.2)
-    http = serve(fake, n_slots=1)
+    http = await serve(fake, n_slots=1)
 
     async def call(name: str, priority: int) -> None:
         body = {**BODY, "messages": [{"role": "user", "content": name}]}
@@ -235,7 +214,7 @@ async def test_urgent_request_overtakes_queued_background_work(serve: Any) -> No
 
 async def test_pings_flow_while_waiting_for_prefill(serve: Any) -> None:
     """A slow prefill is bridged with ping events, so the client never sees a silent stream."""
-    http = serve(FakeLlama(prefill_delay=0.6, reply="ok"), ping_interval=0.1)
+    http = await serve(FakeLlama(prefill_delay=0.6, reply="ok"), ping_interval=0.1)
     r = await http.post("/v1/messages", json={**BODY, "stream": True})
     types = [e["type"] for e in sse_events(r.text)]
     assert types[0] == "message_start"
@@ -245,33 +224,35 @@ async def test_pings_flow_while_waiting_for_prefill(serve: Any) -> None:
 
 async def test_engine_error_before_stream_is_an_error_status(serve: Any) -> None:
     """An engine 500 on a non-streaming request is an Anthropic api_error, and the slot is freed."""
-    http = serve(FakeLlama(fail_status=500))
+    http = await serve(FakeLlama(fail_status=500))
     r = await http.post("/v1/messages", json=BODY)
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "api_error"
     assert "injected failure" in r.json()["error"]["message"]
-    assert all(s["refcount"] == 0 for s in table(http)["slots"])
+    assert all(s["busy"] is False for s in table(http)["slots"])
 
 
 async def test_engine_error_in_stream_is_an_error_event(serve: Any) -> None:
     """Once a stream has started, an engine failure arrives as an ``error`` event."""
-    http = serve(FakeLlama(truncate=True, reply="abcdefgh"))
+    http = await serve(FakeLlama(truncate=True, reply="abcdefgh"))
     r = await http.post("/v1/messages", json={**BODY, "stream": True})
     assert r.status_code == 200
     events = sse_events(r.text)
     assert events[0]["type"] == "message_start"
     assert events[-1]["type"] == "error"
     assert events[-1]["error"]["type"] in {"api_error", "overloaded_error"}
-    assert all(s["refcount"] == 0 for s in table(http)["slots"])
+    assert all(s["busy"] is False for s in table(http)["slots"])
 
 
 async def test_unreachable_engine_is_a_clear_error_not_a_hang(serve: Any) -> None:
     """With nothing listening upstream, the client gets an error response promptly."""
     client = LlamaSlotClient("http://127.0.0.1:9", connect_retries=1, retry_seconds=1.0)
-    app = create_app(client, ServerConfig())
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://a"
-    ) as http:
+    runtime = Runtime(client)
+    app = create_app(runtime)
+    async with (
+        runtime,
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as http,
+    ):
         with anyio.fail_after(10):
             r = await http.post("/v1/messages", json=BODY)
     assert r.status_code >= 500
@@ -280,10 +261,12 @@ async def test_unreachable_engine_is_a_clear_error_not_a_hang(serve: Any) -> Non
     await client.aclose()
 
 
-async def test_client_disconnect_cancels_engine_and_frees_slot() -> None:
-    """A client that goes away mid-stream cancels the upstream request and releases its lease."""
+async def test_client_disconnect_cancels_engine_and_frees_slot(serve: Any) -> None:
+    """A client that goes away mid-stream cancels the upstream request and releases its lease
+    (at once here: no grace period for a retry)."""
     fake = FakeLlama(reply="x" * 400, chunk_chars=1, delay=0.01)
-    app, client = make_app(fake, n_slots=1)
+    http = await serve(fake, n_slots=1, retry_grace=0)
+    app, runtime = http.app, http.runtime
     sent: list[dict[str, Any]] = []
     disconnect = anyio.Event()
     body = json.dumps({**BODY, "stream": True}).encode()
@@ -316,23 +299,20 @@ async def test_client_disconnect_cancels_engine_and_frees_slot() -> None:
     }
     with anyio.fail_after(5):
         await app(scope, receive, send)
-    state = app.state.agentkv
+        while not runtime.table()["recent"]:
+            await anyio.sleep(0.01)
     assert fake.started == 1 and fake.finished == 0
-    assert all(s["refcount"] == 0 for s in state.gateway.table()["slots"])
-    assert state.gateway.table()["recent"][-1]["status"] == "disconnected"
+    assert all(s["busy"] is False for s in runtime.table()["slots"])
+    assert runtime.table()["recent"][-1]["status"] == "cancelled"
     # The next request is unaffected.
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://a"
-    ) as http:
-        fake.delay = 0
-        r = await http.post("/v1/messages", json=BODY)
+    fake.delay = 0
+    r = await http.post("/v1/messages", json=BODY)
     assert r.status_code == 200
-    await client.aclose()
 
 
 async def test_slot_table_shows_agents_and_hits(serve: Any) -> None:
     """/agentkv/slots shows the slot, its agent, and a prefix hit on the agent's second turn."""
-    http = serve(FakeLlama(reply="fine"))
+    http = await serve(FakeLlama(reply="fine"))
     turn1 = {**BODY, "messages": [{"role": "user", "content": "hi"}]}
     turn2 = {
         **BODY,
@@ -347,23 +327,27 @@ async def test_slot_table_shows_agents_and_hits(serve: Any) -> None:
         assert r.status_code == 200
     view = (await http.get("/agentkv/slots")).json()
     used = [s for s in view["slots"] if s["agent"] == "frontend"]
-    assert len(used) == 1 and used[0]["refcount"] == 0
-    assert view["hits"]["prefix"] == 1
-    assert [r["match"] for r in view["recent"]] == ["miss", "prefix"]
+    assert len(used) == 1 and used[0]["busy"] is False
+    assert view["placements"]["from_slot"] == 1
+    first, second = view["recent"]
+    assert (first["source"], first["planned_reuse"]) == ("none", 0)
+    # The second turn starts with the first one's prompt: all of it is reused, in tokens.
+    assert second["source"] == "slot"
+    assert second["planned_reuse"] == len(tokenize("<user>hi"))
+    assert second["cached_tokens"] == second["planned_reuse"]
     assert view["agents"]["frontend"]["requests"] == 2
 
 
 async def test_prompt_that_cannot_fit_gets_the_prompt_too_long_400(serve: Any) -> None:
     """An oversize prompt gets exactly 'prompt is too long: N tokens > M maximum', unsent."""
     fake = FakeLlama()
-    http = serve(fake, ctx_per_slot=200, compaction=False)
+    http = await serve(fake, ctx_per_slot=200, compaction=False)
     big = {**BODY, "messages": [{"role": "user", "content": "word " * 400}]}
     r = await http.post("/v1/messages", json=big)
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
-    # The fake tokenizer counts one token per 4 characters of "<user>" + content.
-    tokens = len("<user>" + "word " * 400) // 4
+    tokens = len(tokenize("<user>" + "word " * 400))
     assert err["message"] == f"prompt is too long: {tokens} tokens > {200 - 64} maximum"
     assert fake.requests == []
 
@@ -371,10 +355,10 @@ async def test_prompt_that_cannot_fit_gets_the_prompt_too_long_400(serve: Any) -
 async def test_max_tokens_is_capped_to_what_the_slot_can_hold(serve: Any) -> None:
     """Claude Code's max_tokens of 32000 becomes what is left of the slot's context."""
     fake = FakeLlama()
-    http = serve(fake, ctx_per_slot=1000)
+    http = await serve(fake, ctx_per_slot=1000)
     r = await http.post("/v1/messages", json={**BODY, "max_tokens": 32000})
     assert r.status_code == 200
-    tokens = len("<user>Say hello.") // 4
+    tokens = len(tokenize("<user>Say hello."))
     assert fake.requests[0]["max_tokens"] == 1000 - tokens
 
 
@@ -387,7 +371,7 @@ async def test_background_work_waits_for_every_foreground_request() -> None:
     order: list[str] = []
 
     async def run(name: str, priority: int, background: bool) -> None:
-        ticket = gateway.submit(name, priority, None, background=background)
+        ticket = gateway.submit(name, priority, background=background)
         async with gateway.hold(ticket):
             order.append(name)
             await anyio.sleep(0.05)
@@ -421,7 +405,7 @@ async def test_tool_call_written_as_text_is_returned_as_tool_use(serve: Any) -> 
     fake = FakeLlama(
         script=['```json\n{"name": "get_weather", "arguments": {"city": "Oslo",}}\n```']
     )
-    http = serve(fake)
+    http = await serve(fake)
     r = await http.post("/v1/messages", json={**BODY, "tools": [WEATHER]})
     msg = r.json()
     assert msg["stop_reason"] == "tool_use"
@@ -437,7 +421,7 @@ async def test_broken_tool_call_is_retried_once_with_constrained_decoding(serve:
             '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
         ]
     )
-    http = serve(fake)
+    http = await serve(fake)
     r = await http.post("/v1/messages", json={**BODY, "stream": True, "tools": [WEATHER]})
     events = [e for e in sse_events(r.text) if e["type"] != "ping"]
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
@@ -454,16 +438,17 @@ async def test_tool_repair_can_be_switched_off(serve: Any) -> None:
     """With tool repair off, the model's text passes through untouched."""
     reply = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
     fake = FakeLlama(script=[reply])
-    http = serve(fake, tool_repair=False)
+    http = await serve(fake, tool_repair=False)
     r = await http.post("/v1/messages", json={**BODY, "tools": [WEATHER]})
     assert r.json()["content"] == [{"type": "text", "text": reply}]
 
 
-async def test_p0_preempts_a_background_request_that_has_not_started(serve: Any) -> None:
-    """With the only slot in a P2 request's prefill, a P0 request takes it; the P2 request is
-    queued again and still completes, and its client sees one clean reply."""
-    fake = FakeLlama(prefill_delay=1.0, reply="done")
-    http = serve(fake, n_slots=1, preempt_from=2)
+async def test_p0_suspends_a_background_request_in_its_prefill(serve: Any, tmp_path: Path) -> None:
+    """With the only slot in a P2 request's prefill, a P0 request takes it: the P2 request's
+    progress is saved, it queues again, resumes and completes, and its client sees one clean
+    reply."""
+    fake = FakeLlama(prefill_delay=1.0, reply="done", save_dir=tmp_path)
+    http = await serve(fake, n_slots=1, preempt_from=2, store_dir=tmp_path)
     results: dict[str, Any] = {}
 
     async def call(name: str, priority: int) -> None:
@@ -483,15 +468,18 @@ async def test_p0_preempts_a_background_request_that_has_not_started(serve: Any)
         assert events[-1]["type"] == "message_stop"
         assert sum(e["type"] == "content_block_start" for e in events) == 1
     records = {r["agent"]: r for r in table(http)["recent"]}
-    assert records["background"]["preempted"] == 1
-    assert records["coordinator"]["preempted"] == 0
-    assert table(http)["slots"][0]["refcount"] == 0
+    assert records["background"]["suspended"] == 1
+    assert records["coordinator"]["suspended"] == 0
+    assert [action for _, action, _ in fake.slot_actions].count("save") >= 1
+    assert table(http)["slots"][0]["busy"] is False
 
 
-async def test_a_request_that_has_started_output_is_not_preempted(serve: Any) -> None:
+async def test_a_request_that_has_started_output_is_not_preempted(
+    serve: Any, tmp_path: Path
+) -> None:
     """Once a reply is streaming it keeps its slot: P0 waits for it."""
-    fake = FakeLlama(reply="x" * 40, chunk_chars=1, delay=0.02)
-    http = serve(fake, n_slots=1, preempt_from=2)
+    fake = FakeLlama(reply="x" * 40, chunk_chars=1, delay=0.02, save_dir=tmp_path)
+    http = await serve(fake, n_slots=1, preempt_from=2, store_dir=tmp_path)
 
     async def call(name: str, priority: int) -> None:
         body = {**BODY, "messages": [{"role": "user", "content": name}]}
@@ -502,4 +490,4 @@ async def test_a_request_that_has_started_output_is_not_preempted(serve: Any) ->
         await anyio.sleep(0.3)  # streaming by now
         tg.start_soon(call, "coordinator", 0)
     assert [r["messages"][-1]["content"] for r in fake.requests] == ["background", "coordinator"]
-    assert all(r["preempted"] == 0 for r in table(http)["recent"])
+    assert all(r["suspended"] == 0 for r in table(http)["recent"])

@@ -6,15 +6,13 @@ Each case here once got through to a 500, a stuck lease or a broken slot table.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from agentkv import LlamaSlotClient
 from agentkv.limits import NO_IMAGES, RequestLimits
-from agentkv_server import ServerConfig, create_app
 from tests.fakes import FakeLlama
 
 pytestmark = pytest.mark.anyio
@@ -34,32 +32,13 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-Serve = Callable[..., httpx.AsyncClient]
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Serve]:
-    made: list[tuple[httpx.AsyncClient, LlamaSlotClient]] = []
-
-    def _serve(fake: FakeLlama, **config: Any) -> httpx.AsyncClient:
-        engine = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
-        client = LlamaSlotClient("http://engine", http=engine, connect_retries=0)
-        app = create_app(client, ServerConfig(**config))
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://agentkv")
-        http.app = app  # type: ignore[attr-defined]
-        made.append((http, client))
-        return http
-
-    yield _serve
-    for http, client in made:
-        await http.aclose()
-        await client.aclose()
+from tests.server.conftest import Serve
 
 
 def assert_idle(http: httpx.AsyncClient) -> None:
     """No lease held, no ticket queued: nothing is left behind by a refused request."""
-    table = http.app.state.agentkv.gateway.table()  # type: ignore[attr-defined]
-    assert all(slot["refcount"] == 0 and not slot["leases"] for slot in table["slots"])
+    table = http.runtime.table()  # type: ignore[attr-defined]
+    assert all(not slot["busy"] and not slot["leases"] for slot in table["slots"])
     assert table["queue"] == [] and table["background"] == []
 
 
@@ -81,7 +60,7 @@ async def post_raw(http: httpx.AsyncClient, route: str, raw: bytes) -> httpx.Res
 async def test_lone_surrogate_in_model(serve: Serve, route: str, stream: bool) -> None:
     """``"model": "\\ud800"`` is a 400 at parse time, streaming or not; no lease is taken."""
     fake = FakeLlama()
-    http = serve(fake, ctx_per_slot=4096)
+    http = await serve(fake, ctx_per_slot=4096)
     raw = json.dumps({**BODY, "stream": stream})
     raw = raw.replace('"claude-sonnet-4-5"', '"\\ud800"')
     response = await post_raw(http, route, raw.encode())
@@ -93,11 +72,11 @@ async def test_lone_surrogate_in_model(serve: Serve, route: str, stream: bool) -
     assert_idle(http)
 
 
-async def test_poisoned_session_id_breaks_no_one(serve: Serve) -> None:
+async def test_poisoned_session_id_breaks_no_one(serve: Serve, tmp_path: Path) -> None:
     """A session_id decoding to lone surrogates: its request, the agent that evicts it, and the
     slot table all still work, and the parked-context file name is a plain digest."""
-    fake = FakeLlama(reply="fine")
-    http = serve(fake, n_slots=1)
+    fake = FakeLlama(reply="fine", save_dir=tmp_path)
+    http = await serve(fake, n_slots=1, store_dir=tmp_path, park_min=1)
     poisoned = {**BODY, "metadata": {"user_id": '{"session_id":"\\udc00evil\\u001b[2J"}'}}
     r = await http.post("/v1/messages", json=poisoned)
     assert r.status_code == 200, r.text
@@ -105,14 +84,15 @@ async def test_poisoned_session_id_breaks_no_one(serve: Serve) -> None:
     other = {**BODY, "messages": [{"role": "user", "content": "something else"}]}
     r = await http.post("/v1/messages", json=other, headers={"x-agent-id": "other"})
     assert r.status_code == 200, r.text
-    assert [(action, name.startswith("agentkv-")) for _, action, name in fake.slot_actions] == [
+    assert [(action, name.startswith("akv-")) for _, action, name in fake.slot_actions] == [
         ("save", True)
     ]
+    assert [p.name.startswith("akv-context-") for p in tmp_path.glob("*.bin")] == [True]
     r = await http.get("/agentkv/slots")
     assert r.status_code == 200, r.text
     table = r.json()
     assert set(table["agents"]) == {"evil[2J", "other"}
-    assert [p["agent"] for p in table["parked"]] == ["evil[2J"]
+    assert [e["agent"] for e in table["store"]["entries"]] == ["evil[2J"]
     # The same id sent as a real lone surrogate inside the body's JSON is a 400 at parse time.
     raw = json.dumps({**BODY, "metadata": {"user_id": "x"}}).replace('"x"', '"\\udc00"')
     assert_400(await post_raw(http, "/v1/messages", raw.encode()), "metadata.user_id: string")
@@ -138,7 +118,7 @@ async def test_non_finite_numbers(
     serve: Serve, route: str, fragment: str, path: str, shown: str
 ) -> None:
     fake = FakeLlama()
-    http = serve(fake, ctx_per_slot=4096)
+    http = await serve(fake, ctx_per_slot=4096)
     raw = json.dumps(BODY)[:-1] + ", " + fragment + "}"
     response = await post_raw(http, route, raw.encode())
     assert_400(response, f"{path}: number {shown} is not finite")
@@ -150,7 +130,7 @@ async def test_non_finite_numbers(
 async def test_deep_nesting(serve: Serve, route: str) -> None:
     """100,000 nested arrays, and 100: a 400 each, the second naming where."""
     fake = FakeLlama()
-    http = serve(fake, ctx_per_slot=4096)
+    http = await serve(fake, ctx_per_slot=4096)
     prefix = json.dumps(BODY)[:-1]
     deep = f'{prefix}, "x": {"[" * 100_000}{"]" * 100_000}}}'
     assert_400(await post_raw(http, route, deep.encode()), "request body is nested deeper")
@@ -177,7 +157,7 @@ async def test_only_json_content_type_is_served(
 ) -> None:
     """A browser's "simple" cross-site request (text/plain, form, no type) never runs."""
     fake = FakeLlama()
-    http = serve(fake, ctx_per_slot=4096)
+    http = await serve(fake, ctx_per_slot=4096)
     request = http.build_request("POST", route, content=json.dumps(BODY).encode())
     if content_type is not None:
         request.headers["content-type"] = content_type
@@ -189,7 +169,7 @@ async def test_only_json_content_type_is_served(
 
 @pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON"])
 async def test_json_content_type_with_parameters_is_fine(serve: Serve, content_type: str) -> None:
-    http = serve(FakeLlama())
+    http = await serve(FakeLlama())
     r = await http.post(
         "/v1/messages", content=json.dumps(BODY).encode(), headers={"content-type": content_type}
     )
@@ -200,7 +180,7 @@ async def test_json_content_type_with_parameters_is_fine(serve: Serve, content_t
 async def test_ten_thousand_tools_cost_the_engine_nothing(serve: Serve, route: str) -> None:
     """10,000 tools are refused before any engine request (no templating, no token count)."""
     fake = FakeLlama()
-    http = serve(fake, ctx_per_slot=4096)
+    http = await serve(fake, ctx_per_slot=4096)
     tools = [
         {"name": f"tool_{i}", "input_schema": {"type": "object", "properties": {}}}
         for i in range(10_000)
@@ -215,7 +195,7 @@ async def test_ten_thousand_tools_cost_the_engine_nothing(serve: Serve, route: s
 async def test_images_on_a_text_only_engine(serve: Serve, route: str) -> None:
     """With limits.images off, an image (in a message or a tool result) is a 400 that says so."""
     fake = FakeLlama()
-    http = serve(fake, ctx_per_slot=4096, limits=RequestLimits(images=False))
+    http = await serve(fake, ctx_per_slot=4096, limits=RequestLimits(images=False))
     direct = {**BODY, "messages": [{"role": "user", "content": [IMAGE]}]}
     assert_400(await http.post(route, json=direct), f"messages[0].content[0]: {NO_IMAGES}")
     result = {
@@ -233,13 +213,13 @@ async def test_images_on_a_text_only_engine(serve: Serve, route: str) -> None:
     assert fake.paths == []
     assert_idle(http)
     # The same engine with images allowed (the default) takes them.
-    assert (await serve(FakeLlama()).post(route, json=direct)).status_code == 200
+    assert (await (await serve(FakeLlama())).post(route, json=direct)).status_code == 200
 
 
 async def test_oversized_agent_id_is_bounded(serve: Serve) -> None:
     """A 1 MB X-Agent-Id becomes a 54-character digest form in the slot table."""
     fake = FakeLlama()
-    http = serve(fake)
+    http = await serve(fake)
     huge = "agent-" + "x" * (1024 * 1024)
     r = await http.post("/v1/messages", json=BODY, headers={"x-agent-id": huge})
     assert r.status_code == 200, r.text
@@ -256,7 +236,7 @@ async def test_oversized_agent_id_is_bounded(serve: Serve) -> None:
 @pytest.mark.parametrize("route", ROUTES)
 async def test_oversized_body_is_still_a_413(serve: Serve, route: str) -> None:
     fake = FakeLlama()
-    http = serve(fake, max_body_bytes=1000)
+    http = await serve(fake, max_body_bytes=1000)
     big = {**BODY, "messages": [{"role": "user", "content": "x" * 5000}]}
     assert_400(await http.post(route, json=big), "request body", status=413)
     assert fake.paths == []

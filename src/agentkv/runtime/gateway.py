@@ -22,7 +22,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
@@ -198,6 +199,21 @@ class Gateway:
         self._slots.release(lease, self.clock(), holds=holds)
         self._dispatch()
 
+    @asynccontextmanager
+    async def hold(self, ticket: Ticket) -> AsyncIterator[Lease]:
+        """``async with gateway.hold(ticket) as lease``: wait for the lease, always release it.
+
+        A clean exit records the ticket's tokens as the slot's content; a failure leaves the
+        slot's content unknown (empty).
+        """
+        lease = await self.wait(ticket)
+        ok = False
+        try:
+            yield lease
+            ok = True
+        finally:
+            self.release(lease, holds=ticket.tokens if ok else None)
+
     def dispatch_seq(self, lease: Lease) -> int | None:
         """The order in which this lease was handed out (1, 2, …), while it is held."""
         return self._lease_seq.get(lease.id)
@@ -215,6 +231,8 @@ class Gateway:
         running = self._running.get(lease.id)
         if running is not None:
             running.decoding = True
+            # Output has reached the client: resuming would have to continue it token for token.
+            running.suspend = None
 
     def _preempt_for(self, ticket: Ticket) -> None:
         if self.preempt_from is None or ticket.priority > 0:

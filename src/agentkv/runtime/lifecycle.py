@@ -176,6 +176,8 @@ class Exchange:
     _done: bool = False
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
     _subscribers: int = 0
+    #: A client followed the reply to its end.
+    _delivered: bool = False
     _orphaned_at: float | None = None
     finished_at: float | None = None
 
@@ -190,6 +192,16 @@ class Exchange:
     @property
     def cancelled(self) -> bool:
         return self._scope.cancel_called
+
+    @property
+    def joinable(self) -> bool:
+        """A retry of this request may take it over: nobody receives it, it has not failed."""
+        return (
+            self._subscribers == 0
+            and not self._delivered
+            and self._failure is None
+            and not self.cancelled
+        )
 
     # -- subscribers ------------------------------------------------------------------------------
 
@@ -213,6 +225,7 @@ class Exchange:
                 if self._done:
                     if self._failure is not None:
                         yield Failed(self._failure)
+                    self._delivered = True
                     return
                 changed = self._changed
                 with anyio.move_on_after(interval) as idle:
@@ -661,7 +674,7 @@ class Runtime:
         if self._tg is None:
             raise RuntimeError("the runtime is not running (use `async with Runtime(...)`)")
         existing = self._exchanges.get(prepared.key)
-        if existing is not None and existing.failure is None and not existing.cancelled:
+        if existing is not None and existing.joinable:
             existing.record.attached += 1
             log.info(
                 "agent %s retried a request that is %s; joining it",
