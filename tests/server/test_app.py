@@ -299,7 +299,7 @@ async def test_client_disconnect_cancels_engine_and_frees_slot(serve: Any) -> No
     }
     with anyio.fail_after(5):
         await app(scope, receive, send)
-        while not runtime.table()["recent"]:
+        while not runtime.table()["recent"]:  # noqa: ASYNC110 - polls another task's record
             await anyio.sleep(0.01)
     assert fake.started == 1 and fake.finished == 0
     assert all(s["busy"] is False for s in runtime.table()["slots"])

@@ -14,6 +14,7 @@ import pytest
 
 from agentkv.limits import NO_IMAGES, RequestLimits
 from tests.fakes import FakeLlama
+from tests.server.conftest import Serve
 
 pytestmark = pytest.mark.anyio
 
@@ -30,9 +31,6 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-from tests.server.conftest import Serve
 
 
 def assert_idle(http: httpx.AsyncClient) -> None:
@@ -87,7 +85,8 @@ async def test_poisoned_session_id_breaks_no_one(serve: Serve, tmp_path: Path) -
     assert [(action, name.startswith("akv-")) for _, action, name in fake.slot_actions] == [
         ("save", True)
     ]
-    assert [p.name.startswith("akv-context-") for p in tmp_path.glob("*.bin")] == [True]
+    saved = [p.name.startswith("akv-context-") for p in tmp_path.glob("*.bin")]  # noqa: ASYNC240
+    assert saved == [True]
     r = await http.get("/agentkv/slots")
     assert r.status_code == 200, r.text
     table = r.json()
