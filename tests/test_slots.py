@@ -85,7 +85,7 @@ def test_overwriting_unsaved_content_parks_it_when_a_store_exists() -> None:
     without = manager.place(tuple(range(50_000, 50_300)), COSTS)
     assert without is not None and not without.park  # nowhere to park it
     # A small remainder is not worth a save.
-    assert not manager.place(tuple(range(5900)) + (7,), COSTS, store=store).park  # type: ignore[union-attr]
+    assert not manager.place((*tuple(range(5900)), 7), COSTS, store=store).park  # type: ignore[union-attr]
 
 
 def test_a_stored_state_that_holds_more_is_restored() -> None:

@@ -67,11 +67,11 @@ def test_budget_is_never_exceeded_and_least_valuable_go_first() -> None:
     """Over budget, the entry that saves least times its chance of reuse is evicted first."""
     index = StoreIndex(budget=100 * MB)
     hot = entry((1,) * 1 + tuple(range(1000, 5000)), nbytes=40 * MB, hits=5)
-    cold = entry((2,) + tuple(range(1000, 5000)), nbytes=40 * MB)
-    small = entry((3,) + tuple(range(10)), nbytes=10 * MB)
+    cold = entry((2, *tuple(range(1000, 5000))), nbytes=40 * MB)
+    small = entry((3, *tuple(range(10))), nbytes=10 * MB)
     for e in (hot, cold, small):
         assert index.add(e, 0) == []
-    removed = index.add(entry((4,) + tuple(range(2000)), nbytes=30 * MB), 10)
+    removed = index.add(entry((4, *tuple(range(2000))), nbytes=30 * MB), 10)
     assert index.total_bytes <= index.budget
     # The small one saves least; the cold one (no hits) is next.
     assert [e.id for e in removed] == [small.id, cold.id]
