@@ -10,7 +10,7 @@ import contextlib
 import json
 import struct
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -285,3 +285,10 @@ async def served(fake: FakeLlama, **config: Any) -> AsyncIterator[httpx.AsyncCli
             http.app = app  # type: ignore[attr-defined]
             http.runtime = runtime  # type: ignore[attr-defined]
             yield http
+
+
+async def wait_for(condition: Callable[[], object], timeout: float = 5.0) -> None:  # noqa: ASYNC109
+    """Wait until ``condition()`` is true (another task's state), failing after ``timeout``."""
+    with anyio.fail_after(timeout):
+        while not condition():  # noqa: ASYNC110 - the state belongs to other tasks
+            await anyio.sleep(0.01)

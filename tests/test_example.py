@@ -47,43 +47,28 @@ def report(example: ModuleType) -> Any:
         pytest.skip(f"no engine: {exc}")
     lines: list[str] = []
     # anyio.run in a sync fixture: the example owns its event loop from start to finish.
-    result = anyio.run(functools.partial(example.main, None, echo=lines.append))
+    result = anyio.run(
+        functools.partial(example.main, None, echo=lines.append, progress=lines.append)
+    )
     assert lines, "the example printed nothing"
     return result
 
 
 def test_every_request_finishes(report: Any, example: ModuleType) -> None:
     """Each agent's two turns run once each and end without an error."""
-    done = sorted((r.agent, r.turn) for r in report.results)
-    assert done == sorted((a.name, turn) for a in example.AGENTS for turn in (1, 2))
-    assert [r.error for r in report.results if r.error is not None] == []
-    assert all(r.prompt_n + r.cache_n > 0 for r in report.results)
-    assert report.stats.acquired == len(report.results)
-
-
-def test_every_lease_is_released(report: Any) -> None:
-    """After the run every slot is idle: no refcount, no lease left behind."""
-    assert report.free == report.n_slots
-    assert [(row.refcount, row.lease_ids) for row in report.slots] == [(0, ())] * report.n_slots
-
-
-def test_coordinator_goes_before_same_time_lower_priority(report: Any) -> None:
-    """No request of lower priority that arrived with a coordinator request got a slot first."""
-    pairs = [
-        (first, other)
-        for first in report.results
-        if first.priority == 0
-        for other in report.results
-        if other.priority > 0 and other.arrival == first.arrival
-    ]
-    # Both turns: the coordinator arrives together with the two other agents.
-    assert len(pairs) == 4
-    assert [(f.dispatch_seq < o.dispatch_seq) for f, o in pairs] == [True] * len(pairs)
+    agents = sorted(r.agent for r in report)
+    assert agents == sorted(name for name in example.AGENTS for _ in (1, 2))
+    assert [r.status for r in report] == ["ok"] * len(report)
+    assert all(r.prompt_tokens > 0 and r.output_tokens > 0 for r in report)
 
 
 def test_second_turns_reuse_the_cache(report: Any) -> None:
-    """Every agent's second turn takes more than half its prompt from a slot's KV cache."""
-    second = {r.agent: r for r in report.results if r.turn == 2}
-    shares = {agent: r.cache_n / (r.cache_n + r.prompt_n) for agent, r in second.items()}
+    """Every agent's second turn takes most of its prompt from a slot's cache, in tokens."""
+    seen: dict[str, int] = {}
+    shares = {}
+    for record in report:
+        seen[record.agent] = seen.get(record.agent, 0) + 1
+        if seen[record.agent] == 2:
+            shares[record.agent] = record.cached_tokens / record.prompt_tokens
     assert len(shares) == 3
     assert {agent: share > 0.5 for agent, share in shares.items()} == dict.fromkeys(shares, True)

@@ -182,6 +182,11 @@ class CompactionStore:
     def pending(self, agent: str) -> bool:
         return agent in self._pending
 
+    def latest(self, agent: str) -> Compaction | None:
+        """The agent's most recent compaction, if any."""
+        done = self._done.get(agent)
+        return done[-1] if done else None
+
     def rewrite(
         self, agent: str, body: Mapping[str, Any], fingerprinter: PrefixFingerprinter
     ) -> tuple[dict[str, Any], Fingerprint, list[Compaction]]:

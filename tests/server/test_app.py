@@ -13,7 +13,7 @@ import pytest
 from agentkv import LlamaSlotClient
 from agentkv.runtime.lifecycle import Runtime
 from agentkv_server import create_app
-from tests.fakes import FakeLlama, tokenize
+from tests.fakes import FakeLlama, tokenize, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -299,8 +299,7 @@ async def test_client_disconnect_cancels_engine_and_frees_slot(serve: Any) -> No
     }
     with anyio.fail_after(5):
         await app(scope, receive, send)
-        while not runtime.table()["recent"]:  # noqa: ASYNC110 - polls another task's record
-            await anyio.sleep(0.01)
+    await wait_for(lambda: runtime.table()["recent"])
     assert fake.started == 1 and fake.finished == 0
     assert all(s["busy"] is False for s in runtime.table()["slots"])
     assert runtime.table()["recent"][-1]["status"] == "cancelled"

@@ -85,7 +85,7 @@ async def test_poisoned_session_id_breaks_no_one(serve: Serve, tmp_path: Path) -
     assert [(action, name.startswith("akv-")) for _, action, name in fake.slot_actions] == [
         ("save", True)
     ]
-    saved = [p.name.startswith("akv-context-") for p in tmp_path.glob("*.bin")]  # noqa: ASYNC240
+    saved = [p.name.startswith("akv-context-") for p in tmp_path.glob("*.bin")]
     assert saved == [True]
     r = await http.get("/agentkv/slots")
     assert r.status_code == 200, r.text

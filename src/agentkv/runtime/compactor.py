@@ -16,8 +16,14 @@ import anyio
 import anyio.abc
 import attrs
 
-from agentkv import AgentKVError, LlamaSlotClient, PrefixFingerprinter
-from agentkv.compaction import Compaction, CompactionStore, plan_compaction, summary_request
+from agentkv import AgentKVError, LlamaSlotClient, PrefixFingerprinter, Ticket
+from agentkv.compaction import (
+    Compaction,
+    CompactionPlan,
+    CompactionStore,
+    plan_compaction,
+    summary_request,
+)
 from agentkv.runtime.gateway import Gateway
 
 __all__ = ["Compactor"]
@@ -39,27 +45,32 @@ class Compactor:
     store: CompactionStore = attrs.field(factory=CompactionStore)
     clock: Callable[[], float] = time.monotonic
     _tasks: anyio.abc.TaskGroup | None = None
+    #: Per agent, the compaction in flight.
+    _inflight: dict[str, _Job] = attrs.field(factory=dict)
 
     def attach(self, tasks: anyio.abc.TaskGroup | None) -> None:
         """Where background jobs run (the server's lifespan task group); None stops scheduling."""
         self._tasks = tasks
 
     def schedule(self, agent: str, body: Mapping[str, Any], tokens: int) -> bool:
-        """Start a background compaction for ``agent`` unless one is running; True if started."""
-        if self._tasks is None or self.store.pending(agent):
+        """Start a background compaction for ``agent`` unless one is in flight; True if started."""
+        if self._tasks is None or agent in self._inflight:
             return False
-        if self._plan(agent, body) is None:
+        plan = self._plan(agent, body)
+        if plan is None or not self.store.begin(agent):
             return False
-        self._tasks.start_soon(self._background, agent, dict(body), tokens)
+        job = _Job(plan)
+        self._inflight[agent] = job  # in flight from now on, before its task first runs
+        self._tasks.start_soon(self._background, agent, dict(body), tokens, job)
         return True
 
-    async def _background(self, agent: str, body: dict[str, Any], tokens: int) -> None:
+    async def _background(self, agent: str, body: dict[str, Any], tokens: int, job: _Job) -> None:
         try:
-            await self.compact(agent, body, tokens, priority=BACKGROUND_PRIORITY, background=True)
+            await self._run(agent, body, tokens, job, priority=BACKGROUND_PRIORITY, background=True)
         except AgentKVError as exc:
             log.warning("background compaction for agent %s failed: %s", agent, exc.message)
 
-    def _plan(self, agent: str, body: Mapping[str, Any]) -> Any:
+    def _plan(self, agent: str, body: Mapping[str, Any]) -> CompactionPlan | None:
         return plan_compaction(
             body, agent=agent, keep_recent=self.keep_recent, fingerprinter=self.fingerprinter
         )
@@ -76,15 +87,41 @@ class Compactor:
         """Summarise the oldest turns of ``body`` and remember it for ``agent``.
 
         The summary is asked for on a leased slot; the same slot is then prefilled with the
-        compacted conversation, so the agent's next request is a prefix hit there.
+        compacted conversation, so the agent's next request is a prefix hit there. When one is
+        already in flight for the agent (in the background, most likely), it is made as urgent
+        as ``priority`` and its result is returned instead.
         """
+        job = self._inflight.get(agent)
+        if job is not None:
+            if job.ticket is not None:
+                self.gateway.promote(job.ticket, priority)
+            await job.done.wait()
+            return self.store.latest(agent)
         plan = self._plan(agent, body)
         if plan is None or not self.store.begin(agent):
             return None
+        job = _Job(plan)
+        self._inflight[agent] = job
+        return await self._run(agent, body, tokens, job, priority=priority, background=background)
+
+    async def _run(
+        self,
+        agent: str,
+        body: Mapping[str, Any],
+        tokens: int,
+        job: _Job,
+        *,
+        priority: int,
+        background: bool,
+    ) -> Compaction | None:
+        plan = job.plan
         result: Compaction | None = None
         try:
-            ticket = self.gateway.submit(f"{agent} (compaction)", priority, background=background)
-            lease = await self.gateway.wait(ticket)
+            job.ticket = self.gateway.submit(
+                f"{agent} (compaction)", priority, background=background
+            )
+            lease = await self.gateway.wait(job.ticket)
+            job.ticket = None
             holds: tuple[int, ...] | None = None
             try:
                 reply = await self.client.chat(
@@ -114,6 +151,17 @@ class Compactor:
             return result
         finally:
             self.store.end(agent, result)
+            self._inflight.pop(agent, None)
+            job.done.set()
+
+
+@attrs.define
+class _Job:
+    """A compaction in flight: its plan, its ticket while it waits for a slot, and its end."""
+
+    plan: CompactionPlan
+    ticket: Ticket | None = None
+    done: anyio.Event = attrs.field(factory=anyio.Event)
 
 
 def _reply_text(reply: Mapping[str, Any]) -> str:

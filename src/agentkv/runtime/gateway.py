@@ -169,6 +169,13 @@ class Gateway:
             self._preempt_for(ticket)
         return ticket
 
+    def promote(self, ticket: Ticket, priority: int) -> None:
+        """A queued background ticket becomes foreground work of ``priority`` (same arrival)."""
+        if self._background.cancel(ticket.id) is None:
+            return  # not waiting in the background lane (dispatched, or already foreground)
+        self._scheduler.submit(attrs.evolve(ticket, priority=priority), ticket.arrival)
+        self._dispatch()
+
     async def wait(self, ticket: Ticket) -> Lease:
         """Wait for the ticket's lease. Cancellation withdraws the ticket or returns the lease."""
         waiter = self._waiters.get(ticket.id)
@@ -320,7 +327,10 @@ class Gateway:
         costs = self.costs
         # Computing alone would run next to the prompts being computed now (the checkpoint's at
         # least), which share the engine: each goes about that many times slower.
-        contention = 1 + sum(1 for r in self._running.values() if not r.decoding)
+        decoding = {r.lease.slot for r in self._running.values() if r.decoding}
+        contention = 1 + sum(
+            1 for row in self._slots.table() if row.refcount and row.slot not in decoding
+        )
         best: tuple[float, Checkpoint] | None = None
         for checkpoint in self._checkpoints.values():
             shared = common_prefix(tokens, checkpoint.tokens)

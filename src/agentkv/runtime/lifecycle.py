@@ -820,6 +820,10 @@ class Runtime:
                 with contextlib.suppress(AgentKVError, OSError):
                     await self.store.expire()
 
+    def records(self) -> list[RequestRecord]:
+        """The most recent finished requests (the last 64), oldest first."""
+        return list(self._recent)
+
     def table(self) -> dict[str, Any]:
         """The operator's view: slots, queue, store, agents, recent requests."""
         table = self.gateway.table()

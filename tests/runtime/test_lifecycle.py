@@ -1,0 +1,234 @@
+"""The request lifecycle in the runtime, against the fake engine: sharing, store, retries."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.config import RuntimeConfig
+from agentkv.runtime.lifecycle import Runtime
+from tests.fakes import FakeLlama, wait_for
+
+pytestmark = pytest.mark.anyio
+
+#: A long shared head (system prompt and session context), as a fresh agent's first request has.
+SYSTEM = "You are a careful coding agent. " * 300
+NOTE = "<system-reminder>\n# Environment\nWorking directory: /home/dev/shop\n" + "x" * 2000
+
+
+def first_request(words: str) -> dict[str, Any]:
+    """A fresh agent's first request, shaped like Claude Code's: the words, then the note."""
+    return {
+        "model": "m",
+        "max_tokens": 8,
+        "system": SYSTEM,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": words}]},
+            {"role": "system", "content": NOTE},
+        ],
+    }
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def running(fake: FakeLlama, **config: Any) -> AsyncIterator[Runtime]:
+    http = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
+    client = LlamaSlotClient("http://engine", http=http, connect_retries=0)
+    async with http, Runtime(client, RuntimeConfig(**config)) as runtime:
+        yield runtime
+
+
+async def ask(runtime: Runtime, body: dict[str, Any], agent: str, priority: int = 1) -> str:
+    prepared = await runtime.prepare(body, agent=agent, priority=priority)
+    message = await runtime.submit(prepared).message()
+    return "".join(block.get("text", "") for block in message["content"])
+
+
+async def test_agents_starting_together_compute_the_shared_head_once(tmp_path: Path) -> None:
+    """Three fresh agents on two slots: one computes the head and saves it, the others wait for
+    it and restore it; the engine computes the head's tokens once."""
+    fake = FakeLlama(reply="ok", save_dir=tmp_path, prefill_delay=0.3)
+    async with running(fake, n_slots=2, store_dir=tmp_path, ctx_per_slot=32768) as runtime:
+        async with anyio.create_task_group() as tg:
+            for i, words in enumerate(["alpha", "beta", "gamma"]):
+                tg.start_soon(ask, runtime, first_request(f"Reply with: {words}"), f"agent{i}")
+        records = {r.agent: r for r in runtime.records()}
+        head = records["agent0"].checkpoint_tokens
+        assert head is not None and head > 1000
+        assert [records[a].checkpoint_tokens for a in ("agent1", "agent2")] == [None, None]
+        assert {records[a].source for a in ("agent1", "agent2")} <= {"store", "slot"}
+        # The engine computed the head once, plus each agent's own few tokens.
+        prompt = records["agent0"].prompt_tokens
+        assert fake.computed < head + 3 * (prompt - head) + 3
+        assert all(r.status == "ok" for r in records.values())
+
+
+async def test_the_store_outlives_a_restart(tmp_path: Path) -> None:
+    """After a restart on the same store, a new agent restores the head instead of computing it;
+    an index made for another engine configuration is refused and its files deleted."""
+    fake = FakeLlama(reply="ok", save_dir=tmp_path)
+    async with running(fake, n_slots=2, store_dir=tmp_path, ctx_per_slot=32768) as runtime:
+        await ask(runtime, first_request("one"), "a")
+        head = runtime.records()[0].checkpoint_tokens
+    assert head is not None
+    saved = sorted(p.name for p in tmp_path.glob("akv-*.bin"))
+    assert len(saved) == 1
+
+    fresh = FakeLlama(reply="ok", save_dir=tmp_path)  # an engine with empty slots
+    async with running(fresh, n_slots=2, store_dir=tmp_path, ctx_per_slot=32768) as runtime:
+        await ask(runtime, first_request("two"), "b")
+        record = runtime.records()[0]
+        assert record.source == "store" and record.cached_tokens >= head
+        assert fresh.computed < 20  # its own words only
+
+    # Another model or context size: the entry is refused, deleted, never restored.
+    other = FakeLlama(reply="ok", save_dir=tmp_path)
+    config = RuntimeConfig(n_slots=2, store_dir=tmp_path, ctx_per_slot=32768)
+    http = httpx.AsyncClient(transport=other.transport(), base_url="http://engine")
+    client = LlamaSlotClient("http://engine", http=http, connect_retries=0)
+    async with http, Runtime(client, config, store_compat="another model") as runtime:
+        assert not list(tmp_path.glob("akv-*.bin"))
+        await ask(runtime, first_request("three"), "c")
+        assert runtime.records()[0].source == "none"
+        assert not any(a == "restore" for _, a, _ in other.slot_actions)
+
+
+async def test_the_store_stays_within_its_budget(tmp_path: Path) -> None:
+    """Writing more than the budget evicts entries; the files of removed entries are gone."""
+    fake = FakeLlama(reply="ok", save_dir=tmp_path)
+    budget = 3 * 1024  # a handful of the fake's small state files
+    async with running(
+        fake, n_slots=1, store_dir=tmp_path, store_budget=budget, ctx_per_slot=32768, park_min=1
+    ) as runtime:
+        for i in range(8):
+            body = {
+                "model": "m",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"{i} " * 300}],
+            }
+            await ask(runtime, body, f"agent{i}")
+        store = runtime.store
+        assert store is not None
+        files = list(tmp_path.glob("akv-*.bin"))
+        assert sum(p.stat().st_size for p in files) <= budget
+        assert sorted(p.stem for p in files) == sorted(e.id for e in store.index.entries())
+        assert store.index.stats().evicted > 0
+        assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in files)
+
+
+async def test_a_retry_of_a_running_request_joins_it(tmp_path: Path) -> None:
+    """A client that gave up and retried the same request gets the first computation's reply:
+    the engine computes it once."""
+    fake = FakeLlama(reply="the answer", prefill_delay=0.5)
+    async with running(fake, n_slots=1, retry_grace=5) as runtime:
+        body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "q"}]}
+        first = runtime.submit(await runtime.prepare(body, agent="a", priority=1))
+        with anyio.move_on_after(0.1):  # the client times out and goes away
+            async for _ in first.events():
+                pass
+        again = runtime.submit(
+            await runtime.prepare({**body, "stream": True}, agent="a", priority=1)
+        )
+        assert again is first
+        message = await again.message()
+        assert message["content"][0]["text"] == "the answer"
+        assert len([r for r in fake.requests if "messages" in r]) == 1
+        assert runtime.records()[-1].attached == 2
+
+
+async def test_a_request_nobody_follows_is_cancelled_after_the_grace(tmp_path: Path) -> None:
+    fake = FakeLlama(reply="x" * 200, chunk_chars=1, delay=0.05)
+    async with running(fake, n_slots=1, retry_grace=0.2) as runtime:
+        body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "q"}]}
+        exchange = runtime.submit(await runtime.prepare(body, agent="a", priority=1))
+        with anyio.move_on_after(0.1):
+            async for _ in exchange.events():
+                pass
+        await wait_for(lambda: exchange.done)
+        assert exchange.record.status == "cancelled"
+        assert fake.finished == 0
+        assert runtime.gateway.slots.free == 1
+
+
+async def test_generation_ends_before_the_clients_timeout() -> None:
+    """A reply that would outlast the client's patience is ended in time, whole."""
+    fake = FakeLlama(reply="word " * 400, chunk_chars=5, delay=0.02)
+    async with running(fake, n_slots=1, client_timeout=10.5) as runtime:  # 0.5 s after margin
+        body = {"model": "m", "max_tokens": 4000, "messages": [{"role": "user", "content": "q"}]}
+        with anyio.fail_after(5):
+            message = await runtime.submit(
+                await runtime.prepare(body, agent="a", priority=1)
+            ).message()
+        assert message["stop_reason"] == "max_tokens"
+        assert 0 < len(message["content"][0]["text"]) < len("word " * 400)
+        assert runtime.records()[-1].stopped == "deadline"
+
+
+async def test_a_ticket_cancelled_while_queued_is_withdrawn() -> None:
+    """A request whose client leaves while it waits for a slot leaves nothing in the queue."""
+    fake = FakeLlama(reply="slow", prefill_delay=1.0)
+    async with running(fake, n_slots=1, retry_grace=0) as runtime:
+        busy = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "first"}]}
+        waiting = {
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "second"}],
+        }
+        first = runtime.submit(await runtime.prepare(busy, agent="a", priority=1))
+        second = runtime.submit(await runtime.prepare(waiting, agent="b", priority=1))
+        assert len(runtime.table()["queue"]) == 1
+        with anyio.move_on_after(0.1):
+            async for _ in second.events():
+                pass
+        await wait_for(lambda: second.done)
+        assert runtime.table()["queue"] == []
+        await first.message()
+        assert [r["messages"][-1]["content"] for r in fake.requests] == ["first"]
+
+
+async def test_an_overlong_prompt_waits_for_its_agents_background_compaction() -> None:
+    """A prompt too long to fit while the agent's background compaction still waits for a slot:
+    the compaction is made urgent and used, instead of 'prompt is too long'."""
+    fake = FakeLlama(reply="a short summary", prefill_delay=0.2)
+    async with running(
+        fake, n_slots=1, ctx_per_slot=1200, compact_at=300, compact_keep_messages=2
+    ) as runtime:
+        turns: list[dict[str, Any]] = []
+        for i in range(12):
+            turns += [
+                {"role": "user", "content": f"question {i} " + "detail " * 30},
+                {"role": "assistant", "content": f"answer {i} " + "fact " * 30},
+            ]
+        earlier = {"model": "m", "max_tokens": 8, "messages": turns[:11]}
+        hog = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hog"}]}
+        busy = runtime.submit(await runtime.prepare(hog, agent="hog", priority=1))
+        # Long enough to schedule a background compaction, which queues behind the hog.
+        first = runtime.submit(await runtime.prepare(earlier, agent="agent", priority=1))
+        assert runtime.compactor.store.pending("agent")
+        await wait_for(lambda: runtime.table()["background"])
+        # The next turn cannot fit as it stands: it waits for that compaction, made urgent.
+        later = {
+            "model": "m",
+            "max_tokens": 8,
+            "messages": [*turns, {"role": "user", "content": "go"}],
+        }
+        with anyio.fail_after(10):
+            await ask(runtime, later, "agent")
+        await busy.message()
+        await first.message()
+        assert runtime.compactor.store.latest("agent") is not None
+        sent = fake.requests[-1]["messages"]
+        assert sent[-1]["content"] == "go"
+        assert "question 0" not in json.dumps(sent)
