@@ -154,6 +154,10 @@ class RequestRecord:
     stopped: str | None = None
     #: Clients attached to this request (more than one: a retry joined it).
     attached: int = 1
+    #: While the prompt is computed: tokens of it cached or computed so far (engine progress).
+    prefilled: int | None = None
+    #: Seconds since the first output token, while generating.
+    generating_s: float | None = None
     status: str = "queued"
 
 
@@ -510,6 +514,10 @@ class Exchange:
         return "".join(text)
 
     def _account(self, chunk: Mapping[str, Any]) -> None:
+        progress = chunk.get("prompt_progress")
+        if isinstance(progress, Mapping):
+            done = int(progress.get("cache", 0) or 0) + int(progress.get("processed", 0) or 0)
+            self.record.prefilled = done
         timings = chunk.get("timings")
         if isinstance(timings, Mapping) and "prompt_n" in timings:
             self.record.computed_tokens += int(timings.get("prompt_n", 0))
@@ -556,6 +564,7 @@ class Runtime:
     _recent: list[RequestRecord] = attrs.field(init=False, factory=list)
     _agents: OrderedDict[str, dict[str, Any]] = attrs.field(init=False, factory=OrderedDict)
     _store_off: bool = attrs.field(init=False, default=False)
+    _listeners: list[Callable[[RequestRecord], None]] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
         config = self.config
@@ -771,8 +780,30 @@ class Runtime:
             log.info("client of agent %s is gone; stopping its request", exchange.prepared.agent)
             exchange.cancel()
 
+    def add_listener(self, listener: Callable[[RequestRecord], None]) -> None:
+        """Call ``listener`` with the record of every request when it ends (metrics, logs)."""
+        self._listeners.append(listener)
+
+    def running(self) -> list[RequestRecord]:
+        """The records of the requests queued or running now."""
+        now = self.clock()
+        records = []
+        for exchange in self._exchanges.values():
+            if exchange.done:
+                continue
+            record = exchange.record
+            if record.ttft_s is not None:
+                record.generating_s = round(now - exchange.started - record.ttft_s, 3)
+            records.append(record)
+        return records
+
     def _finished(self, exchange: Exchange) -> None:
         record = exchange.record
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:  # a broken listener must not break the request path
+                log.exception("request listener failed")
         self._recent.append(record)
         del self._recent[:-_MAX_RECENT]
         totals = self._agents.pop(record.agent, None) or {
@@ -830,6 +861,7 @@ class Runtime:
         table["store"] = self.store.table() if self.store is not None else None
         table["compactions"] = self.compactor.store.table()
         table["agents"] = dict(self._agents)
+        table["running"] = [attrs.asdict(r) for r in self.running()]
         table["recent"] = [attrs.asdict(r) for r in self._recent[-16:]]
         table["costs"] = {
             "prefill_tokens_per_s_at_0": round(self.costs.prefill.tokens_per_second(0, 1000), 1),
