@@ -66,7 +66,7 @@ class FakeLlama:
             return self._chat(json.loads(request.content))
         if path == "/apply-template":
             body = json.loads(request.content)
-            return httpx.Response(200, json={"prompt": render(body["messages"])})
+            return httpx.Response(200, json={"prompt": render(body)})
         if path == "/tokenize":
             body = json.loads(request.content)
             return httpx.Response(200, json={"tokens": tokenize(body["content"])})
@@ -105,7 +105,7 @@ class FakeLlama:
                 json={"error": {"code": self.fail_status, "message": "injected failure"}},
             )
         slot = int(body.get("id_slot", -1))
-        cache_n, prompt_n = self._run_prompt(slot, tokenize(render(body["messages"])))
+        cache_n, prompt_n = self._run_prompt(slot, tokenize(render(body)))
         reply = self.script.pop(0) if self.script else self.reply
         if not body.get("stream"):
             return httpx.Response(200, json=self._final(reply, prompt_n, cache_n))
@@ -222,9 +222,16 @@ def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data).encode() + b"\n\n"
 
 
-def render(messages: Sequence[dict[str, Any]]) -> str:
-    """The fake chat template: each message as ``<role>content``."""
-    return "".join(f"<{m['role']}>{m.get('content')}" for m in messages)
+def render(body: dict[str, Any]) -> str:
+    """The fake chat template: the system message(s), the tools (as a real template puts them
+    in the system prompt), then each message as ``<role>content``."""
+    messages = body["messages"]
+    head = 0
+    while head < len(messages) and messages[head]["role"] == "system":
+        head += 1
+    tools = f"<tools>{json.dumps(body['tools'])}" if body.get("tools") else ""
+    parts = [f"<{m['role']}>{m.get('content')}" for m in messages]
+    return "".join(parts[:head]) + tools + "".join(parts[head:])
 
 
 def tokenize(text: str) -> list[int]:

@@ -137,3 +137,5 @@ class SlotView:
     lease_ids: tuple[int, ...] = ()
     #: The store entry that holds all of ``tokens``: overwriting the slot then loses nothing.
     stored: str | None = None
+    #: The prompt sections (label, digest) of the request that left ``tokens`` there.
+    sections: tuple[tuple[str, str], ...] = ()

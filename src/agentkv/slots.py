@@ -136,6 +136,7 @@ class _Slot:
     agent: str | None = None
     lease_ids: list[int] = attrs.Factory(list)
     stored: str | None = None
+    sections: tuple[tuple[str, str], ...] = ()
 
 
 @attrs.define(eq=False)
@@ -163,6 +164,7 @@ class SlotManager:
             agent=slot.agent,
             lease_ids=tuple(slot.lease_ids),
             stored=slot.stored,
+            sections=slot.sections,
         )
 
     def idle(self) -> list[SlotView]:
@@ -220,11 +222,19 @@ class SlotManager:
         )
         return lease
 
-    def set_content(self, slot: int, tokens: Tokens, *, stored: str | None = None) -> None:
+    def set_content(
+        self,
+        slot: int,
+        tokens: Tokens,
+        *,
+        stored: str | None = None,
+        sections: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         """Record what a slot holds now (after a restore, a park or a finished request)."""
         self._check(slot)
         self._slots[slot].tokens = tuple(tokens)
         self._slots[slot].stored = stored
+        self._slots[slot].sections = sections
 
     def mark_stored(self, slot: int, entry_id: str | None) -> None:
         """The slot's content is (or, with None, is no longer) held by a store entry."""
@@ -237,20 +247,31 @@ class SlotManager:
             if slot.stored == entry_id:
                 slot.stored = None
 
-    def release(self, lease: Lease, now: float, *, holds: Tokens | None) -> bool:
+    def release(
+        self,
+        lease: Lease,
+        now: float,
+        *,
+        holds: Tokens | None,
+        sections: tuple[tuple[str, str], ...] | None = None,
+    ) -> bool:
         """Give the slot back; False (and no change) if the lease is no longer live.
 
         ``holds`` is what the slot's cache holds now (None when unknown, e.g. after a failure:
-        the slot then counts as empty, which never promises a cache that is not there).
+        the slot then counts as empty, which never promises a cache that is not there);
+        ``sections`` describe the prompt that left it there.
         """
         if self._leases.get(lease.id) != lease:
             return False
         slot = self._drop(lease)
         slot.last_used = now
         if holds is None:
-            slot.tokens, slot.stored = (), None
+            slot.tokens, slot.stored, slot.sections = (), None, ()
         elif tuple(holds) != slot.tokens:
             slot.tokens, slot.stored = tuple(holds), None
+            slot.sections = sections or ()
+        elif sections is not None:
+            slot.sections = sections
         return True
 
     def invalidate(self, slot: int) -> None:
@@ -258,6 +279,7 @@ class SlotManager:
         self._check(slot)
         self._slots[slot].tokens = ()
         self._slots[slot].stored = None
+        self._slots[slot].sections = ()
 
     def sweep(self, now: float) -> list[Lease]:
         """Reclaim and return leases held longer than ``lease_ttl``, oldest id first.

@@ -59,6 +59,8 @@ class StoreEntry:
     last_used: float
     agent: str | None = None
     hits: int = 0
+    #: The prompt sections (label, digest) of the request whose state this is.
+    sections: tuple[tuple[str, str], ...] = attrs.field(default=(), repr=False)
 
     @property
     def n_tokens(self) -> int:
@@ -82,6 +84,7 @@ class StoreEntry:
             "created": self.created,
             "last_used": self.last_used,
             "hits": self.hits,
+            "sections": [list(section) for section in self.sections],
         }
 
 
@@ -323,6 +326,9 @@ class StoreIndex:
                     last_used=float(record["last_used"]),
                     agent=record.get("agent"),
                     hits=int(record.get("hits", 0)),
+                    sections=tuple(
+                        (str(label), str(value)) for label, value in record.get("sections", ())
+                    ),
                 )
             except (KeyError, TypeError, ValueError):
                 refused.append(str(record.get("id", "?")) if isinstance(record, Mapping) else "?")

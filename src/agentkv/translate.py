@@ -8,6 +8,7 @@ hitting as a conversation grows.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from agentkv._anthropic import (
     ToolUseBlock,
 )
 from agentkv._convert import structure
+from agentkv.fingerprint import canonical_json
 from agentkv.exceptions import InvalidRequestError
 from agentkv.limits import RequestLimits, check_body, check_limits
 
@@ -66,6 +68,9 @@ class EngineRequest:
     thinking: bool
     request: MessagesRequest
     stem_body: dict[str, Any] | None = None
+    #: The prompt's parts in the order they reach it, each as (label, digest): where two prompts
+    #: part ways, in words a person can act on ("tool 3 (Bash)", "message 1 block 0").
+    sections: tuple[tuple[str, str], ...] = ()
 
 
 #: Text blocks that carry session context rather than the user's own words.
@@ -182,6 +187,7 @@ class MessagesTranslator:
             thinking=request.thinking is not None and request.thinking.wanted,
             request=request,
             stem_body=stem_body,
+            sections=prompt_sections(request, self.session_layout),
         )
 
     def translate(self, body: Mapping[str, Any]) -> EngineRequest:
@@ -224,6 +230,73 @@ def _blocks(content: str | Sequence[ContentBlock]) -> Sequence[ContentBlock]:
 
 
 _Turn = tuple[Message, list[str]]
+
+
+def _digest(value: Any) -> str:
+    data = attrs.asdict(value) if attrs.has(type(value)) else value
+    return hashlib.sha256(canonical_json(data).encode()).hexdigest()[:16]
+
+
+def _block_label(index: int, number: int, block: ContentBlock) -> str:
+    label = f"message {index} block {number}"
+    if isinstance(block, ToolUseBlock):
+        return f"{label} (tool_use {block.name})"
+    if isinstance(block, ToolResultBlock):
+        return f"{label} (tool_result)"
+    if _is_reminder(block):
+        return f"{label} (reminder)"
+    return label
+
+
+def prompt_sections(request: MessagesRequest, layout: bool = True) -> tuple[tuple[str, str], ...]:
+    """The parts of ``request``'s prompt in prompt order, as (label, digest) pairs.
+
+    Order as the translator lays them out: system text, tools, then each turn (with session
+    layout a human turn's system notes and reminders before its words). Two prompts that part
+    ways do so in the first section whose digest differs.
+    """
+    sections: list[tuple[str, str]] = []
+    system = request.system
+    if isinstance(system, str):
+        sections.append(("system", _digest(system)))
+    elif system:
+        for k, block in enumerate(system):
+            if not block.text.startswith(BILLING_HEADER_PREFIX):
+                sections.append((f"system block {k}", _digest(block)))
+    for i, tool in enumerate(request.tools or ()):
+        sections.append((f"tool {i} ({tool.name})", _digest(tool)))
+    messages = request.messages
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        blocks = list(_blocks(message.content))
+        notes: list[int] = []
+        if layout and _is_human_turn(message):
+            j = i + 1
+            while j < len(messages) and messages[j].role == "system":
+                notes.append(j)
+                j += 1
+        for j in notes:
+            sections.append((f"message {j} (system)", _digest(messages[j])))
+        numbered = list(enumerate(blocks))
+        if layout and _is_human_turn(message):
+            numbered = [p for p in numbered if _is_reminder(p[1])] + [
+                p for p in numbered if not _is_reminder(p[1])
+            ]
+        for number, part in numbered:
+            sections.append((_block_label(i, number, part), _digest(part)))
+        i += 1 + len(notes)
+    return tuple(sections)
+
+
+def first_difference(
+    mine: tuple[tuple[str, str], ...], theirs: tuple[tuple[str, str], ...]
+) -> str | None:
+    """The label of the first section where two prompts differ; None if one contains the other."""
+    for (label, digest), (_, other) in zip(mine, theirs, strict=False):
+        if digest != other:
+            return label
+    return None
 
 
 def _is_reminder(block: ContentBlock) -> bool:

@@ -232,3 +232,39 @@ async def test_an_overlong_prompt_waits_for_its_agents_background_compaction() -
         sent = fake.requests[-1]["messages"]
         assert sent[-1]["content"] == "go"
         assert "question 0" not in json.dumps(sent)
+
+
+def _tool(name: str, description: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "description": description,
+        "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}},
+    }
+
+
+async def test_a_miss_is_explained_by_the_section_where_the_prompt_changed() -> None:
+    """One tool's description changes between two requests: the record says the prompt parted
+    from the cached one at that tool, at which token, and what that cost."""
+    fake = FakeLlama(reply="ok")
+    tools = [_tool(f"tool{i}", f"Does thing {i}. " * 20) for i in range(4)]
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "system": "You are an agent. " * 50,
+        "tools": tools,
+        "messages": [{"role": "user", "content": "go"}],
+    }
+    async with running(fake, n_slots=1) as runtime:
+        await ask(runtime, body, "a")
+        changed = [*tools[:2], _tool("tool2", "Does something else now. " * 20), tools[3]]
+        await ask(runtime, {**body, "tools": changed}, "a")
+        divergence = runtime.records()[-1].divergence
+        assert divergence is not None
+        assert divergence["section"] == "tool 2 (tool2)"
+        assert divergence["candidate"].startswith("slot 0")
+        assert (
+            0
+            < divergence["position"]
+            == divergence["reused"]
+            < divergence["computed"] + divergence["reused"]
+        )

@@ -196,14 +196,21 @@ class Gateway:
         if waiter is not None:
             self._withdraw(waiter)
 
-    def release(self, lease: Lease, *, holds: Tokens | None) -> None:
-        """Return a lease; ``holds`` is what the slot's cache holds now (None: unknown)."""
+    def release(
+        self,
+        lease: Lease,
+        *,
+        holds: Tokens | None,
+        sections: tuple[tuple[str, str], ...] | None = None,
+    ) -> None:
+        """Return a lease; ``holds`` is what the slot's cache holds now (None: unknown), left
+        there by a prompt of ``sections``."""
         self._lease_seq.pop(lease.id, None)
         self._running.pop(lease.id, None)
         checkpoint = self._lease_checkpoint.pop(lease.id, None)
         if checkpoint is not None and not checkpoint.done:
             self.end_checkpoint(checkpoint)  # the request ended before saving it
-        self._slots.release(lease, self.clock(), holds=holds)
+        self._slots.release(lease, self.clock(), holds=holds, sections=sections)
         self._dispatch()
 
     @asynccontextmanager
@@ -309,6 +316,22 @@ class Gateway:
             if waiter.blocked_on is checkpoint:
                 waiter.blocked_on = None
         self._dispatch()
+
+    def best_source(self, tokens: Tokens) -> tuple[str, int, tuple[tuple[str, str], ...]] | None:
+        """What cached sequence shares the most with ``tokens``: a description, the shared
+        length and that sequence's prompt sections; None when nothing is cached."""
+        best: tuple[str, int, tuple[tuple[str, str], ...]] | None = None
+        for row in self._slots.table():
+            if row.tokens:
+                shared = common_prefix(tokens, row.tokens)
+                if best is None or shared > best[1]:
+                    best = (f"slot {row.slot} (agent {row.agent})", shared, row.sections)
+        if self.store is not None:
+            found = self.store.best(tokens)
+            if found is not None and (best is None or found[1] > best[1]):
+                entry, shared = found
+                best = (f"stored {entry.kind.value} {entry.id}", shared, entry.sections)
+        return best
 
     def _available(self, tokens: Tokens) -> int:
         """Tokens of ``tokens`` that could be had now without computing them."""

@@ -58,7 +58,7 @@ from agentkv.runtime.store import PrefixStore
 from agentkv.sse import SSEAssembler, accumulate
 from agentkv.store import EntryKind, StoreIndex
 from agentkv.tokens import Tokens, common_prefix
-from agentkv.translate import EngineRequest, MessagesTranslator
+from agentkv.translate import EngineRequest, MessagesTranslator, first_difference
 
 __all__ = [
     "Emitted",
@@ -158,6 +158,9 @@ class RequestRecord:
     prefilled: int | None = None
     #: Seconds since the first output token, while generating.
     generating_s: float | None = None
+    #: Why the prompt was not all cached: where it parted from the best cached candidate
+    #: (token position and prompt section), what was reused and computed, and what that cost.
+    divergence: dict[str, Any] | None = None
     status: str = "queued"
 
 
@@ -184,6 +187,9 @@ class Exchange:
     _delivered: bool = False
     _orphaned_at: float | None = None
     finished_at: float | None = None
+    #: The cached sequence that shared most with the prompt when it got its slot.
+    _candidate: tuple[str, int, tuple[tuple[str, str], ...]] | None = None
+    _prompt_ms: float = 0.0
 
     @property
     def done(self) -> bool:
@@ -325,6 +331,7 @@ class Exchange:
         record.planned_reuse = lease.placement.reuse
         record.queued_s = round(runtime.clock() - self.started, 4)
         record.status = "running"
+        self._candidate = gateway.best_source(self.prepared.tokens)
         holds: Tokens | None = None
         try:
             with anyio.CancelScope() as suspension:
@@ -332,11 +339,34 @@ class Exchange:
                 gateway.running(lease, self.prepared.priority, suspend)
                 holds = await self._use_slot(lease)
             if not suspension.cancelled_caught:
+                self._explain()
                 return True
             holds = await self._save_progress(lease)
             return False
         finally:
-            gateway.release(lease, holds=holds)
+            gateway.release(lease, holds=holds, sections=self.prepared.engine.sections)
+
+    def _explain(self) -> None:
+        """Record why the prompt was not all cached (when a notable part was computed)."""
+        record = self.record
+        if record.computed_tokens < 32:
+            return
+        divergence: dict[str, Any] = {
+            "reused": record.cached_tokens,
+            "computed": record.computed_tokens,
+            "seconds": round(self._prompt_ms / 1000, 3),
+        }
+        candidate = self._candidate
+        if candidate is None:
+            divergence.update(position=0, section=None, candidate=None)
+        else:
+            described, shared, sections = candidate
+            divergence.update(
+                position=shared,
+                section=first_difference(self.prepared.engine.sections, sections),
+                candidate=described,
+            )
+        record.divergence = divergence
 
     async def _save_progress(self, lease: Lease) -> Tokens | None:
         """After a suspension: keep what the slot computed, for the resumption."""
@@ -362,8 +392,9 @@ class Exchange:
         store = runtime.store
         slots = runtime.gateway.slots
         if placement.park and store is not None and lease.evicted:
+            previous = slots.table()[slot].sections
             parked = await runtime.guard_store(
-                store.save(slot, EntryKind.CONTEXT, agent=lease.evicted_agent)
+                store.save(slot, EntryKind.CONTEXT, agent=lease.evicted_agent, sections=previous)
             )
             if parked is not None:
                 record.parked = True
@@ -384,7 +415,7 @@ class Exchange:
                         tokens_saved=reuse,
                         seconds_saved=max(0.0, runtime.costs.prefill.estimate(0, reuse) - seconds),
                     )
-                    slots.set_content(slot, entry.tokens, stored=entry.id)
+                    slots.set_content(slot, entry.tokens, stored=entry.id, sections=entry.sections)
             if restored is None:
                 record.source = Source.NONE.value
                 slots.invalidate(slot)
@@ -410,9 +441,18 @@ class Exchange:
                         done = int(progress.get("cache", 0)) + int(progress.get("processed", 0))
                         gateway.checkpoint_progress(checkpoint, done)
                     runtime.observe_timings(chunk.get("timings"))
-            entry = await runtime.guard_store(store.save(lease.slot, EntryKind.PREFIX, agent=None))
+            entry = await runtime.guard_store(
+                store.save(
+                    lease.slot,
+                    EntryKind.PREFIX,
+                    agent=None,
+                    sections=self.prepared.engine.sections,
+                )
+            )
             if entry is not None:
-                gateway.slots.set_content(lease.slot, entry.tokens, stored=entry.id)
+                gateway.slots.set_content(
+                    lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
+                )
                 self.record.checkpoint_tokens = entry.n_tokens
         finally:
             gateway.end_checkpoint(checkpoint)
@@ -521,6 +561,7 @@ class Exchange:
         timings = chunk.get("timings")
         if isinstance(timings, Mapping) and "prompt_n" in timings:
             self.record.computed_tokens += int(timings.get("prompt_n", 0))
+            self._prompt_ms += float(timings.get("prompt_ms", 0.0) or 0.0)
             self.record.cached_tokens = max(
                 self.record.cached_tokens, int(timings.get("cache_n", 0))
             )

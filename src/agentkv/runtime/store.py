@@ -141,7 +141,14 @@ class PrefixStore:
 
     # -- save and restore -----------------------------------------------------------------------
 
-    async def save(self, slot: int, kind: EntryKind, *, agent: str | None) -> StoreEntry | None:
+    async def save(
+        self,
+        slot: int,
+        kind: EntryKind,
+        *,
+        agent: str | None,
+        sections: tuple[tuple[str, str], ...] = (),
+    ) -> StoreEntry | None:
         """Save what ``slot`` holds as a store entry; None when there was nothing worth keeping.
 
         Raises :class:`EngineError` when llama-server cannot save (no ``--slot-save-path``).
@@ -170,6 +177,7 @@ class PrefixStore:
             created=now,
             last_used=now,
             agent=agent,
+            sections=sections,
         )
         async with self._lock:
             final = self.directory / f"{entry.id}.bin"
