@@ -33,8 +33,8 @@ from agentkv._anthropic import (
     ToolUseBlock,
 )
 from agentkv._convert import structure
-from agentkv.fingerprint import canonical_json
 from agentkv.exceptions import InvalidRequestError
+from agentkv.fingerprint import canonical_json
 from agentkv.limits import RequestLimits, check_body, check_limits
 
 __all__ = ["BILLING_HEADER_PREFIX", "EngineRequest", "MessagesTranslator"]
