@@ -268,3 +268,30 @@ async def test_a_miss_is_explained_by_the_section_where_the_prompt_changed() -> 
             == divergence["reused"]
             < divergence["computed"] + divergence["reused"]
         )
+
+
+async def test_an_urgent_request_has_the_engine_to_itself(tmp_path: Path) -> None:
+    """With a free slot too: a P0 request suspends the P2 prefill running next to it (its
+    progress saved), and a P2 request arriving meanwhile waits; both finish afterwards."""
+    fake = FakeLlama(reply="done", prefill_delay=0.4, save_dir=tmp_path)
+    async with running(fake, n_slots=2, preempt_from=1, store_dir=tmp_path) as runtime:
+
+        async def call(name: str, priority: int) -> None:
+            body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": name}]}
+            await ask(runtime, body, name, priority)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "background", 2)
+            await wait_for(lambda: fake.started == 1)  # its prefill is under way
+            tg.start_soon(call, "coordinator", 0)
+            await wait_for(lambda: any(r.agent == "coordinator" for r in runtime.running()))
+            tg.start_soon(call, "late", 2)
+        records = {r.agent: r for r in runtime.records()}
+        assert records["background"].suspended == 1
+        assert records["coordinator"].suspended == 0
+        assert all(r.status == "ok" for r in records.values())
+        # The coordinator ran while neither P2 request computed anything.
+        order = [r["messages"][-1]["content"] for r in fake.requests if "messages" in r]
+        assert order.index("coordinator") < order.index("late")
+        assert order.count("background") == 2  # started, suspended, resumed
+        assert "save" in [a for _, a, _ in fake.slot_actions]

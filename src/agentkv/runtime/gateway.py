@@ -15,6 +15,12 @@ Two things make waiting deliberate rather than first come, first served:
 - **Pre-emption.** A request that finds every slot busy with less urgent work may have one of
   them suspended: the runtime saves what that request has computed so far, gives the slot up and
   resumes it later from where it stopped, so nothing is computed twice.
+- **Quiet while urgent.** On one engine, prompts computed next to an urgent request share its
+  batches (a CPU computes them in turns of hundreds of tokens), so the urgent request's first
+  token waits for everyone's prefill. While a priority-0 request holds a slot, less urgent
+  requests do not compute prompts: those computing one are suspended, queued ones wait — unless
+  their prompt is (nearly) all cached, or aging has brought them to priority 0, which keeps every
+  wait bounded.
 """
 
 from __future__ import annotations
@@ -103,6 +109,9 @@ class Gateway:
     #: A ticket's shareable head is computed and saved on its own when at least this many of its
     #: tokens are not held anywhere.
     split_min: int = 1024
+    #: While a priority-0 request runs, a less urgent ticket that would compute more prompt
+    #: tokens than this waits (with pre-emption on).
+    quiet_min: int = 64
     costs: CostModel = attrs.field(factory=CostModel)
     store: StoreIndex | None = None
     clock: Callable[[], float] = time.monotonic
@@ -237,8 +246,20 @@ class Gateway:
     def running(
         self, lease: Lease, priority: int, suspend: Callable[[], None] | None = None
     ) -> None:
-        """Declare a leased request; ``suspend`` lets a more urgent request take its slot."""
+        """Declare a leased request; ``suspend`` lets a more urgent request take its slot.
+
+        An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
+        are computing prompts on other slots, so that it has the engine to itself.
+        """
         self._running[lease.id] = _Running(lease, priority, suspend)
+        if self.preempt_from is not None and priority == 0:
+            for other in list(self._running.values()):
+                if (
+                    other.lease.id != lease.id
+                    and not other.decoding
+                    and other.priority >= max(self.preempt_from, 1)
+                ):
+                    self._suspend(other, f"lease {lease.id} (priority 0) runs")
 
     def decoding(self, lease: Lease) -> None:
         """The request's prompt is computed; it now generates."""
@@ -262,17 +283,25 @@ class Gateway:
             return
         # The least urgent; among those, one still computing its prompt, then the latest started.
         victim = max(victims, key=lambda r: (r.priority, not r.decoding, r.lease.acquired_at))
-        victim.suspending = True
+        self._suspend(victim, f"ticket {ticket.id} (priority {ticket.priority}) needs a slot")
+
+    def _suspend(self, running: _Running, reason: str) -> None:
+        if running.suspend is None or running.suspending:
+            return
+        running.suspending = True
         log.info(
-            "suspending lease %d (agent %s, priority %d) for ticket %d (priority %d)",
-            victim.lease.id,
-            victim.lease.agent,
-            victim.priority,
-            ticket.id,
-            ticket.priority,
+            "suspending lease %d (agent %s, priority %d): %s",
+            running.lease.id,
+            running.lease.agent,
+            running.priority,
+            reason,
         )
-        assert victim.suspend is not None
-        victim.suspend()
+        running.suspend()
+
+    def _urgent_running(self) -> bool:
+        return self.preempt_from is not None and any(
+            r.priority == 0 for r in self._running.values()
+        )
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -473,7 +502,18 @@ class Gateway:
 
     def _ready(self, ticket: Ticket) -> bool:
         waiter = self._waiters.get(ticket.id)
-        return waiter is not None and waiter.blocked_on is None
+        if waiter is None or waiter.blocked_on is not None:
+            return False
+        if (
+            self.preempt_from is not None
+            and ticket.priority >= max(self.preempt_from, 1)
+            and self._scheduler.score(ticket, self.clock()) > 0
+            and self._urgent_running()
+        ):
+            # Quiet while urgent: only a ticket with (nearly) nothing to compute may start.
+            placement = self._place(ticket)
+            return placement is not None and len(ticket.tokens) - placement.reuse <= self.quiet_min
+        return True
 
     def _hits(self, ticket: Ticket) -> bool:
         placement = self._place(ticket)
