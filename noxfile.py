@@ -30,9 +30,11 @@ def unit(session: nox.Session) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    session.install("ruff>=0.6")
+    """ruff, and the import contract: server above runtime above a pure core that does no I/O."""
+    session.install("-e", ".[server]", "ruff>=0.6", "import-linter>=2.16")
     session.run("ruff", "check", "src", "tests", "examples", "noxfile.py")
     session.run("ruff", "format", "--check", "src", "tests", "examples", "noxfile.py")
+    session.run("lint-imports")
 
 
 @nox.session
