@@ -161,6 +161,8 @@ class CompactionStore:
     """Per agent, the compactions in force, oldest first; and which agents have one in flight."""
 
     max_per_agent: int = 4
+    #: Agents whose compactions are kept; the least recently compacted are forgotten first.
+    max_agents: int = 256
     _done: dict[str, list[Compaction]] = attrs.field(factory=dict)
     _pending: set[str] = attrs.field(factory=set)
 
@@ -175,9 +177,12 @@ class CompactionStore:
         """Clear the in-flight mark and remember the result, if any."""
         self._pending.discard(agent)
         if compaction is not None:
-            done = self._done.setdefault(agent, [])
+            done = self._done.pop(agent, [])
             done.append(compaction)
             del done[: -self.max_per_agent]
+            self._done[agent] = done  # most recent last
+            while len(self._done) > self.max_agents:
+                del self._done[next(iter(self._done))]
 
     def pending(self, agent: str) -> bool:
         return agent in self._pending

@@ -735,6 +735,14 @@ class Runtime:
         ticket = self.gateway.submit(
             prepared.agent, prepared.priority, prepared.tokens, head=prepared.boundary
         )
+        try:
+            return self._start(prepared, ticket)
+        except BaseException:
+            self.gateway.withdraw(ticket)  # nothing will ever wait for it
+            raise
+
+    def _start(self, prepared: Prepared, ticket: Ticket) -> Exchange:
+        assert self._tg is not None
         engine = prepared.engine
         assembler = SSEAssembler(
             message_id="msg_" + secrets.token_hex(12),
