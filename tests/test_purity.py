@@ -18,6 +18,7 @@ PURE_MODULES = (
     "agentkv.repair",
     "agentkv.compaction",
     "agentkv.parking",
+    "agentkv.guard",
 )
 IO_LIBRARIES = ("httpx", "starlette", "anyio", "uvicorn", "tenacity")
 
