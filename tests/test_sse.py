@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from syrupy.assertion import SnapshotAssertion
 from syrupy.extensions.json import JSONSnapshotExtension
 
+from agentkv import ANY_TOOL
 from agentkv.exceptions import EngineResponseError, QueueFullError, SSEProtocolError
 from agentkv.sse import SSEAssembler, accumulate, encode_event
 
@@ -287,7 +288,7 @@ def test_forced_tool_truncated_is_max_tokens() -> None:
 def test_forced_any_tool() -> None:
     """In any-tool mode the {name, arguments} JSON becomes a tool_use of that tool."""
     call = json.dumps({"name": "get_time", "arguments": {"tz": "UTC"}})
-    options = {"forced_tool": "*", "tool_names": ("get_weather", "get_time")}
+    options = {"forced_tool": ANY_TOOL, "tool_names": ("get_weather", "get_time")}
     message = accumulate(run([text(call[:7]), text(call[7:]), done("stop")], **options))
     (block,) = message["content"]
     assert (block["type"], block["name"], block["input"]) == ("tool_use", "get_time", {"tz": "UTC"})
@@ -297,7 +298,7 @@ def test_forced_any_tool() -> None:
 def test_forced_any_tool_unknown_name_is_text() -> None:
     """In any-tool mode a name outside tool_names is not turned into a tool_use."""
     call = json.dumps({"name": "rm_rf", "arguments": {}})
-    message = accumulate(run([text(call)], forced_tool="*", tool_names=("get_time",)))
+    message = accumulate(run([text(call)], forced_tool=ANY_TOOL, tool_names=("get_time",)))
     assert message["content"] == [{"type": "text", "text": call}]
 
 

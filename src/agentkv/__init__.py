@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agentkv._types import Fingerprint, Lease, Match, MatchKind, SlotView, Ticket
+from agentkv._types import (
+    ANY_TOOL,
+    AnyTool,
+    Fingerprint,
+    ForcedTool,
+    Lease,
+    Match,
+    MatchKind,
+    SlotView,
+    Ticket,
+)
 from agentkv.exceptions import (
     AgentKVError,
     EngineError,
@@ -34,7 +44,9 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "ANY_TOOL",
     "AgentKVError",
+    "AnyTool",
     "EngineError",
     "EngineRequest",
     "EngineResponseError",
@@ -42,6 +54,7 @@ __all__ = [
     "EngineUnavailableError",
     "FairScheduler",
     "Fingerprint",
+    "ForcedTool",
     "InvalidRequestError",
     "Lease",
     "LlamaSlotClient",

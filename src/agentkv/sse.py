@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
+from agentkv._types import ANY_TOOL, ForcedTool
 from agentkv.exceptions import AgentKVError, EngineResponseError, SSEProtocolError
 from agentkv.repair import extract_tool_calls, looks_like_call, repair_arguments
 
@@ -61,7 +62,9 @@ class SSEAssembler:
 
     message_id: str = attrs.field(kw_only=True)
     model: str = attrs.field(kw_only=True)
-    forced_tool: str | None = attrs.field(default=None, kw_only=True)
+    #: The tool the reply is constrained to call (its text is the input JSON), or
+    #: :data:`~agentkv.ANY_TOOL` (its text is ``{"name", "arguments"}``); None for a free reply.
+    forced_tool: ForcedTool | None = attrs.field(default=None, kw_only=True)
     tool_names: tuple[str, ...] = attrs.field(default=(), kw_only=True)
     coalesce_chars: int = attrs.field(default=16, kw_only=True)
     coalesce_seconds: float = attrs.field(default=0.05, kw_only=True)
@@ -192,7 +195,7 @@ class SSEAssembler:
         self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
         self._fallback, self._held = self._held, ""
         self._finish_reason = None
-        self.forced_tool = "*"
+        self.forced_tool = ANY_TOOL
 
     def ping(self) -> dict[str, Any]:
         """A keep-alive event; valid anywhere in the stream."""
@@ -365,7 +368,7 @@ class SSEAssembler:
 
     def _emit_forced(self, out: list[dict[str, Any]]) -> None:
         text = self._forced_text
-        if self.forced_tool != "*":
+        if self.forced_tool is not ANY_TOOL:
             self._emit_tool("", self.forced_tool or "", text, out)
             return
         # Any-tool mode: the schema made the model write {"name": ..., "arguments": {...}}.
