@@ -751,3 +751,14 @@ def test_call_cut_off_by_the_token_limit_is_not_repaired() -> None:
     message = accumulate(run([text(cut), done("length")], tool_schemas=WEATHER_SCHEMAS))
     assert message["content"] == [{"type": "text", "text": cut}]
     assert message["stop_reason"] == "max_tokens"
+
+
+def test_structured_call_cut_off_by_the_token_limit_is_not_repaired() -> None:
+    """Structured arguments cut by max_tokens stay text, although a repair could close them."""
+    cut = '{"city": "Par'
+    chunks = [tool(0, cut, id="call_1", name="get_weather"), done("length")]
+    message = accumulate(run(chunks, tool_schemas=WEATHER_SCHEMAS))
+    assert message["content"] == [{"type": "text", "text": cut}]
+    assert message["stop_reason"] == "max_tokens"
+    repaired = accumulate(run([*chunks[:1], done("tool_calls")], tool_schemas=WEATHER_SCHEMAS))
+    assert repaired["content"][0]["input"] == {"city": "Par"}

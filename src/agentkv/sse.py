@@ -344,7 +344,10 @@ class SSEAssembler:
         self, engine_id: str, name: str, arguments: str, out: list[dict[str, Any]]
     ) -> None:
         tool_input = _json_object(arguments) if name else None
-        if tool_input is None and self.tool_schemas and name in self.tool_schemas:
+        # Arguments cut off by the token limit are not repaired: a "fixed" half Write would write
+        # half a file.
+        cut = self._finish_reason == "length"
+        if tool_input is None and not cut and self.tool_schemas and name in self.tool_schemas:
             tool_input = repair_arguments(name, arguments, self.tool_schemas[name])
         if tool_input is None:
             # Never a tool_use whose input the client cannot parse: show the model's text instead.
