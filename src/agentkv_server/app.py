@@ -13,7 +13,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import Any
 
 import anyio
 import attrs
@@ -39,10 +39,9 @@ from agentkv import (
 )
 from agentkv.exceptions import AuthenticationError, NotFoundError, RequestTooLargeError
 from agentkv.parking import ParkingLot
-from agentkv.repair import needs_retry
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.gateway import Gateway, RequestRecord
-from agentkv.sse import accumulate, encode_event
+from agentkv.sse import RetryWithTools, accumulate, encode_event
 from agentkv.translate import EngineRequest
 from agentkv_server.config import ServerConfig
 from agentkv_server.identity import agent_identity, agent_priority
@@ -54,9 +53,9 @@ log = logging.getLogger("agentkv.server")
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-#: Sent by the engine task between a failed tool-call reply and its constrained retry.
-_RETRY: Final = "retry"
-_Item = dict[str, Any] | AgentKVError | str
+#: What the engine task sends the relay: a chunk, the error that ended the request, or an event
+#: that the relay sets once it has fed everything sent before it (the end of one engine reply).
+_Item = dict[str, Any] | AgentKVError | anyio.Event
 
 
 def error_response(exc: AgentKVError) -> JSONResponse:
@@ -140,8 +139,8 @@ class _Exchange:
                     return
                 if isinstance(item, AgentKVError):
                     raise item
-                if isinstance(item, str):  # _RETRY, the only string sent
-                    asm.begin_retry()
+                if isinstance(item, anyio.Event):
+                    item.set()  # every chunk of the engine's reply has been fed
                     continue
                 now = app.clock()
                 events = asm.feed(item, now)
@@ -162,22 +161,24 @@ class _Exchange:
 
     async def _stream(
         self, send: anyio.abc.ObjectSendStream[_Item], body: dict[str, Any], lease: Lease
-    ) -> tuple[str, str | None]:
-        """Relay one engine stream; return its text content and finish reason."""
-        text: list[str] = []
-        finish: str | None = None
+    ) -> None:
+        """Relay one engine stream, and return once the relay has fed all of it.
+
+        The stream is closed early when the assembler asks to stop (a degenerate loop): leaving
+        the ``async with`` closes the connection, and llama-server stops generating.
+        """
         async with self.app.client.stream(body, slot=lease.slot) as chunks:
             async for chunk in chunks:
-                for choice in chunk.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if isinstance(delta.get("content"), str):
-                        text.append(delta["content"])
-                    finish = choice.get("finish_reason") or finish
                 if chunk.get("choices") or chunk.get("timings"):
                     # Output has begun (or the reply is done): the slot is no longer up for grabs.
                     self.app.gateway.started(lease)
                 await send.send(chunk)
-        return "".join(text), finish
+                if self.assembler.stop is not None:
+                    log.warning("agent %s: %s", self.agent, self.assembler.stop.message)
+                    break
+        fed = anyio.Event()
+        await send.send(fed)
+        await fed.wait()
 
     async def _engine(self, send: anyio.abc.ObjectSendStream[_Item]) -> None:
         app = self.app
@@ -215,13 +216,12 @@ class _Exchange:
         await app.prepare_slot(lease, self.ticket.fingerprint, self.record)
         body = dict(self.engine_request.body)
         body["stream"] = True
-        text, finish = await self._stream(send, body, lease)
-        schemas = self.assembler.tool_schemas
-        if schemas and finish != "length" and needs_retry(text, schemas):
+        await self._stream(send, body, lease)
+        if isinstance(self.assembler.verdict(), RetryWithTools):
             # The reply tried to call a tool and got it wrong: ask once more, with
             # decoding constrained to a valid call of a declared tool.
             self.record.retried = True
-            await send.send(_RETRY)
+            self.assembler.begin_retry()
             forced = app.translator.force_any_tool(self.engine_request, body)
             await self._stream(send, forced, lease)
 
