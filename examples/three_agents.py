@@ -241,6 +241,8 @@ class Orchestrator:
                 async for chunk in chunks:
                     timings = chunk.get("timings") or timings
                     events += assembler.feed(chunk, self.clock())
+                    if assembler.stop is not None:
+                        break  # a degenerate loop: closing the stream stops llama-server
             events += assembler.finish(self.clock())
             assistant = _assistant_turn(accumulate(events))
             holds = self._holds_after(job, assistant)
