@@ -33,9 +33,10 @@ from agentkv.exceptions import (
     SSEProtocolError,
 )
 from agentkv.fingerprint import PrefixFingerprinter, compare
+from agentkv.guard import Repetition, RepetitionGuard
 from agentkv.scheduler import FairScheduler
 from agentkv.slots import SlotManager, SlotStats
-from agentkv.sse import SSEAssembler
+from agentkv.sse import ReplyComplete, RetryWithTools, SSEAssembler, StopRequest, Verdict
 from agentkv.translate import EngineRequest, MessagesTranslator
 
 if TYPE_CHECKING:
@@ -64,12 +65,18 @@ __all__ = [
     "PrefixFingerprinter",
     "PromptTooLongError",
     "QueueFullError",
+    "Repetition",
+    "RepetitionGuard",
+    "ReplyComplete",
+    "RetryWithTools",
     "SSEAssembler",
     "SSEProtocolError",
     "SlotManager",
     "SlotStats",
     "SlotView",
+    "StopRequest",
     "Ticket",
+    "Verdict",
     "compare",
 ]
 
