@@ -21,6 +21,7 @@ PURE_MODULES = (
     "agentkv.costs",
     "agentkv.store",
     "agentkv.limits",
+    "agentkv.guard",
 )
 IO_LIBRARIES = ("httpx", "starlette", "anyio", "uvicorn", "tenacity")
 

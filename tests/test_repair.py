@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -13,8 +14,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkv.repair import (
+    CallScanner,
     ExtractedCall,
+    HoldOutlook,
+    could_become_call,
     extract_tool_calls,
+    fence_label,
+    looks_like_call,
+    may_become_fence_line,
+    needs_retry,
     repair_arguments,
     repair_json,
     validate,
@@ -378,3 +386,161 @@ def test_repair_arguments_returns_only_schema_valid_input(
 def test_blank_arguments_mean_an_empty_input_when_the_schema_allows_it() -> None:
     """Blank arguments are ``{}`` for a tool that needs no input."""
     assert repair_arguments("Glob", " ", {"type": "object"}) == {}
+
+
+# -- while a reply is held: could_become_call and CallScanner --------------------------------------
+
+
+def _prefixes(text: str) -> list[str]:
+    return [text[:n] for n in range(1, len(text) + 1)]
+
+
+def _held_records() -> list[dict[str, Any]]:
+    """Records that start where a call may start (the assembler holds them from the start)."""
+    return [r for r in CORPUS if looks_like_call(r["text"]) is True]
+
+
+def _held_with_calls() -> list[dict[str, Any]]:
+    return [r for r in _held_records() if _extract(r)]
+
+
+@pytest.mark.parametrize("record", _held_with_calls(), ids=[r["id"] for r in _held_with_calls()])
+def test_a_held_reply_that_gives_a_call_is_never_given_up(record: dict[str, Any]) -> None:
+    """For every corpus reply that yields a call, every prefix can still become a call."""
+    tools = _declared(record)
+    for prefix in _prefixes(record["text"]):
+        assert could_become_call(prefix, tools), prefix
+
+
+def test_the_corpus_replies_without_a_call_are_given_up() -> None:
+    """Every held corpus reply that yields no call is ruled out, except the three cut off where a
+    valid call could still follow; and it counts as an attempt exactly when it would be retried."""
+    still_open = {"hand-cut-after-colon", "hand-cut-after-comma", "hand-cut-in-escape"}
+    given_up = 0
+    for record in _held_records():
+        if _extract(record):
+            continue
+        tools = _declared(record)
+        outlook = CallScanner(tools).feed(record["text"])
+        if record["id"] in still_open:
+            assert outlook.can_be_call and outlook.committed, record["id"]
+            continue
+        assert not outlook.can_be_call, record["id"]
+        assert outlook.attempt == needs_retry(record["text"], tools), record["id"]
+        given_up += 1
+    assert given_up >= 40
+
+
+@given(st.sampled_from(_held_records()), st.lists(st.integers(1, 400), max_size=8))
+def test_reading_in_pieces_is_reading_whole(record: dict[str, Any], cuts: list[int]) -> None:
+    """The scanner's verdict does not depend on how the text is split."""
+    text, tools = record["text"], _declared(record)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    scanner = CallScanner(tools)
+    for a, b in itertools.pairwise(bounds):
+        scanner.feed(text[a:b])
+    assert scanner.outlook == CallScanner(tools).feed(text)
+    assert scanner.text == text
+
+
+@given(json_objects, st.sampled_from(["bare", "fence", "tag", "openai"]), st.booleans())
+def test_every_prefix_of_a_valid_call_may_become_a_call(
+    arguments: dict[str, Any], shape: str, indent: bool
+) -> None:
+    """However a valid call is written (and JSON-formatted), no prefix of it is given up."""
+    tool = {"Any": {"type": "object"}}
+    call: dict[str, Any] = {"name": "Any", "arguments": arguments}
+    if shape == "openai":
+        call = {"type": "function", "function": {"name": "Any", "arguments": json.dumps(arguments)}}
+    body = json.dumps(call, indent=2 if indent else None, ensure_ascii=False)
+    text = {
+        "bare": body,
+        "fence": f"```json\n{body}\n```",
+        "tag": f"<tool_call>\n{body}\n</tool_call>",
+        "openai": body,
+    }[shape]
+    assert extract_tool_calls(text, tool).calls
+    scanner = CallScanner(tool)
+    for char in text:
+        assert scanner.feed(char).can_be_call
+    assert scanner.outlook.committed
+
+
+HELD = {"get_weather": SCHEMAS["get_weather"], "Read": SCHEMAS["Read"], "Write": SCHEMAS["Write"]}
+
+GIVEN_UP = [
+    # (text, is it a call written wrongly, worth the retry?)
+    ("```python\n", False),
+    ("```bash", False),
+    ("```json\nls -la", False),
+    ("<tool_call>\nRead the file", False),
+    ('{"name": "weather"', True),
+    ('{"name": "get_weather", "city": "Paris"', True),
+    ('{"nam": "Read"', True),
+    ('{"name": 3', True),
+    ('{"name": "Read", "arguments": ["a"]', True),
+    ('{"name": "Read", "arguments": {"path": "/a"', True),
+    ('{"name": "Read", "arguments": {"file_path": 7', True),
+    ('{"name": "Read", "arguments": {"file_path": "/a", "limit": "ten"', True),
+    ('{"name": "Write", "arguments": {"file_path": "/a", "content": "line 1\nline 2', True),
+    ("{'name': 'Read'", True),
+    ('{"name": "Read", "arguments": {"file_path": "/a"}} and then I will edit it', True),
+    ('{"name": "Read", "arguments": {"file_path": "/a"}}}', True),
+    ('{"name": "Read", "arguments": {"file_path": "/a", "offset": NaN', True),
+    ('{"name": "Read", "arguments": {"file_path": "/a"}}\n```', True),
+    ('<tool_call>\n{"name": "Read", "arguments": {}}\n</tool_call>', True),
+]
+
+
+@pytest.mark.parametrize(("text", "attempt"), GIVEN_UP)
+def test_text_that_cannot_become_a_call_is_given_up(text: str, attempt: bool) -> None:
+    """Each of these prefixes rules a valid call out, whatever follows."""
+    outlook = CallScanner(HELD).feed(text)
+    assert outlook == HoldOutlook(can_be_call=False, attempt=attempt)
+    assert not could_become_call(text, HELD)
+
+
+STILL_POSSIBLE = [
+    ("", False),
+    ("  \n", False),
+    ("<tool_ca", False),
+    ("``", False),
+    ("```js", False),
+    ("```json\n", False),
+    ("```\n  {", False),
+    ("<tool_call>\n```json\n", False),  # a fence inside a tag: repair_json can still read it
+    ("{", False),
+    ('{"na', False),
+    ('{"name": "get_w', False),
+    ('{"type": "function", "function": {"name": "Rea', False),
+    ('{"arguments": {"city": "Oslo"}, "name": "get', False),  # arguments first: name unknown
+    ('{"name": "Read"', True),
+    ('{"name": "Read", "arguments": {"file_path": "/a", "offset": 1', True),
+    ('{"name": "Read", "arguments": {"file_path": "/a"},}', True),  # a trailing comma: repaired
+    ('{"name": "Write", "arguments": {"file_path": "/a", "content": "x = \\"}\\"\\n', True),
+    ('{"name": "Read", "arguments": {"file_path": "/a"}}\n{"name": "Re', True),
+    ('```json\n{"name": "Read", "arguments": {"file_path": "/a"}}\n```\nThat reads it.', True),
+    ('<tool_call>{"name": "Read", "arguments": {"file_path": "/a"}}</tool_call> and more', True),
+]
+
+
+@pytest.mark.parametrize(("text", "committed"), STILL_POSSIBLE)
+def test_text_that_may_still_become_a_call_is_kept(text: str, committed: bool) -> None:
+    """Each of these may still be completed into a valid call (committed: it names a tool)."""
+    outlook = CallScanner(HELD).feed(text)
+    assert outlook.can_be_call
+    assert outlook.committed == committed
+    assert could_become_call(text, HELD)
+
+
+def test_fence_lines_are_the_extractors_fence_lines() -> None:
+    """A line is a fence line exactly when the extractor's pattern says so, and its prefixes
+    are the lines that may still become one."""
+    lines = ["```", "```json", "  ```json  ", "\t```tool_call", "```json x", "````", "``", " x```"]
+    for line in lines:
+        matched = re.fullmatch(r"[ \t]*```(?P<label>[^\s`]*)[ \t]*", line)
+        assert fence_label(line) == (matched.group("label") if matched else None)
+        if matched:
+            assert all(may_become_fence_line(p) for p in _prefixes(line))
+    assert not may_become_fence_line("```json x")
+    assert not may_become_fence_line("text")

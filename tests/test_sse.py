@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from syrupy.assertion import SnapshotAssertion
 from syrupy.extensions.json import JSONSnapshotExtension
 
+from agentkv import ANY_TOOL
 from agentkv.exceptions import EngineResponseError, QueueFullError, SSEProtocolError
 from agentkv.sse import SSEAssembler, accumulate, encode_event
 
@@ -287,7 +288,7 @@ def test_forced_tool_truncated_is_max_tokens() -> None:
 def test_forced_any_tool() -> None:
     """In any-tool mode the {name, arguments} JSON becomes a tool_use of that tool."""
     call = json.dumps({"name": "get_time", "arguments": {"tz": "UTC"}})
-    options = {"forced_tool": "*", "tool_names": ("get_weather", "get_time")}
+    options = {"forced_tool": ANY_TOOL, "tool_names": ("get_weather", "get_time")}
     message = accumulate(run([text(call[:7]), text(call[7:]), done("stop")], **options))
     (block,) = message["content"]
     assert (block["type"], block["name"], block["input"]) == ("tool_use", "get_time", {"tz": "UTC"})
@@ -297,7 +298,7 @@ def test_forced_any_tool() -> None:
 def test_forced_any_tool_unknown_name_is_text() -> None:
     """In any-tool mode a name outside tool_names is not turned into a tool_use."""
     call = json.dumps({"name": "rm_rf", "arguments": {}})
-    message = accumulate(run([text(call)], forced_tool="*", tool_names=("get_time",)))
+    message = accumulate(run([text(call)], forced_tool=ANY_TOOL, tool_names=("get_time",)))
     assert message["content"] == [{"type": "text", "text": call}]
 
 
@@ -750,3 +751,14 @@ def test_call_cut_off_by_the_token_limit_is_not_repaired() -> None:
     message = accumulate(run([text(cut), done("length")], tool_schemas=WEATHER_SCHEMAS))
     assert message["content"] == [{"type": "text", "text": cut}]
     assert message["stop_reason"] == "max_tokens"
+
+
+def test_structured_call_cut_off_by_the_token_limit_is_not_repaired() -> None:
+    """Structured arguments cut by max_tokens stay text, although a repair could close them."""
+    cut = '{"city": "Par'
+    chunks = [tool(0, cut, id="call_1", name="get_weather"), done("length")]
+    message = accumulate(run(chunks, tool_schemas=WEATHER_SCHEMAS))
+    assert message["content"] == [{"type": "text", "text": cut}]
+    assert message["stop_reason"] == "max_tokens"
+    repaired = accumulate(run([*chunks[:1], done("tool_calls")], tool_schemas=WEATHER_SCHEMAS))
+    assert repaired["content"][0]["input"] == {"city": "Par"}

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from syrupy.assertion import SnapshotAssertion
 from syrupy.extensions.json import JSONSnapshotExtension
 
+from agentkv import ANY_TOOL
 from agentkv.exceptions import InvalidRequestError
 from agentkv.translate import BILLING_HEADER_PREFIX, EngineRequest, MessagesTranslator
 
@@ -46,7 +47,7 @@ def summary(engine: EngineRequest) -> dict[str, Any]:
         "body": engine.body,
         "model": engine.model,
         "stream": engine.stream,
-        "forced_tool": engine.forced_tool,
+        "forced_tool": "ANY_TOOL" if engine.forced_tool is ANY_TOOL else engine.forced_tool,
         "tool_names": list(engine.tool_names),
         "thinking": engine.thinking,
     }
@@ -331,7 +332,7 @@ def test_tool_choice_any_with_one_tool_is_named() -> None:
 def test_tool_choice_any_with_several_tools() -> None:
     """tool_choice any with several tools constrains to {name: const, arguments: schema}."""
     engine = translator.translate(base(tools=[WEATHER, TIME], tool_choice={"type": "any"}))
-    assert engine.forced_tool == "*"
+    assert engine.forced_tool is ANY_TOOL
     options = engine.body["response_format"]["json_schema"]["schema"]["oneOf"]
     assert [o["properties"]["name"] for o in options] == [
         {"const": "get_weather"},

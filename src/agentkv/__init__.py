@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agentkv._types import Fingerprint, Lease, Match, MatchKind, SlotView, Ticket
+from agentkv._types import (
+    ANY_TOOL,
+    AnyTool,
+    Fingerprint,
+    ForcedTool,
+    Lease,
+    Match,
+    MatchKind,
+    SlotView,
+    Ticket,
+)
 from agentkv.exceptions import (
     AgentKVError,
     EngineError,
@@ -23,9 +33,10 @@ from agentkv.exceptions import (
     SSEProtocolError,
 )
 from agentkv.fingerprint import PrefixFingerprinter, compare
+from agentkv.guard import Repetition, RepetitionGuard
 from agentkv.scheduler import FairScheduler
 from agentkv.slots import SlotManager, SlotStats
-from agentkv.sse import SSEAssembler
+from agentkv.sse import ReplyComplete, RetryWithTools, SSEAssembler, StopRequest, Verdict
 from agentkv.translate import EngineRequest, MessagesTranslator
 
 if TYPE_CHECKING:
@@ -34,7 +45,9 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "ANY_TOOL",
     "AgentKVError",
+    "AnyTool",
     "EngineError",
     "EngineRequest",
     "EngineResponseError",
@@ -42,6 +55,7 @@ __all__ = [
     "EngineUnavailableError",
     "FairScheduler",
     "Fingerprint",
+    "ForcedTool",
     "InvalidRequestError",
     "Lease",
     "LlamaSlotClient",
@@ -51,12 +65,18 @@ __all__ = [
     "PrefixFingerprinter",
     "PromptTooLongError",
     "QueueFullError",
+    "Repetition",
+    "RepetitionGuard",
+    "ReplyComplete",
+    "RetryWithTools",
     "SSEAssembler",
     "SSEProtocolError",
     "SlotManager",
     "SlotStats",
     "SlotView",
+    "StopRequest",
     "Ticket",
+    "Verdict",
     "compare",
 ]
 

@@ -7,12 +7,15 @@ slot table. The components that create them (fingerprinter, slot manager, schedu
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
 __all__ = [
+    "ANY_TOOL",
+    "AnyTool",
     "Fingerprint",
+    "ForcedTool",
     "Lease",
     "Match",
     "MatchKind",
@@ -21,6 +24,21 @@ __all__ = [
     "Source",
     "Ticket",
 ]
+
+
+class AnyTool(enum.Enum):
+    """The type of :data:`ANY_TOOL` (an enum of one, so that type checkers can narrow on it)."""
+
+    ANY_TOOL = "any tool"
+
+
+#: A forced tool that is not one tool's name: ``tool_choice: any`` over several tools, or the retry
+#: after a call written wrongly. The reply must call one of the declared tools, written as
+#: ``{"name": ..., "arguments": {...}}``.
+ANY_TOOL: Final = AnyTool.ANY_TOOL
+
+#: What a reply is forced to call: one tool, by name, or :data:`ANY_TOOL`.
+ForcedTool = str | AnyTool
 
 
 class MatchKind(enum.Enum):

@@ -3,6 +3,30 @@
 Pure, in the style of a sans-IO protocol machine: chunks (already parsed JSON) and the current time
 go in, event dicts come out, and :func:`encode_event` frames them. :func:`accumulate` folds the
 same events into the non-streaming Message, so both response modes share one code path.
+
+Besides events, the assembler tells the runtime two things, as typed values:
+
+- :attr:`SSEAssembler.stop`: a :class:`StopRequest` once the reply has fallen into a degenerate
+  loop; the runtime closes the engine stream, then calls :meth:`SSEAssembler.finish`.
+- :meth:`SSEAssembler.verdict`: after the engine's reply has ended, :class:`ReplyComplete` or
+  :class:`RetryWithTools` (a call written wrongly: ask once more, constrained to a valid call).
+
+The runtime's loop, in full::
+
+    events = asm.start()
+    for chunk in engine_stream(body):          # close the stream as soon as asm.stop is set
+        events += asm.feed(chunk, now())
+        if asm.stop is not None:
+            break
+    if isinstance(asm.verdict(), RetryWithTools):
+        asm.begin_retry()
+        for chunk in engine_stream(translator.force_any_tool(request, body)):
+            events += asm.feed(chunk, now())
+            if asm.stop is not None:
+                break
+    events += asm.finish(now())
+
+and ``asm.flush(now())`` on a timer between chunks.
 """
 
 from __future__ import annotations
@@ -14,18 +38,78 @@ from typing import Any, Literal
 
 import attrs
 
+from agentkv._types import ANY_TOOL, ForcedTool
 from agentkv.exceptions import AgentKVError, EngineResponseError, SSEProtocolError
-from agentkv.repair import extract_tool_calls, looks_like_call, repair_arguments
+from agentkv.guard import Repetition, RepetitionGuard, periodic_suffix
+from agentkv.repair import (
+    CALL_FENCE_LABELS,
+    TAG_OPEN,
+    CallScanner,
+    RejectedCandidate,
+    extract_tool_calls,
+    fence_label,
+    may_become_fence_line,
+    repair_arguments,
+)
 
-__all__ = ["SSEAssembler", "accumulate", "encode_event"]
+__all__ = [
+    "ReplyComplete",
+    "RetryWithTools",
+    "SSEAssembler",
+    "StopRequest",
+    "Verdict",
+    "accumulate",
+    "encode_event",
+]
 
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+#: Held text is read in slices of at most this many characters, so that a release found early in
+#: a very large chunk (a non-streaming reply) does not first read the whole chunk.
+_SLICE = 512
 
 
 def encode_event(event: Mapping[str, Any]) -> bytes:
     """One SSE frame: ``event: <type>\\ndata: <json>\\n\\n``."""
     data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
     return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+@attrs.frozen
+class StopRequest:
+    """The assembler asks the runtime to close the engine stream now.
+
+    ``reason`` is why (today only ``"repetition"``: the output fell into a degenerate loop);
+    ``where`` is which output looped: the text, the thinking, or a structured tool call's arguments.
+    Closing the stream makes llama-server stop generating; the runtime then calls ``finish``,
+    which ends the message normally (see :meth:`SSEAssembler.finish` for the stop reason).
+    """
+
+    reason: Literal["repetition"]
+    where: Literal["text", "thinking", "tool"]
+    repetition: Repetition
+
+    @property
+    def message(self) -> str:
+        """One line for logs."""
+        return f"degenerate repetition in the {self.where}: {self.repetition.describe()}"
+
+
+@attrs.frozen
+class ReplyComplete:
+    """:meth:`SSEAssembler.verdict`: the reply is final; call ``finish``."""
+
+
+@attrs.frozen
+class RetryWithTools:
+    """:meth:`SSEAssembler.verdict`: the held reply tried to call a tool, and no valid call can be
+    recovered from it. Call ``begin_retry``, send the same conversation constrained to a call of a
+    declared tool (``MessagesTranslator.force_any_tool``), feed that stream, then ``finish``.
+    ``rejected`` says what was wrong with each candidate (for logs)."""
+
+    rejected: tuple[RejectedCandidate, ...]
+
+
+#: What the runtime does once the engine's reply has ended.
+Verdict = ReplyComplete | RetryWithTools
 
 
 @attrs.define
@@ -57,11 +141,21 @@ class SSEAssembler:
     from 0, every started block is stopped, no empty text block, every ``tool_use`` input is a JSON
     object); ``start`` comes first and ``finish`` last; a second ``finish`` or a ``feed`` outside
     that window raises :class:`SSEProtocolError`.
+
+    With ``tool_schemas`` (auto mode, tool-call repair on), text is held back from the point where
+    a call written as text may start: a reply that starts with ``{``, a fence line labelled as
+    JSON (or not labelled), a ``<tool_call>`` tag. Held text that can no longer become a valid
+    call (:class:`~agentkv.repair.CallScanner`) is released as text at once, unless it is a call
+    written wrongly, which is kept for the retry for at most ``hold_chars`` characters or
+    ``hold_seconds`` seconds from where the hold began. The same bound ends a hold that has not yet
+    named a declared tool. Released text streams, and is scanned again for a later call.
     """
 
     message_id: str = attrs.field(kw_only=True)
     model: str = attrs.field(kw_only=True)
-    forced_tool: str | None = attrs.field(default=None, kw_only=True)
+    #: The tool the reply is constrained to call (its text is the input JSON), or
+    #: :data:`~agentkv.ANY_TOOL` (its text is ``{"name", "arguments"}``); None for a free reply.
+    forced_tool: ForcedTool | None = attrs.field(default=None, kw_only=True)
     tool_names: tuple[str, ...] = attrs.field(default=(), kw_only=True)
     coalesce_chars: int = attrs.field(default=16, kw_only=True)
     coalesce_seconds: float = attrs.field(default=0.05, kw_only=True)
@@ -69,6 +163,16 @@ class SSEAssembler:
     #: Declared tools (name -> input_schema) in ``auto`` mode, when tool-call repair is on: a
     #: reply that starts like a call written as text is held back and turned into tool_use blocks.
     tool_schemas: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True)
+    #: The most characters held for a call that has not named a declared tool, or cannot be valid.
+    #: A wrongly written call is rarely longer (the longest in the corpus has 667); a call that has
+    #: named a declared tool and is still valid so far is held to its end, however long.
+    hold_chars: int = attrs.field(default=1024, kw_only=True)
+    #: The longest such a hold lasts, in seconds: at 1 token/s a call names its tool within 15
+    #: tokens, and a client sees text within this bound once it cannot be a call.
+    hold_seconds: float = attrs.field(default=15.0, kw_only=True)
+    #: The thresholds for degenerate repetition in text, thinking and tool arguments (copied for
+    #: each); None turns detection off.
+    repetition_guard: RepetitionGuard | None = attrs.field(factory=RepetitionGuard, kw_only=True)
 
     _state: Literal["new", "streaming", "done"] = attrs.field(default="new", init=False)
     _index: int = attrs.field(default=0, init=False)
@@ -81,10 +185,23 @@ class SSEAssembler:
     _input_tokens: int | None = attrs.field(default=None, init=False)
     _cache_read: int = attrs.field(default=0, init=False)
     _output_tokens: int = attrs.field(default=0, init=False)
-    _hold: Literal["undecided", "hold", "stream"] = attrs.field(default="undecided", init=False)
-    _held: str = attrs.field(default="", init=False)
+    _delta_chunks: int = attrs.field(default=0, init=False)
     _fallback: str | None = attrs.field(default=None, init=False)
     _usage_before_retry: tuple[int, int, int] = attrs.field(default=(0, 0, 0), init=False)
+    _retried: bool = attrs.field(default=False, init=False)
+    _stop: StopRequest | None = attrs.field(default=None, init=False)
+    _guards: dict[str, RepetitionGuard] = attrs.field(factory=dict, init=False)
+    # Streamed text not yet sent: what may still open a call (a partial tag or fence line).
+    _gate_buf: str = attrs.field(default="", init=False)
+    _line_start: bool = attrs.field(default=True, init=False)  # _gate_buf starts a line
+    _reply_start: bool = attrs.field(default=True, init=False)  # only whitespace so far
+    _fences: int = attrs.field(default=0, init=False)  # fence lines streamed (their parity)
+    _seen_tag: bool = attrs.field(default=False, init=False)  # tags take precedence over fences
+    # The held segment: from where a call may start.
+    _scanner: CallScanner | None = attrs.field(default=None, init=False)
+    _held: list[str] = attrs.field(factory=list, init=False)
+    _held_len: int = attrs.field(default=0, init=False)
+    _held_since: float = attrs.field(default=0.0, init=False)
 
     def start(self) -> list[dict[str, Any]]:
         """``[message_start]``; send it as early as possible (it keeps clients from timing out)."""
@@ -109,7 +226,11 @@ class SSEAssembler:
         return [{"type": "message_start", "message": message}]
 
     def feed(self, chunk: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
-        """The events one engine chunk gives (often none: deltas are coalesced)."""
+        """The events one engine chunk gives (often none: deltas are coalesced).
+
+        Once :attr:`stop` is set, the content of further chunks (still in flight when the runtime
+        closes the stream) is ignored; their usage counts are still read.
+        """
         if self._state != "streaming":
             when = "before start" if self._state == "new" else "after finish"
             raise SSEProtocolError(f"engine chunk received {when}")
@@ -120,33 +241,45 @@ class SSEAssembler:
         out: list[dict[str, Any]] = []
         self._read_usage(chunk)
         choices = chunk.get("choices") or ()
-        if choices:
-            choice = choices[0]
-            delta = choice.get("delta") or choice.get("message") or {}
-            reasoning = delta.get("reasoning_content")
-            if reasoning:
-                self._append("thinking", reasoning, now, out)
-            content = delta.get("content")
-            if content:
-                if self.forced_tool is not None:
-                    self._forced_text += content
-                elif self.tool_schemas and self._hold != "stream":
-                    self._gate(content, now, out)
-                else:
-                    self._append("text", content, now, out)
-            for call in delta.get("tool_calls") or ():
+        if not choices or self._stop is not None:
+            return out
+        choice = choices[0]
+        delta = choice.get("delta") or choice.get("message") or {}
+        reasoning = delta.get("reasoning_content")
+        content = delta.get("content")
+        calls = delta.get("tool_calls") or ()
+        if reasoning or content or calls:
+            self._delta_chunks += 1
+        if reasoning:
+            self._append("thinking", reasoning, now, out)
+            self._watch("thinking", reasoning)
+        if content and self._stop is None:
+            if self.forced_tool is not None:
+                self._forced_text += content
+            elif self.tool_schemas:
+                self._gate(content, now, out)
+            else:
+                self._append("text", content, now, out)
+            self._watch("text", content)
+        for call in calls:
+            if self._stop is None:
                 self._tool_delta(call, out)
-            if choice.get("finish_reason"):
-                self._finish_reason = choice["finish_reason"]
+                self._watch("tool", str((call.get("function") or {}).get("arguments") or ""))
+        if choice.get("finish_reason") and self._stop is None:
+            self._finish_reason = choice["finish_reason"]
         return out
 
     def flush(self, now: float) -> list[dict[str, Any]]:
-        """Buffered deltas whose time bound has passed (call it on a timer between chunks)."""
+        """Buffered deltas whose time bound has passed, and held text whose hold has run out
+        (call it on a timer between chunks)."""
         out: list[dict[str, Any]] = []
+        if self._state != "streaming":
+            return out
+        if self._scanner is not None and self._stop is None and self._hold_over(now):
+            self._gate(self._release(now, out), now, out)
         current = self._current
         if (
-            self._state == "streaming"
-            and isinstance(current, _Streamed)
+            isinstance(current, _Streamed)
             and current.opened
             and current.pending
             and now - current.pending_since >= self.coalesce_seconds
@@ -154,17 +287,82 @@ class SSEAssembler:
             self._emit_pending(current, out)
         return out
 
+    @property
+    def stop(self) -> StopRequest | None:
+        """Set once the engine stream should be closed (see :class:`StopRequest`)."""
+        return self._stop
+
+    def verdict(self) -> Verdict:
+        """What to do now that the engine's reply has ended (or was closed on :attr:`stop`).
+
+        :class:`RetryWithTools` when the reply held back text that tried to call a tool and gave
+        no valid call (as :func:`~agentkv.repair.needs_retry` decides), the reply was neither cut
+        off by the token limit nor stopped, and there was no retry yet; else
+        :class:`ReplyComplete`. It changes nothing: ask as often as you like.
+        """
+        if self._state != "streaming":
+            raise SSEProtocolError("verdict() is only defined between start() and finish()")
+        if (
+            self._scanner is None
+            or not self.tool_schemas
+            or self.forced_tool is not None
+            or self._retried
+            or self._stop is not None
+            or self._finish_reason == "length"
+        ):
+            return ReplyComplete()
+        found = extract_tool_calls("".join(self._held), self.tool_schemas)
+        if found.calls or not found.rejected:
+            return ReplyComplete()
+        return RetryWithTools(found.rejected)
+
+    def begin_retry(self) -> None:
+        """Start over on the constrained second reply, after a :class:`RetryWithTools` verdict.
+
+        The engine is asked again with decoding constrained to ``{"name", "arguments"}`` over the
+        declared tools; what it writes is fed as usual. If that does not give a valid call either,
+        ``finish`` gives the first reply's held text as plain text. Usage adds up both replies.
+        """
+        if self._state != "streaming" or not isinstance(self.verdict(), RetryWithTools):
+            raise SSEProtocolError("begin_retry() needs a RetryWithTools verdict")
+        usage = self.usage
+        self._usage_before_retry = (
+            usage["input_tokens"],
+            usage["cache_read_input_tokens"],
+            usage["output_tokens"],
+        )
+        self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
+        self._delta_chunks = 0
+        self._fallback = "".join(self._held)
+        self._scanner, self._held, self._held_len = None, [], 0
+        self._finish_reason = None
+        self._guards.pop("text", None)
+        self.forced_tool = ANY_TOOL
+        self._retried = True
+
     def finish(self, now: float) -> list[dict[str, Any]]:
-        """Close the open block, then ``message_delta`` and ``message_stop``."""
+        """Close the open block, then ``message_delta`` and ``message_stop``.
+
+        Held text is turned into tool_use blocks where it holds valid calls, and into text
+        otherwise. A reply cut off by the token limit, or stopped for repetition, is not repaired:
+        only calls complete as written count (a "fixed" half Write would write half a file). After
+        a stop, the repetition is trimmed from text that was still held back, so that what the
+        client gets ends with one copy of the repeated unit; ``stop_reason`` is then ``end_turn``
+        (``tool_use`` if a call was recovered), never ``max_tokens``: Claude Code answers
+        ``max_tokens`` by asking the model to resume, which would only loop again.
+        """
         if self._state != "streaming":
             raise SSEProtocolError(
                 f"finish() called {'before start' if self._state == 'new' else 'twice'}"
             )
         out: list[dict[str, Any]] = []
+        if self._gate_buf:
+            self._append("text", self._gate_buf, now, out)
+            self._gate_buf = ""
         self._close(out)
         if self.forced_tool is not None:
             self._emit_forced(out)
-        elif self._held:
+        elif self._scanner is not None:
             self._emit_held(out)
         self._state = "done"
         out.append(
@@ -177,23 +375,6 @@ class SSEAssembler:
         out.append({"type": "message_stop"})
         return out
 
-    def begin_retry(self) -> None:
-        """The held reply was a tool call that could not be recovered; a second engine reply,
-        constrained to ``{"name", "arguments"}`` over the declared tools, follows. If that one
-        does not parse either, the first reply is given as plain text."""
-        if self._state != "streaming" or self._hold != "hold":
-            raise SSEProtocolError("begin_retry() needs a held reply")
-        usage = self.usage
-        self._usage_before_retry = (
-            usage["input_tokens"],
-            usage["cache_read_input_tokens"],
-            usage["output_tokens"],
-        )
-        self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
-        self._fallback, self._held = self._held, ""
-        self._finish_reason = None
-        self.forced_tool = "*"
-
     def ping(self) -> dict[str, Any]:
         """A keep-alive event; valid anywhere in the stream."""
         return {"type": "ping"}
@@ -204,17 +385,24 @@ class SSEAssembler:
 
     @property
     def usage(self) -> dict[str, int]:
-        """Token counts so far: uncached prompt, cache reads and generated tokens."""
+        """Token counts so far: uncached prompt, cache reads and generated tokens.
+
+        A stream closed on :attr:`stop` ends without the engine's counts; its output is then
+        estimated as one token per chunk, which is how llama-server streams.
+        """
         uncached, cached, output = self._usage_before_retry
         if self._input_tokens is not None:
             uncached += self._input_tokens
         elif not uncached:
             uncached = self.input_tokens_hint
+        generated = self._output_tokens
+        if not generated and self._stop is not None:
+            generated = self._delta_chunks
         return {
             "input_tokens": uncached,
             "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": cached + self._cache_read,
-            "output_tokens": output + self._output_tokens,
+            "output_tokens": output + generated,
         }
 
     # -- engine chunk parts ------------------------------------------------------------------
@@ -241,6 +429,8 @@ class SSEAssembler:
     def _append(
         self, kind: Literal["text", "thinking"], text: str, now: float, out: list[dict[str, Any]]
     ) -> None:
+        if not text:
+            return
         current = self._current
         if not (isinstance(current, _Streamed) and current.kind == kind):
             self._close(out)
@@ -261,34 +451,6 @@ class SSEAssembler:
         ):
             self._emit_pending(current, out)
 
-    def _gate(self, content: str, now: float, out: list[dict[str, Any]]) -> None:
-        """Auto mode with tools: hold a reply that starts like a call, stream anything else."""
-        self._held += content
-        if self._hold == "undecided":
-            verdict = looks_like_call(self._held)
-            if verdict is None:
-                return
-            if verdict:
-                self._hold = "hold"
-                return
-            self._hold = "stream"
-            text, self._held = self._held, ""
-            self._append("text", text, now, out)
-
-    def _emit_held(self, out: list[dict[str, Any]]) -> None:
-        assert self.tool_schemas is not None
-        # A reply cut off by the token limit is not repaired: a "fixed" half Write would write
-        # half a file.
-        found = extract_tool_calls(
-            self._held, self.tool_schemas, repair=self._finish_reason != "length"
-        )
-        if not found.calls:
-            self._emit_text(self._held, out)
-            return
-        self._emit_text(found.text, out)
-        for call in found.calls:
-            self._emit_tool("", call.name, json.dumps(call.input, ensure_ascii=False), out)
-
     def _tool_delta(self, call: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
         key = int(call.get("index", 0))
         current = self._current
@@ -302,12 +464,161 @@ class SSEAssembler:
         current.name += function.get("name") or ""
         current.arguments += function.get("arguments") or ""
 
+    # -- degenerate repetition -----------------------------------------------------------------
+
+    def _watch(self, where: Literal["text", "thinking", "tool"], text: str) -> None:
+        if self.repetition_guard is None or self._stop is not None or not text:
+            return
+        guard = self._guards.get(where)
+        if guard is None:
+            guard = self._guards[where] = attrs.evolve(self.repetition_guard)
+        found = guard.feed(text)
+        if found is not None:
+            self._stop = StopRequest("repetition", where, found)
+            self._trim(where, found)
+
+    def _trim(self, where: str, found: Repetition) -> None:
+        """Drop the repeated copies (all but the first) from what has not been sent yet."""
+        period = found.period
+        drop = found.length - period
+        current = self._current
+        if where == "text" and self.forced_tool is not None:
+            self._forced_text, drop = _cut(self._forced_text, drop)
+        elif where == "text" and self._scanner is not None:
+            held = "".join(self._held)
+            drop = max(found.length, periodic_suffix(held, period)) - period
+            kept, drop = _cut(held, drop)
+            self._held, self._held_len = [kept], len(kept)
+        elif where == "text":
+            self._gate_buf, drop = _cut(self._gate_buf, drop)
+        elif where == "tool" and isinstance(current, _ToolDraft):
+            current.arguments, drop = _cut(current.arguments, drop)
+            return
+        if isinstance(current, _Streamed) and current.kind == where and drop > 0:
+            current.pending, drop = _cut(current.pending, drop)
+
+    # -- holding back what may be a call -------------------------------------------------------
+
+    def _gate(self, text: str, now: float, out: list[dict[str, Any]]) -> None:
+        """Auto mode with tools: stream text, hold it from where a call may start, and release
+        held text that cannot become a call (then scan it again for a later one)."""
+        while text:
+            if self._scanner is None:
+                text = self._scan(text, now, out)
+                if not text:
+                    return
+                self._scanner = CallScanner(self.tool_schemas or {})
+                self._held, self._held_len, self._held_since = [], 0, now
+            piece, text = text[:_SLICE], text[_SLICE:]
+            self._held.append(piece)
+            self._held_len += len(piece)
+            self._scanner.feed(piece)
+            if self._hold_over(now):
+                text = self._release(now, out) + text
+
+    def _scan(self, text: str, now: float, out: list[dict[str, Any]]) -> str:
+        """Stream ``text`` up to where a call may start; return the text from there on ('' when
+        nothing opens). A partial tag or fence line at the end is kept back until it is whole."""
+        buf, self._gate_buf = self._gate_buf + text, ""
+        if self._reply_start:
+            head = buf.lstrip()
+            if not head:
+                self._gate_buf = buf
+                return ""
+            self._reply_start = False
+            if head.startswith("{"):
+                return buf  # a reply that starts with JSON
+        opening = self._opening(buf)
+        if opening is not None:
+            self._stream(buf[:opening], now, out)
+            return buf[opening:]
+        keep = len(buf)
+        for size in range(min(len(TAG_OPEN) - 1, len(buf)), 0, -1):
+            if TAG_OPEN.startswith(buf[-size:]):
+                keep = len(buf) - size
+                break
+        if not self._seen_tag:
+            newline = buf.rfind("\n")
+            last_line = newline + 1 if newline >= 0 else (0 if self._line_start else None)
+            if last_line is not None and may_become_fence_line(buf[last_line:]):
+                keep = min(keep, last_line)
+        self._stream(buf[:keep], now, out)
+        self._gate_buf = buf[keep:]
+        return ""
+
+    def _opening(self, buf: str) -> int | None:
+        """Where in ``buf`` a call may start: a ``<tool_call>`` tag, or a fence line that opens a
+        block labelled as JSON (fence lines pair in order, as the extractor pairs them; once a tag
+        has appeared, fences are not read, as the extractor then reads only tags)."""
+        tag = buf.find(TAG_OPEN)
+        limit = tag if tag >= 0 else len(buf)
+        if self._line_start:
+            position = 0
+        else:
+            newline = buf.find("\n")
+            position = newline + 1 if newline >= 0 else len(buf) + 1
+        while position < limit:
+            newline = buf.find("\n", position)
+            if newline < 0:
+                break  # the last line is not complete yet
+            label = fence_label(buf[position:newline])
+            if label is not None:
+                self._fences += 1
+                if self._fences % 2 == 1 and label in CALL_FENCE_LABELS and not self._seen_tag:
+                    return position
+            position = newline + 1
+        if tag >= 0:
+            self._seen_tag = True
+            return tag
+        return None
+
+    def _stream(self, text: str, now: float, out: list[dict[str, Any]]) -> None:
+        if text:
+            self._line_start = text.endswith("\n")
+            self._append("text", text, now, out)
+
+    def _hold_over(self, now: float) -> bool:
+        """Whether the held segment should be released now."""
+        assert self._scanner is not None
+        outlook = self._scanner.outlook
+        if outlook.committed:
+            return False  # a call of a declared tool being written: held to its end
+        if not (outlook.can_be_call or outlook.attempt):
+            return True  # it cannot be a call, nor is it one written wrongly
+        return self._held_len > self.hold_chars or now - self._held_since >= self.hold_seconds
+
+    def _release(self, now: float, out: list[dict[str, Any]]) -> str:
+        """Send the held segment's opening as text; return the rest, to be scanned again."""
+        assert self._scanner is not None
+        held = "".join(self._held)
+        skip = min(self._scanner.opening_end, len(held))
+        self._scanner, self._held, self._held_len = None, [], 0
+        self._stream(held[:skip], now, out)
+        return held[skip:]
+
+    def _emit_held(self, out: list[dict[str, Any]]) -> None:
+        assert self.tool_schemas is not None
+        held = "".join(self._held)
+        # A reply cut off by the token limit, or stopped, is not repaired: a "fixed" half Write
+        # would write half a file.
+        found = extract_tool_calls(held, self.tool_schemas, repair=not self._cut())
+        if not found.calls:
+            self._emit_text(held, out)
+            return
+        self._emit_text(found.text, out)
+        for call in found.calls:
+            self._emit_tool("", call.name, json.dumps(call.input, ensure_ascii=False), out)
+
+    def _cut(self) -> bool:
+        """Whether the reply did not end by itself (token limit, or closed on a stop)."""
+        return self._finish_reason == "length" or self._stop is not None
+
     # -- blocks --------------------------------------------------------------------------------
 
     def _open(self, block: dict[str, Any], out: list[dict[str, Any]]) -> None:
         out.append({"type": "content_block_start", "index": self._index, "content_block": block})
 
-    def _stop(self, out: list[dict[str, Any]]) -> None:
+    def _stop_block(self, out: list[dict[str, Any]]) -> None:
         out.append({"type": "content_block_stop", "index": self._index})
         self._index += 1
 
@@ -332,7 +643,7 @@ class SSEAssembler:
                 signature = hashlib.sha256(current.text.encode()).hexdigest()
                 delta = {"type": "signature_delta", "signature": signature}
                 out.append({"type": "content_block_delta", "index": self._index, "delta": delta})
-            self._stop(out)
+            self._stop_block(out)
         elif isinstance(current, _ToolDraft):
             self._closed_tools.add(current.key)
             self._emit_tool(current.id, current.name, current.arguments, out)
@@ -341,7 +652,10 @@ class SSEAssembler:
         self, engine_id: str, name: str, arguments: str, out: list[dict[str, Any]]
     ) -> None:
         tool_input = _json_object(arguments) if name else None
-        if tool_input is None and self.tool_schemas and name in self.tool_schemas:
+        # Arguments cut off by the token limit (or a stop) are not repaired: a "fixed" half Write
+        # would write half a file.
+        cut = self._cut()
+        if tool_input is None and not cut and self.tool_schemas and name in self.tool_schemas:
             tool_input = repair_arguments(name, arguments, self.tool_schemas[name])
         if tool_input is None:
             # Never a tool_use whose input the client cannot parse: show the model's text instead.
@@ -352,7 +666,7 @@ class SSEAssembler:
         partial = json.dumps(tool_input, ensure_ascii=False)
         delta = {"type": "input_json_delta", "partial_json": partial}
         out.append({"type": "content_block_delta", "index": self._index, "delta": delta})
-        self._stop(out)
+        self._stop_block(out)
         self._emitted_tool = True
 
     def _emit_text(self, text: str, out: list[dict[str, Any]]) -> None:
@@ -361,11 +675,11 @@ class SSEAssembler:
         self._open(_start_block("text"), out)
         delta = {"type": "text_delta", "text": text}
         out.append({"type": "content_block_delta", "index": self._index, "delta": delta})
-        self._stop(out)
+        self._stop_block(out)
 
     def _emit_forced(self, out: list[dict[str, Any]]) -> None:
         text = self._forced_text
-        if self.forced_tool != "*":
+        if self.forced_tool is not ANY_TOOL:
             self._emit_tool("", self.forced_tool or "", text, out)
             return
         # Any-tool mode: the schema made the model write {"name": ..., "arguments": {...}}.
@@ -384,6 +698,8 @@ class SSEAssembler:
         return f"toolu_{digest[:24]}"
 
     def _stop_reason(self) -> str:
+        if self._stop is not None:
+            return "tool_use" if self._emitted_tool else "end_turn"
         if self._finish_reason == "length":
             return "max_tokens"
         if self._emitted_tool:
@@ -391,6 +707,14 @@ class SSEAssembler:
         if self._stop_sequence is not None:
             return "stop_sequence"
         return "end_turn"
+
+
+def _cut(text: str, drop: int) -> tuple[str, int]:
+    """``text`` less its last ``drop`` characters (at most all), and how many are left to drop."""
+    if drop <= 0:
+        return text, 0
+    kept = max(0, len(text) - drop)
+    return text[:kept], drop - (len(text) - kept)
 
 
 def _start_block(kind: Literal["text", "thinking"]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from agentkv._anthropic import (
     ToolUseBlock,
 )
 from agentkv._convert import structure
+from agentkv._types import ANY_TOOL, ForcedTool
 from agentkv.exceptions import InvalidRequestError
 from agentkv.fingerprint import canonical_json
 from agentkv.limits import RequestLimits, check_body, check_limits
@@ -63,7 +64,9 @@ class EngineRequest:
     body: dict[str, Any]
     model: str
     stream: bool
-    forced_tool: str | None
+    #: The tool the reply must call (constrained decoding), :data:`~agentkv.ANY_TOOL` for any of
+    #: the declared tools, or None when the model may answer freely.
+    forced_tool: ForcedTool | None
     tool_names: tuple[str, ...]
     thinking: bool
     request: MessagesRequest
@@ -123,7 +126,7 @@ class MessagesTranslator:
         choice = request.tool_choice
 
         forced: Tool | None = None
-        forced_tool: str | None = None
+        forced_tool: ForcedTool | None = None
         if isinstance(choice, ToolChoiceTool):
             forced = next(tool for tool in tools if tool.name == choice.name)
             forced_tool = forced.name
@@ -131,7 +134,7 @@ class MessagesTranslator:
             if len(tools) == 1:
                 forced, forced_tool = tools[0], tools[0].name
             else:
-                forced_tool = "*"
+                forced_tool = ANY_TOOL
 
         head = _system_messages(request.system)
         turns = _turns(request.messages, self.session_layout)

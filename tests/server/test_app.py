@@ -490,3 +490,19 @@ async def test_a_request_that_has_started_output_is_not_preempted(
         tg.start_soon(call, "coordinator", 0)
     assert [r["messages"][-1]["content"] for r in fake.requests] == ["background", "coordinator"]
     assert all(r["suspended"] == 0 for r in table(http)["recent"])
+
+
+async def test_a_looping_reply_is_stopped_and_its_engine_stream_closed(serve: Any) -> None:
+    """A degenerate loop ends the message early, as a normal end_turn, and the engine stream is
+    dropped before its end (llama-server then stops generating)."""
+    fake = FakeLlama(reply="ok " * 3000, chunk_chars=3)
+    http = await serve(fake)
+    r = await http.post("/v1/messages", json={**BODY, "stream": True})
+    events = [e for e in sse_events(r.text) if e["type"] != "ping"]
+    text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+    assert set(text.split()) == {"ok"}
+    assert 800 <= len(text) < 3000
+    assert events[-2]["delta"]["stop_reason"] == "end_turn"
+    assert events[-2]["usage"]["output_tokens"] > 0
+    assert (fake.started, fake.finished) == (1, 0)
+    assert table(http)["recent"][-1]["status"] == "ok"

@@ -299,6 +299,30 @@ def test_auto_mode_tool_call_written_as_text_arrives_as_tool_use(live: Live) -> 
     assert isinstance(calls[0].input, dict) and isinstance(calls[0].input.get("city"), str)
 
 
+def test_a_degenerate_loop_is_stopped_on_the_real_engine(live: Live) -> None:
+    """Asked to repeat a word, the default model loops; agentkv stops the generation long before
+    max_tokens, ends the turn as end_turn, and llama-server's slot is free again."""
+    started = time.monotonic()
+    msg = sdk(live, **{"X-Agent-Id": "looper"}).messages.create(
+        model=MODEL,
+        max_tokens=1500,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Write the word ok 3000 times separated by spaces"}],
+    )
+    elapsed = time.monotonic() - started
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    assert set(text.lower().replace(",", " ").split()) <= {"ok", "ok."}, text[:200]
+    assert msg.stop_reason == "end_turn"
+    assert 200 < msg.usage.output_tokens < 600
+    deadline = time.monotonic() + 20
+    while any(s["is_processing"] for s in live.engine_slots()):
+        assert time.monotonic() < deadline, "llama-server still generating"
+        time.sleep(0.2)
+    recent = [r for r in live.state.gateway.table()["recent"] if r["agent"] == "looper"]
+    assert [r["status"] for r in recent] == ["ok"]
+    print(f"stopped after {msg.usage.output_tokens} tokens, {elapsed:.1f} s")
+
+
 def test_tiny_capability_probe_is_answered_by_the_engine(live: Live) -> None:
     """A max_tokens=1 probe gets one real generated token, quickly, and is recorded as ok."""
     started = time.monotonic()

@@ -49,13 +49,12 @@ from agentkv.exceptions import (
     PromptTooLongError,
 )
 from agentkv.fingerprint import PrefixFingerprinter, canonical_json
-from agentkv.repair import needs_retry
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Checkpoint, Gateway
 from agentkv.runtime.store import PrefixStore
-from agentkv.sse import SSEAssembler, accumulate
+from agentkv.sse import RetryWithTools, SSEAssembler, accumulate
 from agentkv.store import EntryKind, StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 from agentkv.translate import EngineRequest, MessagesTranslator, first_difference
@@ -478,14 +477,8 @@ class Exchange:
         """Stream the reply into the assembler; one constrained retry for a broken tool call."""
         runtime, asm = self.runtime, self.assembler
         body = self._engine_body()
-        text = await self._relay(body, lease)
-        schemas = asm.tool_schemas
-        if (
-            schemas
-            and self.record.stopped is None
-            and asm_finish_reason(asm) != "length"
-            and needs_retry(text, schemas)
-        ):
+        await self._relay(body, lease)
+        if isinstance(asm.verdict(), RetryWithTools):
             # The reply tried to call a tool and got it wrong: ask once more, with decoding
             # constrained to a valid call of a declared tool.
             self.record.retried = True
@@ -497,12 +490,12 @@ class Exchange:
             self.record.status = "ok"
         return self.prepared.tokens
 
-    async def _relay(self, body: dict[str, Any], lease: Lease) -> str:
-        """One engine call: chunks in, Anthropic events out. Returns the reply's text."""
+    async def _relay(self, body: dict[str, Any], lease: Lease) -> None:
+        """One engine call: chunks in, Anthropic events out, until the engine ends, the client's
+        deadline comes or the assembler asks to stop (a degenerate loop)."""
         runtime, asm, record = self.runtime, self.assembler, self.record
         config = runtime.config
         send, receive = anyio.create_memory_object_stream[dict[str, Any]](64)
-        text: list[str] = []
         failure: list[AgentKVError] = []
 
         async def produce() -> None:
@@ -532,12 +525,7 @@ class Exchange:
                             break
                         now = runtime.clock()
                         runtime.observe_timings(chunk.get("timings"))
-                        choices = chunk.get("choices") or ()
-                        for choice in choices:
-                            delta = choice.get("delta") or {}
-                            if isinstance(delta.get("content"), str):
-                                text.append(delta["content"])
-                        if choices:
+                        if chunk.get("choices"):
                             runtime.gateway.decoding(lease)
                         events = asm.feed(chunk, now)
                         if events:
@@ -545,13 +533,15 @@ class Exchange:
                                 record.ttft_s = round(now - self.started, 4)
                             self._emit(events)
                         self._account(chunk)
+                        if asm.stop is not None:
+                            # A degenerate loop: closing the stream stops llama-server generating.
+                            record.stopped = asm.stop.reason
+                            tg.cancel_scope.cancel()
+                            break
                         continue
                     self._emit(asm.flush(runtime.clock()))
         if failure:
             raise failure[0]
-        if record.ttft_s is None and asm_finish_reason(asm) is not None:
-            record.ttft_s = round(runtime.clock() - self.started, 4)
-        return "".join(text)
 
     def _account(self, chunk: Mapping[str, Any]) -> None:
         progress = chunk.get("prompt_progress")
@@ -565,11 +555,6 @@ class Exchange:
             self.record.cached_tokens = max(
                 self.record.cached_tokens, int(timings.get("cache_n", 0))
             )
-
-
-def asm_finish_reason(assembler: SSEAssembler) -> str | None:
-    """The engine's finish reason as the assembler saw it."""
-    return assembler._finish_reason
 
 
 # -- the runtime ------------------------------------------------------------------------------

@@ -1,0 +1,167 @@
+"""RepetitionGuard: notice when a generation has fallen into a degenerate loop.
+
+Small models sometimes stop making progress and repeat themselves until the token limit: the same
+word (``ok ok ok …``), the same line, the same block of code, or a run of one character
+(``}}}}}}``). Claude Code asks for up to 32,000 output tokens, so such a loop can run for many
+minutes. The guard is fed the generated text as it arrives and reports when its tail is such a loop,
+so that the engine stream can be closed.
+
+What counts as a loop, by default: the last ``L`` characters are exactly periodic with some period
+``p`` of at most ``max_period`` characters (every character equals the one ``p`` before it), where
+``L`` is at least ``min_repeats`` periods and at least ``min_chars`` characters. Normal code repeats
+short lines (``}``, blank lines, similar imports) a few times, and separator lines run to 80 or 120
+characters. The defaults (800 characters, 10 copies, units up to 1,024 characters) were checked
+against 280 MB of Python, C, JSON and Markdown (the standard library and an installed environment):
+the only stretches they flag are machine-generated tables (parser state tables, Unicode data, a
+base64 font), which no agent writes by hand. On the default model's recorded ``ok ok …`` loop they
+fire after 286 of its 400 tokens.
+
+Cost: the guard keeps only the last ``2 * window`` characters, and looks at the tail at most once
+every ``check_every`` new characters (and at most once per :meth:`RepetitionGuard.feed`). A look is
+a few ``str.rfind`` calls and slice comparisons (C loops over at most ``window`` characters), so a
+long reply costs time linear in its length. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+__all__ = ["Repetition", "RepetitionGuard", "periodic_suffix"]
+
+
+@attrs.frozen
+class Repetition:
+    """A loop found at the end of the text: ``unit`` repeated over the last ``length`` characters.
+
+    ``length`` counts from where the repetition starts (the first copy of ``unit`` included) to the
+    end of the text seen so far; it is at most the guard's window.
+    """
+
+    unit: str
+    length: int
+
+    @property
+    def period(self) -> int:
+        """The length of the repeated unit, in characters."""
+        return len(self.unit)
+
+    @property
+    def repeats(self) -> float:
+        """How many times the unit was written (the last copy may be partial)."""
+        return self.length / len(self.unit)
+
+    def describe(self) -> str:
+        """One line for logs: ``'ok ' repeated 160 times (480 characters)``."""
+        shown = self.unit if len(self.unit) <= 40 else self.unit[:37] + "..."
+        return f"{shown!r} repeated {self.repeats:.0f} times ({self.length} characters)"
+
+
+def periodic_suffix(text: str, period: int) -> int:
+    """The length of the longest suffix of ``text`` with the given period.
+
+    That is the largest ``L`` such that ``text[i] == text[i + period]`` for every ``i`` in the last
+    ``L`` characters but the final ``period``; it is at least ``min(period, len(text))``. Runs in
+    ``O(L log L)`` character comparisons, done by slice comparison (C loops).
+    """
+    n = len(text)
+    if period <= 0 or period >= n:
+        return n
+
+    def holds(length: int) -> bool:
+        return text[n - length : n - period] == text[n - length + period :]
+
+    low, high = period, period * 2
+    while high <= n and holds(high):
+        low, high = high, high * 2
+    high = min(high, n + 1)
+    # holds(low) is true and holds(high) false (or high is past the start): bisect between them.
+    while high - low > 1:
+        middle = (low + high) // 2
+        if holds(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+@attrs.define
+class RepetitionGuard:
+    """Fed generated text piece by piece; reports the first degenerate loop at its end.
+
+    Once it has reported a loop it keeps reporting the same one (``tripped``) and ignores further
+    text. Thresholds, in characters:
+
+    - ``min_chars``: the shortest stretch that counts as a loop, whatever the period;
+    - ``min_repeats``: the fewest copies of the unit that count as a loop;
+    - ``max_period``: the longest unit looked for (a repeated block of code lines);
+    - ``check_every``: how much new text may arrive between two looks at the tail (the detection
+      delay after a loop has grown long enough).
+    """
+
+    min_chars: int = 800
+    min_repeats: int = 10
+    max_period: int = 1024
+    check_every: int = 64
+    #: How many recurrences of the tail's last characters are tried as candidate periods.
+    max_candidates: int = 32
+
+    _tail: str = attrs.field(default="", init=False)
+    _unchecked: int = attrs.field(default=0, init=False)
+    _tripped: Repetition | None = attrs.field(default=None, init=False)
+
+    @property
+    def window(self) -> int:
+        """The most text one look at the tail examines."""
+        return max(self.min_chars, self.min_repeats * self.max_period)
+
+    @property
+    def buffered(self) -> int:
+        """How many characters the guard keeps (at most ``2 * window``, whatever it was fed)."""
+        return len(self._tail)
+
+    @property
+    def tripped(self) -> Repetition | None:
+        """The loop reported, once there is one."""
+        return self._tripped
+
+    def feed(self, text: str) -> Repetition | None:
+        """Add generated text; the loop its tail now ends in, if any (then on every later call)."""
+        if self._tripped is not None or not text:
+            return self._tripped
+        tail = self._tail + text
+        window = self.window
+        if len(tail) > 2 * window:
+            tail = tail[-window:]
+        self._tail = tail
+        self._unchecked += len(text)
+        if self._unchecked >= self.check_every:
+            self._unchecked = 0
+            self._tripped = self._look(tail[-window:])
+        return self._tripped
+
+    def reset(self) -> None:
+        """Forget everything (a new reply begins)."""
+        self._tail, self._unchecked, self._tripped = "", 0, None
+
+    def _look(self, tail: str) -> Repetition | None:
+        n = len(tail)
+        if n < self.min_chars:
+            return None
+        # If the tail repeats with period p over at least p + k characters, its last k characters
+        # occur again exactly p characters earlier: those recurrences are the candidate periods.
+        k = min(32, self.min_chars // 2)
+        probe = tail[n - k :]
+        limit = n - 1  # a recurrence ends before the text does
+        for _ in range(self.max_candidates):
+            found = tail.rfind(probe, 0, limit)
+            if found < 0:
+                return None
+            period = n - k - found
+            if period > self.max_period:
+                return None
+            needed = max(self.min_chars, self.min_repeats * period)
+            if needed <= n and tail[n - needed : n - period] == tail[n - needed + period :]:
+                length = periodic_suffix(tail, period)
+                return Repetition(tail[n - length : n - length + period], length)
+            limit = found + k - 1
+        return None
