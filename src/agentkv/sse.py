@@ -188,6 +188,9 @@ class SSEAssembler:
     _delta_chunks: int = attrs.field(default=0, init=False)
     _fallback: str | None = attrs.field(default=None, init=False)
     _usage_before_retry: tuple[int, int, int] = attrs.field(default=(0, 0, 0), init=False)
+    # The reply's text as the engine generated it, and whether anything but text came.
+    _generated: list[str] = attrs.field(factory=list, init=False)
+    _only_text: bool = attrs.field(default=True, init=False)
     _retried: bool = attrs.field(default=False, init=False)
     _stop: StopRequest | None = attrs.field(default=None, init=False)
     _guards: dict[str, RepetitionGuard] = attrs.field(factory=dict, init=False)
@@ -250,6 +253,10 @@ class SSEAssembler:
         calls = delta.get("tool_calls") or ()
         if reasoning or content or calls:
             self._delta_chunks += 1
+        if reasoning or calls:
+            self._only_text = False
+        if content and self._stop is None:
+            self._generated.append(content)
         if reasoning:
             self._append("thinking", reasoning, now, out)
             self._watch("thinking", reasoning)
@@ -339,6 +346,40 @@ class SSEAssembler:
         self._guards.pop("text", None)
         self.forced_tool = ANY_TOOL
         self._retried = True
+
+    @property
+    def continuable(self) -> bool:
+        """Whether the reply so far can be continued by another engine call (see
+        :meth:`begin_continuation`): plain text only, not forced, not stopped, not a retry."""
+        return (
+            self._state == "streaming"
+            and self._only_text
+            and self.forced_tool is None
+            and self._stop is None
+            and not self._retried
+        )
+
+    @property
+    def generated_text(self) -> str:
+        """The reply's text exactly as the engine generated it so far (held parts included)."""
+        return "".join(self._generated)
+
+    def begin_continuation(self) -> None:
+        """The engine stream was cut mid-reply (the request gave its slot up) and a new engine
+        call continues the same reply from :attr:`generated_text`: its chunks are fed as if the
+        stream had only paused. The blocks stay open; usage adds up the calls (the cut call's
+        output is counted one token per chunk, as llama-server streams)."""
+        if not self.continuable:
+            raise SSEProtocolError("begin_continuation() needs a plain-text reply in progress")
+        usage = self.usage
+        self._usage_before_retry = (
+            usage["input_tokens"],
+            usage["cache_read_input_tokens"],
+            usage["output_tokens"] or self._delta_chunks,
+        )
+        self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
+        self._delta_chunks = 0
+        self._finish_reason = None
 
     def finish(self, now: float) -> list[dict[str, Any]]:
         """Close the open block, then ``message_delta`` and ``message_stop``.

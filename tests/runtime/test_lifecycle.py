@@ -295,3 +295,38 @@ async def test_an_urgent_request_has_the_engine_to_itself(tmp_path: Path) -> Non
         assert order.index("coordinator") < order.index("late")
         assert order.count("background") == 2  # started, suspended, resumed
         assert "save" in [a for _, a, _ in fake.slot_actions]
+
+
+async def test_a_reply_suspended_mid_way_continues_where_it_stopped(tmp_path: Path) -> None:
+    """A P2 reply that is streaming gives its only slot to a P0 request; it resumes as a
+    continuation of its own text, and its client gets one whole reply."""
+    first = "one two three four five six seven eight nine ten " * 3
+    fake = FakeLlama(
+        script=[first, "urgent", " and the rest."], chunk_chars=4, delay=0.03, save_dir=tmp_path
+    )
+    async with running(fake, n_slots=1, preempt_from=1, store_dir=tmp_path) as runtime:
+        replies: dict[str, str] = {}
+
+        async def call(name: str, priority: int) -> None:
+            body = {
+                "model": "m",
+                "max_tokens": 200,
+                "messages": [{"role": "user", "content": name}],
+            }
+            replies[name] = await ask(runtime, body, name, priority)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "background", 2)
+            await wait_for(lambda: any(r.ttft_s for r in runtime.running()))  # streaming
+            await anyio.sleep(0.2)
+            tg.start_soon(call, "coordinator", 0)
+        records = {r.agent: r for r in runtime.records()}
+        assert records["background"].suspended == 1
+        assert replies["coordinator"] == "urgent"
+        continuation = fake.requests[-1]["messages"]
+        assert continuation[-1]["role"] == "assistant"
+        so_far = continuation[-1]["content"]
+        assert 0 < len(so_far) < len(first) and first.startswith(so_far)
+        assert replies["background"] == so_far + " and the rest."
+        # Its saved progress is gone once it has ended.
+        await wait_for(lambda: not list(tmp_path.glob("akv-suspended-*.bin")))

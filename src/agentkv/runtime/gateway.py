@@ -261,13 +261,14 @@ class Gateway:
                 ):
                     self._suspend(other, f"lease {lease.id} (priority 0) runs")
 
-    def decoding(self, lease: Lease) -> None:
-        """The request's prompt is computed; it now generates."""
+    def decoding(self, lease: Lease, *, suspendable: bool = False) -> None:
+        """The request's prompt is computed; it now generates. Unless ``suspendable`` (its reply
+        can be continued by a later engine call), it keeps its slot to the end."""
         running = self._running.get(lease.id)
         if running is not None:
             running.decoding = True
-            # Output has reached the client: resuming would have to continue it token for token.
-            running.suspend = None
+            if not suspendable:
+                running.suspend = None
 
     def _preempt_for(self, ticket: Ticket) -> None:
         if self.preempt_from is None or ticket.priority > 0:

@@ -189,6 +189,8 @@ class Exchange:
     #: The cached sequence that shared most with the prompt when it got its slot.
     _candidate: tuple[str, int, tuple[tuple[str, str], ...]] | None = None
     _prompt_ms: float = 0.0
+    #: Store entries holding this request's saved progress (pinned until it ends).
+    _suspended: list[str] = attrs.field(factory=list)
 
     @property
     def done(self) -> bool:
@@ -292,6 +294,7 @@ class Exchange:
             self.record.status = "error: api_error"
         finally:
             self.runtime.gateway.withdraw(self.ticket)
+            self._forget_progress()
             self.finished_at = runtime.clock()
             if self.record.total_s is None:
                 self.record.total_s = round(self.finished_at - self.started, 4)
@@ -368,7 +371,8 @@ class Exchange:
         record.divergence = divergence
 
     async def _save_progress(self, lease: Lease) -> Tokens | None:
-        """After a suspension: keep what the slot computed, for the resumption."""
+        """After a suspension: keep what the slot computed (the prompt so far, or the prompt
+        and the reply so far), pinned in the store until the request ends."""
         store = self.runtime.store
         if store is None:
             return None
@@ -379,8 +383,19 @@ class Exchange:
             return None
         if entry is None:
             return ()
+        store.index.pin(entry.id)
+        self._suspended.append(entry.id)
         self.runtime.gateway.slots.mark_stored(lease.slot, entry.id)
         return entry.tokens
+
+    def _forget_progress(self) -> None:
+        """The request ended: its saved progress is of no more use."""
+        store = self.runtime.store
+        for entry_id in self._suspended:
+            if store is not None:
+                store.index.unpin(entry_id)
+                self.runtime.later(store.drop, entry_id)
+        self._suspended.clear()
 
     async def _use_slot(self, lease: Lease) -> Tokens | None:
         """Prepare the slot (park, restore, checkpoint), then stream the reply."""
@@ -457,14 +472,23 @@ class Exchange:
             gateway.end_checkpoint(checkpoint)
 
     def _engine_body(self) -> dict[str, Any]:
-        """The chat body for the engine, with generation bounded by the client's patience."""
-        runtime = self.runtime
+        """The chat body for the engine, with generation bounded by the client's patience.
+
+        A reply that was suspended mid-way continues: its text so far is the last (assistant)
+        message, which llama-server extends instead of starting a new turn.
+        """
+        runtime, asm = self.runtime, self.assembler
         body = dict(self.prepared.engine.body)
         body["stream"] = True
         body["return_progress"] = True
+        requested = int(body.get("max_tokens") or 1)
+        so_far = asm.generated_text
+        if so_far:
+            asm.begin_continuation()
+            body["messages"] = [*body["messages"], {"role": "assistant", "content": so_far}]
+            requested -= asm.usage["output_tokens"]
         left = self.deadline - runtime.clock()
         affordable = int(max(1.0, left) * runtime.costs.decode.rate)
-        requested = int(body.get("max_tokens") or 1)
         body["max_tokens"] = max(1, min(requested, affordable))
         return body
 
@@ -483,7 +507,8 @@ class Exchange:
             # constrained to a valid call of a declared tool.
             self.record.retried = True
             asm.begin_retry()
-            forced = runtime.translator.force_any_tool(self.prepared.engine, body)
+            plain = {**self.prepared.engine.body, "stream": True, "max_tokens": body["max_tokens"]}
+            forced = runtime.translator.force_any_tool(self.prepared.engine, plain)
             await self._relay(forced, lease)
         self._emit(asm.finish(runtime.clock()))
         if self.record.status == "running":
@@ -526,7 +551,9 @@ class Exchange:
                         now = runtime.clock()
                         runtime.observe_timings(chunk.get("timings"))
                         if chunk.get("choices"):
-                            runtime.gateway.decoding(lease)
+                            runtime.gateway.decoding(
+                                lease, suspendable=runtime.store is not None and asm.continuable
+                            )
                         events = asm.feed(chunk, now)
                         if events:
                             if record.ttft_s is None:
@@ -800,6 +827,11 @@ class Runtime:
             self.store = None
             self.gateway.store = None
             return None
+
+    def later(self, work: Callable[..., Any], *args: Any) -> None:
+        """Run ``work(*args)`` in the background (best effort: dropped when stopping)."""
+        if self._tg is not None:
+            self._tg.start_soon(work, *args)
 
     def _orphaned(self, exchange: Exchange) -> None:
         """No client follows the exchange any more: cancel it unless a retry joins in time."""
