@@ -14,6 +14,7 @@ from agentkv import LlamaSlotClient
 from agentkv.runtime.lifecycle import Runtime
 from agentkv_server import create_app
 from tests.fakes import FakeLlama, tokenize, wait_for
+from tests.test_sse import sdk_final_message
 
 pytestmark = pytest.mark.anyio
 
@@ -473,23 +474,37 @@ async def test_p0_suspends_a_background_request_in_its_prefill(serve: Any, tmp_p
     assert table(http)["slots"][0]["busy"] is False
 
 
-async def test_a_request_that_has_started_output_is_not_preempted(
+async def test_a_reply_suspended_mid_stream_reaches_its_client_whole(
     serve: Any, tmp_path: Path
 ) -> None:
-    """Once a reply is streaming it keeps its slot: P0 waits for it."""
-    fake = FakeLlama(reply="x" * 40, chunk_chars=1, delay=0.02, save_dir=tmp_path)
-    http = await serve(fake, n_slots=1, preempt_from=2, store_dir=tmp_path)
+    """A streaming P2 reply gives its slot to P0 and continues later: its client's SSE stream is
+    one valid message (the official SDK accumulates it), with pings while it waited."""
+    fake = FakeLlama(
+        script=["x" * 40, "urgent", "y" * 10], chunk_chars=1, delay=0.02, save_dir=tmp_path
+    )
+    http = await serve(fake, n_slots=1, preempt_from=2, store_dir=tmp_path, ping_interval=0.05)
+    raw: dict[str, str] = {}
 
     async def call(name: str, priority: int) -> None:
-        body = {**BODY, "messages": [{"role": "user", "content": name}]}
-        await http.post("/v1/messages", json=body, headers={"x-agent-priority": str(priority)})
+        body = {**BODY, "stream": True, "messages": [{"role": "user", "content": name}]}
+        headers = {"x-agent-priority": str(priority), "x-agent-id": name}
+        raw[name] = (await http.post("/v1/messages", json=body, headers=headers)).text
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(call, "background", 2)
+        await wait_for(lambda: fake.started == 1)
         await anyio.sleep(0.3)  # streaming by now
         tg.start_soon(call, "coordinator", 0)
-    assert [r["messages"][-1]["content"] for r in fake.requests] == ["background", "coordinator"]
-    assert all(r["suspended"] == 0 for r in table(http)["recent"])
+    events = sse_events(raw["background"])
+    assert [e["type"] for e in events].count("message_start") == 1
+    assert events[-1]["type"] == "message_stop"
+    message = sdk_final_message(events)
+    text = message.content[0].text  # type: ignore[union-attr]
+    assert text.startswith("x") and text.endswith("y" * 10) and set(text) == {"x", "y"}
+    assert {r["agent"]: r["suspended"] for r in table(http)["recent"]} == {
+        "coordinator": 0,
+        "background": 1,
+    }
 
 
 async def test_a_looping_reply_is_stopped_and_its_engine_stream_closed(serve: Any) -> None:
