@@ -64,6 +64,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                 ctx_per_slot=ENGINE_CTX_PER_SLOT,
                 ping_interval=1.0,
                 store_dir=root / "slots",
+                # A client that drops is not waited for: no test retries a request.
+                retry_grace=1.0,
             )
             runtime = Runtime(client, config)
             app = create_app(runtime)

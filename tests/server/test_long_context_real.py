@@ -23,15 +23,15 @@ AGENT = "long-talker"
 @pytest.fixture
 def low_water(live: Live) -> Iterator[None]:
     """Compact past 700 tokens and keep 4 recent messages, for this test only."""
-    state = live.state
-    compactor = state.compactor
-    old = state.config, compactor.keep_recent, compactor.summary_tokens
-    state.config = attrs.evolve(old[0], compact_at=700)
+    runtime = live.runtime
+    compactor = runtime.compactor
+    old = runtime.config, compactor.keep_recent, compactor.summary_tokens
+    runtime.config = attrs.evolve(old[0], compact_at=700)
     compactor.keep_recent, compactor.summary_tokens = 4, 120
     try:
         yield
     finally:
-        state.config, compactor.keep_recent, compactor.summary_tokens = old
+        runtime.config, compactor.keep_recent, compactor.summary_tokens = old
 
 
 def history(turns: int) -> list[dict[str, Any]]:
@@ -90,7 +90,7 @@ def ask(live: Live, messages: list[dict[str, Any]], **headers: str) -> httpx.Res
 
 
 def record(live: Live, agent: str) -> dict[str, Any]:
-    return [r for r in live.state.gateway.table()["recent"] if r["agent"] == agent][-1]
+    return [r for r in live.runtime.table()["recent"] if r["agent"] == agent][-1]
 
 
 def test_compaction_runs_in_the_background_and_the_next_turn_hits_the_new_prefix(
@@ -109,7 +109,7 @@ def test_compaction_runs_in_the_background_and_the_next_turn_hits_the_new_prefix
     assert tokens_before > 700
 
     # The compaction is under way at priority 3; an urgent request from another agent goes first.
-    assert live.state.compactor.store.pending(AGENT)
+    assert live.runtime.compactor.store.pending(AGENT)
     urgent: dict[str, Any] = {}
 
     def coordinator() -> None:
@@ -126,10 +126,10 @@ def test_compaction_runs_in_the_background_and_the_next_turn_hits_the_new_prefix
     assert record(live, "coordinator")["queued_s"] < 1.0
 
     deadline = time.monotonic() + 300
-    while live.state.compactor.store.pending(AGENT):
+    while live.runtime.compactor.store.pending(AGENT):
         assert time.monotonic() < deadline, "compaction did not finish"
         time.sleep(0.5)
-    rows = [r for r in live.state.compactor.store.table() if r["agent"] == AGENT]
+    rows = [r for r in live.runtime.compactor.store.table() if r["agent"] == AGENT]
     assert len(rows) == 1 and rows[0]["saved_tokens"] > 0
 
     reply = first.json()["content"][0]["text"] if first.json()["content"] else "Noted."
@@ -143,7 +143,7 @@ def test_compaction_runs_in_the_background_and_the_next_turn_hits_the_new_prefix
     usage = second.json()["usage"]
     total = usage["input_tokens"] + usage["cache_read_input_tokens"]
     assert total < tokens_before  # the engine saw the summary, not the whole history
-    assert record(live, AGENT)["match"] == "prefix"
+    assert record(live, AGENT)["source"] == "slot"
     assert usage["cache_read_input_tokens"] >= 0.5 * total
     answer = "".join(b.get("text", "") for b in second.json()["content"])
     assert "HELIOTROPE" in answer.upper()
@@ -151,7 +151,7 @@ def test_compaction_runs_in_the_background_and_the_next_turn_hits_the_new_prefix
 
 def test_oversize_prompt_gets_prompt_is_too_long(live: Live) -> None:
     """A prompt larger than a slot's context is refused with the exact Anthropic text."""
-    before = len(live.state.gateway.table()["recent"])
+    before = len(live.runtime.table()["recent"])
     huge = " ".join(f"token{i}" for i in range(6000))
     r = ask(live, [{"role": "user", "content": huge}], **{"x-agent-id": "oversize"})
     assert r.status_code == 400
@@ -160,4 +160,4 @@ def test_oversize_prompt_gets_prompt_is_too_long(live: Live) -> None:
     found = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", err["message"])
     assert found, err["message"]
     assert int(found.group(1)) > int(found.group(2))
-    assert len(live.state.gateway.table()["recent"]) == before  # never sent to the engine
+    assert len(live.runtime.table()["recent"]) == before  # never sent to the engine
