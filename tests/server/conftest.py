@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import anyio.from_thread
@@ -48,24 +49,27 @@ class Live(NamedTuple):
         return self.portal.call(get)
 
 
-@pytest.fixture(scope="session")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    """agentkv on a free loopback port, fronting llama-server with 2 slots."""
+@contextlib.contextmanager
+def start_live(root: Path, **settings: Any) -> Iterator[Live]:
+    """agentkv on a free loopback port in front of a new llama-server with 2 slots of 4096
+    tokens; ``settings`` override the RuntimeConfig."""
     binary, model = locate_engine()
-    root = tmp_path_factory.mktemp("live")
     with anyio.from_thread.start_blocking_portal() as portal:
         process = LlamaServerProcess(
             engine_config(model, root), binary=binary, log_dir=root / "logs"
         )
         with portal.wrap_async_context_manager(process):
-            client = LlamaSlotClient(process.base_url, read_timeout=300)
+            client = process.client(read_timeout=300)
             config = RuntimeConfig(
-                n_slots=ENGINE_SLOTS,
-                ctx_per_slot=ENGINE_CTX_PER_SLOT,
-                ping_interval=1.0,
-                store_dir=root / "slots",
-                # A client that drops is not waited for: no test retries a request.
-                retry_grace=1.0,
+                **{
+                    "n_slots": ENGINE_SLOTS,
+                    "ctx_per_slot": ENGINE_CTX_PER_SLOT,
+                    "ping_interval": 1.0,
+                    "store_dir": root / "slots",
+                    # A client that drops is not waited for: no test retries a request.
+                    "retry_grace": 1.0,
+                    **settings,
+                }
             )
             runtime = Runtime(client, config)
             app = create_app(runtime)
@@ -85,6 +89,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
                 server.should_exit = True
                 done.result(timeout=30)
                 portal.call(client.aclose)
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
+    """agentkv on a free loopback port, fronting llama-server with 2 slots."""
+    with start_live(tmp_path_factory.mktemp("live")) as server:
+        yield server
 
 
 Serve = Callable[..., Awaitable[httpx.AsyncClient]]
