@@ -190,3 +190,121 @@ def test_real_cli_project_is_the_same_every_time(tmp_path: Path) -> None:
             ).stdout
         )
     assert heads[0] == heads[1] and heads[0].strip()
+
+
+@pytest.mark.engine
+def test_quick_claude_scenario_report_is_consistent(tmp_path: Path) -> None:
+    """A quick run of the Claude-Code-shaped scenario on all three configurations: the engine's
+    counters agree with the prompts' own tokenization, and agentkv's layout shares more."""
+    from agentkv_bench import cli
+    from tests._engine_fixture import locate_engine
+
+    locate_engine()
+    out = tmp_path / "bench"
+    argv = ["--scenario", "claude", "--quick", "--ctx-per-slot", "8192", "--out", str(out)]
+    assert cli.main(argv) == 0
+    report = json.loads((out / "claude.json").read_text())
+    assert (out / "claude.png").read_bytes().startswith(b"\x89PNG")
+    sticks = report["yardsticks"]
+    # Session layout puts the environment note before the user's words: agents share it.
+    assert sticks["agentkv"]["minimum"] < sticks["client"]["minimum"]
+    configs = {c["name"]: c for c in report["configs"]}
+    assert set(configs) == {"plain", "tuned", "agentkv"}
+    spec = ClaudeSpec.quick()
+    for config in configs.values():
+        assert config["errors"] == 0
+        assert config["requests"] == spec.agents * spec.sessions * (1 + spec.followups)
+        assert set(config["agents"]) == {f"agent-{i}" for i in range(spec.agents)}
+        assert all(a["first_ttft_s"] > 0 for a in config["agents"].values())
+        stick = sticks[config["layout"]]
+        # No cache computes less than the minimum (a little slack for templating differences).
+        assert config["prefill_computed"] >= 0.9 * stick["minimum"]
+        assert config["prompt_tokens_total"] >= 0.95 * stick["naive"]
+    for name in ("plain", "tuned"):
+        naive = sticks["client"]["naive"]
+        assert abs(configs[name]["prompt_tokens_total"] - naive) <= 0.05 * naive
+    placements = configs["agentkv"]["agentkv"]["placements"]
+    assert placements["acquired"] >= configs["agentkv"]["requests"]
+
+
+@pytest.mark.engine
+def test_quick_restart_scenario_restores_the_shared_prefix(tmp_path: Path) -> None:
+    """After a restart on the same store, a new agent's prompt comes mostly from the store: it
+    computes less than the same agent on a server without a store."""
+    from agentkv_bench import cli
+    from tests._engine_fixture import locate_engine
+
+    locate_engine()
+    out = tmp_path / "bench"
+    argv = ["--scenario", "restart", "--quick", "--ctx-per-slot", "8192", "--out", str(out)]
+    argv += ["--agents", "1", "--sessions", "1", "--followups", "0"]
+    assert cli.main(argv) == 0
+    report = json.loads((out / "restart.json").read_text())
+    after, cold = report["configs"]
+    assert after["errors"] == 0 and cold["errors"] == 0
+    assert report["store_after_restart"]["directory_entries"] >= 1
+    assert cold["prefill_computed"] >= 0.9 * report["newcomer_tokens"]
+    assert after["prefill_computed"] < cold["prefill_computed"] / 2
+
+
+def _summary(name: str, stick: Any = None) -> dict[str, Any]:
+    from agentkv_bench.metrics import PrefillYardstick
+
+    results = [
+        RequestResult("coordinator", 0, 0, 0.0, 1.5, 2.0, 2, text="ready", phase="round 0"),
+        RequestResult("agent-0", 1, 0, 0.0, 4.0, 5.0, 2, text="alpha"),
+        RequestResult("agent-1", 2, 0, 0.1, 6.0, 7.0, 2, text="delta"),
+    ]
+    counters = {"prompt_computed": 1200.0, "prompt_cached": 800.0}
+    yardstick = PrefillYardstick(minimum=1000, naive=2000, requests=3) if stick else None
+    summary = summarize(name, 7.0, results, counters, yardstick, {"layout": "client"})
+    summary.update(answers_correct=2, asked=2, agentkv={})
+    return summary
+
+
+def test_every_scenario_table_renders_from_a_summary(tmp_path: Path) -> None:
+    """The text reports of the claude, restart and priority scenarios show their figures."""
+    import anyio
+
+    from agentkv_bench.report import write_report
+    from agentkv_bench.scenarios import claude_table, priority_table, restart_table
+
+    machine = {"ctx_per_slot": 32768}
+    sticks = {
+        "client": {"minimum": 1000, "naive": 2000},
+        "agentkv": {"minimum": 900, "naive": 2000},
+    }
+    claude = {
+        **machine,
+        "workload": attrs.asdict(ClaudeSpec()),
+        "yardsticks": sticks,
+        "configs": [_summary("plain", True), _summary("agentkv", True)],
+    }
+    text = claude_table(claude)
+    assert "agent-1: first answer" in text and "| 6 s" in text.replace("6.0 s", "6 s")
+    assert "1.2×" in text  # computed / minimum
+    priority = {
+        "workload": attrs.asdict(PrioritySpec()),
+        "configs": [_summary("alone"), _summary("tuned", True)],
+    }
+    text = priority_table(priority)
+    assert "TTFT P0 p50 / p95" in text and "| 200 " in text  # computed twice
+    restart = {
+        "configs": [_summary("agentkv"), _summary("agentkv-nostore")],
+        "speedup": 25.0,
+        "ttft_after_restart_s": 1.5,
+        "ttft_cold_s": 37.5,
+        "newcomer_own_tokens": 12,
+        "first_life": _summary("agentkv", True),
+        "store_after_restart": {"directory_entries": 2, "bytes": 1000},
+    }
+    assert "25× sooner" in restart_table(restart).replace("25.0×", "25×")
+
+    async def write() -> None:
+        await write_report(
+            claude, "x", tmp_path, stem="claude", panels=[("wall", lambda c: c["wall_s"])]
+        )
+
+    anyio.run(write)
+    assert json.loads((tmp_path / "claude.json").read_text())["configs"][0]["name"] == "plain"
+    assert (tmp_path / "claude.png").read_bytes().startswith(b"\x89PNG")

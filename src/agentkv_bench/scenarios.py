@@ -333,7 +333,7 @@ def claude_table(report: dict[str, Any]) -> str:
     spec = report["workload"]
     sticks = report["yardsticks"]
     notes = (
-        f"\n{spec['agents']} agents × {spec['sessions']} fresh sessions"
+        f"\n\n{spec['agents']} agents × {spec['sessions']} fresh sessions"
         f" (+{spec['followups']} follow-ups each) on {spec['slots']} slots of "
         f"{report['ctx_per_slot']} tokens, prompt scale {spec['scale']}. Minimum prefill: "
         f"{sticks['client']['minimum']} tokens as sent (llama-server's route), "
@@ -413,7 +413,7 @@ def restart_table(report: dict[str, Any]) -> str:
     ]
     first = report["first_life"]
     return render_table(configs, rows) + (
-        f"\nAfter the restart the new agent's first token came {fmt(report['speedup'])}× sooner "
+        f"\n\nAfter the restart the new agent's first token came {fmt(report['speedup'])}× sooner "
         f"than on a server without a store ({fmt(report['ttft_after_restart_s'], ' s')} against "
         f"{fmt(report['ttft_cold_s'], ' s')}); its own tokens (held by no earlier prompt): "
         f"{report['newcomer_own_tokens']}. First life: {first['requests']} requests in "
@@ -498,7 +498,7 @@ def priority_table(report: dict[str, Any]) -> str:
     ]
     spec = report["workload"]
     return render_table(configs, rows) + (
-        f"\n{spec['subagents']} sub-agents and a P0 coordinator on {spec['slots']} slots, "
+        f"\n\n{spec['subagents']} sub-agents and a P0 coordinator on {spec['slots']} slots, "
         f"{spec['rounds']} rounds, P0 arriving {spec['delay']} s after the sub-agents; "
         f"prompt scale {spec['scale']}."
     )
