@@ -47,4 +47,4 @@ def typing(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """The multi-agent benchmark (pass --quick for the short version)."""
     session.install("-e", ".[all,bench]")
-    session.run("python", "-m", "agentkv_server.bench", *session.posargs)
+    session.run("python", "-m", "agentkv_bench", *session.posargs)

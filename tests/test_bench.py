@@ -10,8 +10,11 @@ import attrs
 import pytest
 
 from agentkv import MessagesTranslator
-from agentkv_server import bench
-from agentkv_server._workload import (
+from agentkv_bench import cli
+from agentkv_bench.metrics import parse_counters
+from agentkv_bench.overhead import gateway_overhead
+from agentkv_bench.report import percentile
+from agentkv_bench.workload import (
     WorkloadSpec,
     build_workload,
     minimum_prefill,
@@ -91,24 +94,38 @@ def test_minimum_prefill_is_bounded_by_the_naive_sum() -> None:
 def test_percentile_interpolates() -> None:
     """Quantiles interpolate between ranks; p50 never exceeds p95."""
     values = [4.0, 1.0, 3.0, 2.0]
-    assert bench.percentile(values, 0.0) == min(values)
-    assert bench.percentile(values, 1.0) == max(values)
-    assert bench.percentile(values, 0.5) == 2.5
-    assert bench.percentile([], 0.5) is None
+    assert percentile(values, 0.0) == min(values)
+    assert percentile(values, 1.0) == max(values)
+    assert percentile(values, 0.5) == 2.5
+    assert percentile([], 0.5) is None
 
 
 def test_metric_reads_a_prometheus_counter() -> None:
-    """Counters are read by exact name, so a name that is a prefix of another does not match."""
-    text = "# HELP x\nllamacpp:prompt_tokens_total 168\nllamacpp:prompt_tokens_total_x 5\n"
-    assert bench._metric(text, "llamacpp:prompt_tokens_total") == 168
-    assert bench._metric(text, "llamacpp:tokens_predicted_total") == 0
+    """Counters are read by exact sample name, so a name that is a prefix of another does not
+    match, and a counter the engine did not report reads 0."""
+    text = (
+        "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+        "# TYPE llamacpp:prompt_tokens_total counter\n"
+        "llamacpp:prompt_tokens_total 168\n"
+        "# TYPE llamacpp:prompt_tokens_total_x counter\n"
+        "llamacpp:prompt_tokens_total_x 5\n"
+        "# TYPE llamacpp:kv_cache_usage_ratio gauge\n"
+        "llamacpp:kv_cache_usage_ratio 0.25\n"
+    )
+    counters = parse_counters(
+        text,
+        {
+            "computed": "llamacpp:prompt_tokens_total",
+            "predicted": "llamacpp:tokens_predicted_total",
+            "usage": "llamacpp:kv_cache_usage_ratio",
+        },
+    )
+    assert counters == {"computed": 168, "predicted": 0, "usage": 0.25}
 
 
 def test_gateway_overhead_against_a_fake_engine() -> None:
     """The micro-benchmark runs in-process and reports consistent, positive numbers."""
-    result = anyio.run(
-        lambda: bench.gateway_overhead(requests=10, stream_chunks=200, idle_agents=20)
-    )
+    result = anyio.run(lambda: gateway_overhead(requests=10, stream_chunks=200, idle_agents=20))
     assert 0 < result["direct_p50_ms"] <= result["direct_p99_ms"]
     assert 0 < result["agentkv_p50_ms"] <= result["agentkv_p99_ms"]
     assert result["engine_chunks_per_s"] > 0
@@ -124,7 +141,7 @@ def test_quick_benchmark_report_is_consistent(tmp_path: Path) -> None:
 
     locate_engine()
     out = tmp_path / "bench"
-    assert bench.main(["--quick", "--no-overhead", "--out", str(out)]) == 0
+    assert cli.main(["--quick", "--no-overhead", "--out", str(out)]) == 0
     report = json.loads((out / "benchmarks.json").read_text())
     assert (out / "benchmarks.png").read_bytes().startswith(b"\x89PNG")
     assert (out / "benchmarks.txt").read_text().startswith("|")

@@ -1,9 +1,13 @@
-"""The multi-agent benchmark workload: pure, seeded, and identical for every configuration.
+"""Workloads of the benchmark: pure, seeded, and identical for every configuration.
 
-Several agents share one system prompt and tool list (request shapes like Claude Code's: system
-text blocks, tools with ``input_schema``). Each agent's conversation is scripted in advance: turn
-``t`` holds the task plus ``t`` finished rounds of an assistant tool call and a tool result, so
-every configuration under test sees byte-identical requests, whatever the model answers.
+The common shapes (:class:`Agent`, :class:`Workload`) and the synthetic workload live here; the
+workloads built from real Claude Code requests are in :mod:`agentkv_bench.claude_workload`.
+
+In the synthetic workload several agents share one system prompt and tool list (request shapes
+like Claude Code's: system text blocks, tools with ``input_schema``). Each agent's conversation
+is scripted in advance: turn ``t`` holds the task plus ``t`` finished rounds of an assistant tool
+call and a tool result, so every configuration under test sees byte-identical requests, whatever
+the model answers.
 
 Also here: the unavoidable prefill of a request sequence (:func:`minimum_prefill`), the yardstick
 the measured prefill is compared against.
@@ -18,6 +22,7 @@ from typing import Any
 import attrs
 
 __all__ = [
+    "WORDS",
     "Agent",
     "Workload",
     "WorkloadSpec",
@@ -80,31 +85,44 @@ class WorkloadSpec:
 
 @attrs.frozen
 class Agent:
-    """One simulated agent: its id (sent as ``X-Agent-Id``), priority and scripted requests."""
+    """One simulated agent: its id (sent as ``X-Agent-Id``), priority and scripted requests.
+
+    The agent sends its requests one after another (closed loop), the first ``start`` seconds
+    after the workload starts. ``sessions`` gives each request's session (a fresh conversation
+    starts a new one); empty means one session.
+    """
 
     name: str
     priority: int
     requests: tuple[dict[str, Any], ...]
+    start: float = 0.0
+    sessions: tuple[int, ...] = ()
+
+    def session_of(self, index: int) -> int:
+        return self.sessions[index] if self.sessions else 0
 
 
 @attrs.frozen
 class Workload:
     """The agents and their requests; ``canonical_order()`` lists requests turn by turn."""
 
-    spec: WorkloadSpec
     agents: tuple[Agent, ...]
+    #: What the workload was built from (plain JSON values), for the report.
+    spec: Any = None
 
     def canonical_order(self) -> list[tuple[str, int, dict[str, Any]]]:
         """Every request as ``(agent, turn, body)``: all agents' turn 0, then turn 1, …"""
+        longest = max((len(agent.requests) for agent in self.agents), default=0)
         return [
             (agent.name, turn, agent.requests[turn])
-            for turn in range(self.spec.turns)
+            for turn in range(longest)
             for agent in self.agents
+            if turn < len(agent.requests)
         ]
 
     @property
     def n_requests(self) -> int:
-        return self.spec.turns * len(self.agents)
+        return sum(len(agent.requests) for agent in self.agents)
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -231,7 +249,15 @@ def build_workload(spec: WorkloadSpec) -> Workload:
                 requests=_agent_requests(agent_rng, spec, index, system, tools),
             )
         )
-    return Workload(spec=spec, agents=tuple(agents))
+    return Workload(agents=tuple(agents), spec=spec)
+
+
+#: Distinct one-word answers: the user's words of each fresh Claude-Code-shaped session.
+_ALPHABET = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+)
+WORDS = tuple(_ALPHABET.split())
 
 
 def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

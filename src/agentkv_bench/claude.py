@@ -1,0 +1,268 @@
+"""The real Claude Code CLI as the client: ``claude -p`` sessions against each configuration.
+
+A agents × T fresh ``claude -p "Reply with the single word: <word>"`` sessions, in one temporary
+git project, all agents started at once (each agent's sessions one after another), against:
+
+- ``llama-server``: llama-server alone, Claude Code talking to its own ``/v1/messages``;
+- ``agentkv``: agentkv in front of the same binary, model, slots and context, store empty;
+- ``agentkv-warm``: agentkv again, on the store the ``agentkv`` run left (new words, so only
+  what really is shared can come from the store).
+
+The project (its path, its one commit with a fixed date) and the CLI's home directory are the
+same for every configuration, so the prompts differ only where the sessions do.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+
+from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
+from agentkv_bench.metrics import difference, read_counters
+from agentkv_bench.report import fmt, render_table, write_report
+from agentkv_bench.scenarios import Bench
+from agentkv_bench.workload import WORDS
+
+__all__ = ["CLAUDE_BIN_ENV", "CliSpec", "find_claude", "run_real_cli"]
+
+CLAUDE_BIN_ENV = "AGENTKV_CLAUDE_BIN"
+CONFIGS = ("llama-server", "agentkv", "agentkv-warm")
+_LABELS = {
+    "llama-server": "llama-server alone",
+    "agentkv": "agentkv, empty store",
+    "agentkv-warm": "agentkv, warm store",
+}
+_GIT_DATE = "2025-01-01T00:00:00+00:00"
+
+
+@attrs.frozen
+class CliSpec:
+    agents: int = 3
+    sessions: int = 2
+    #: Seconds Claude Code waits for one reply (API_TIMEOUT_MS); a cold prefill takes minutes.
+    timeout: float = 1800.0
+
+
+def find_claude(explicit: str | None = None) -> Path:
+    """The Claude Code CLI: ``explicit``, then ``$AGENTKV_CLAUDE_BIN``, then ``claude`` on PATH."""
+    for candidate in (explicit, os.environ.get(CLAUDE_BIN_ENV), shutil.which("claude")):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    raise SystemExit(
+        f"agentkv-bench: Claude Code not found; install @anthropic-ai/claude-code and pass "
+        f"--claude-bin PATH or set {CLAUDE_BIN_ENV}"
+    )
+
+
+def make_project(root: Path) -> tuple[Path, Path]:
+    """A git project with one commit of fixed date (so its hash, which Claude Code puts in the
+    prompt, is the same every time) and an empty home directory for the CLI."""
+    project, home = root / "project", root / "home"
+    project.mkdir(parents=True)
+    home.mkdir()
+    (project / "README.md").write_text("# demo\n\nA small project.\n")
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "GIT_AUTHOR_DATE": _GIT_DATE,
+        "GIT_COMMITTER_DATE": _GIT_DATE,
+    }
+    for command in (
+        ["git", "init", "-q", "-b", "main"],
+        ["git", "config", "user.name", "Bench"],
+        ["git", "config", "user.email", "bench@example.invalid"],
+        ["git", "add", "README.md"],
+        ["git", "commit", "-q", "-m", "init"],
+    ):
+        subprocess.run(command, cwd=project, env=env, check=True)
+    return project, home
+
+
+def _env(base_url: str, home: Path, agent: str, priority: int, ctx: int) -> dict[str, str]:
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE"))}
+    return {
+        **keep,
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": "bench",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "API_TIMEOUT_MS": "1800000",
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(ctx),
+        # llama-server ignores these; agentkv reads who asks and how urgent it is.
+        "ANTHROPIC_CUSTOM_HEADERS": f"X-Agent-Id: {agent}\nX-Agent-Priority: {priority}",
+    }
+
+
+async def _session(
+    claude: Path, project: Path, env: dict[str, str], word: str, limit_s: float
+) -> dict[str, Any]:
+    started = time.monotonic()
+    prompt = f"Reply with the single word: {word}"
+    try:
+        with anyio.fail_after(limit_s):
+            done = await anyio.run_process(
+                [str(claude), "-p", prompt], cwd=project, env=env, check=False
+            )
+        out, err = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
+        rc: int | None = done.returncode
+    except TimeoutError:
+        out, err, rc = "", "timed out", None
+    answer = out.strip()
+    return {
+        "word": word,
+        "answer": answer[:200],
+        "correct": word.lower() in answer.lower(),
+        "rc": rc,
+        "stderr": err.strip()[-300:],
+        "seconds": round(time.monotonic() - started, 2),
+    }
+
+
+async def _run_agents(
+    claude: Path,
+    project: Path,
+    home: Path,
+    base_url: str,
+    spec: CliSpec,
+    ctx: int,
+    first_word: int,
+) -> tuple[float, dict[str, list[dict[str, Any]]]]:
+    results: dict[str, list[dict[str, Any]]] = {}
+    started = time.monotonic()
+
+    async def agent(index: int) -> None:
+        name = f"agent-{index}"
+        env = _env(base_url, home, name, 1 + index % 2, ctx)
+        rows = results.setdefault(name, [])
+        for session in range(spec.sessions):
+            word = WORDS[(first_word + index * spec.sessions + session) % len(WORDS)]
+            rows.append(await _session(claude, project, env, word, spec.timeout))
+
+    async with anyio.create_task_group() as tg:
+        for index in range(spec.agents):
+            tg.start_soon(agent, index)
+    return time.monotonic() - started, results
+
+
+async def run_real_cli(
+    bench: Bench, spec: CliSpec, *, claude: Path, configs: Sequence[str] = CONFIGS
+) -> dict[str, Any]:
+    """The real-CLI runs, one configuration after another; ``real-cli.{json,txt}``."""
+    setup: EngineSetup = bench.setup
+    root = Path(tempfile.mkdtemp(prefix="agentkv-bench-cli-"))
+    reports: list[dict[str, Any]] = []
+    started = time.monotonic()
+    store = bench.out / "stores" / "real-cli"
+    if store.exists():
+        shutil.rmtree(store)
+    try:
+        project, home = make_project(root)
+        for name in configs:
+            bench.say(f"real-cli/{name}: {spec.agents} agents × {spec.sessions} sessions")
+            # The warm run asks for other words: only what is really shared can be reused.
+            first_word = spec.agents * spec.sessions if name == "agentkv-warm" else 0
+            if name == "llama-server":
+                args = ["-m", str(setup.model), "-np", str(setup.slots)]
+                args += ["-c", str(setup.slots * setup.ctx), "--no-kv-unified", "--metrics"]
+                log = setup.log_dir / "llama-server-real-cli.log"
+                async with raw_llama_server(setup.binary, args, log) as url:
+                    report = await _measure(
+                        name, url, url, claude, project, home, spec, setup, first_word
+                    )
+            else:
+                async with agentkv_engine(setup, store_dir=store, name=name) as engine:
+                    report = await _measure(
+                        name,
+                        engine.url,
+                        engine.engine_url,
+                        claude,
+                        project,
+                        home,
+                        spec,
+                        setup,
+                        first_word,
+                    )
+                    if engine.runtime is not None:
+                        table = engine.runtime.table()
+                        report["placements"] = table.get("placements")
+            reports.append(report)
+            bench.say(f"real-cli/{name}: {report['wall_s']} s, {report['correct']} right")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    base = next((r["wall_s"] for r in reports if r["name"] == "llama-server"), None)
+    for report in reports:
+        report["wall_vs_llama_server"] = round(report["wall_s"] / base, 3) if base else None
+    result = {
+        "scenario": "real-cli",
+        "spec": attrs.asdict(spec),
+        "slots": setup.slots,
+        "ctx_per_slot": setup.ctx,
+        "model": setup.model.name,
+        "engine": setup.binary.name,
+        "configs": reports,
+        "total_s": round(time.monotonic() - started, 1),
+    }
+    await write_report(result, real_cli_table(result), bench.out, stem="real-cli")
+    return result
+
+
+async def _measure(
+    name: str,
+    url: str,
+    engine_url: str,
+    claude: Path,
+    project: Path,
+    home: Path,
+    spec: CliSpec,
+    setup: EngineSetup,
+    first_word: int,
+) -> dict[str, Any]:
+    async with httpx.AsyncClient() as http:
+        before = await read_counters(http, engine_url)
+        wall, sessions = await _run_agents(claude, project, home, url, spec, setup.ctx, first_word)
+        counters = difference(await read_counters(http, engine_url), before)
+    rows = [row for agent in sessions.values() for row in agent]
+    return {
+        "name": name,
+        "label": _LABELS.get(name, name),
+        "wall_s": round(wall, 1),
+        "sessions": sessions,
+        "correct": sum(1 for row in rows if row["correct"]),
+        "asked": len(rows),
+        "failed": sum(1 for row in rows if row["rc"] != 0),
+        "prefill_computed": int(counters["prompt_computed"]),
+        "prefill_cached": int(counters["prompt_cached"]),
+    }
+
+
+def real_cli_table(result: dict[str, Any]) -> str:
+    configs = result["configs"]
+    rows = [
+        ("wall time", lambda c: fmt(c["wall_s"], " s")),
+        ("wall / llama-server alone", lambda c: fmt(c["wall_vs_llama_server"], "×")),
+        ("answers right", lambda c: f"{c['correct']}/{c['asked']}"),
+        ("sessions failed", lambda c: fmt(c["failed"])),
+        ("prefill computed (tokens)", lambda c: fmt(c["prefill_computed"])),
+        ("prefill reused (tokens)", lambda c: fmt(c["prefill_cached"])),
+    ]
+    answers = []
+    for c in configs:
+        for agent, rows_ in c["sessions"].items():
+            said = ", ".join(f"{r['word']}→{r['answer'][:20]!r} ({r['seconds']} s)" for r in rows_)
+            answers.append(f"- {c['label']}, {agent}: {said}")
+    spec = result["spec"]
+    return (
+        render_table(configs, rows)
+        + f"\n\n{spec['agents']} agents × {spec['sessions']} `claude -p` sessions on "
+        f"{result['slots']} slots of {result['ctx_per_slot']} tokens.\n" + "\n".join(answers)
+    )

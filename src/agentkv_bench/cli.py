@@ -1,0 +1,204 @@
+"""``agentkv-bench``: the command line.
+
+``agentkv-bench --scenario NAME`` runs one scenario (``agents`` by default); ``--quick`` makes it
+CI-sized. See docs/benchmarks.md for what each scenario measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+
+from agentkv.runtime.engine import find_llama_server
+from agentkv.runtime.model import default_model_path
+from agentkv_bench.claude_workload import ClaudeSpec, PrioritySpec
+from agentkv_bench.engines import TUNED_ARGS, EngineSetup
+from agentkv_bench.scenarios import (
+    Bench,
+    agents_table,
+    claude_table,
+    priority_table,
+    restart_table,
+    run_agents,
+    run_claude,
+    run_priority,
+    run_restart,
+)
+from agentkv_bench.workload import WorkloadSpec
+
+__all__ = ["build_parser", "main"]
+
+SCENARIOS = ("agents", "claude", "restart", "priority", "real-cli", "overhead")
+_CONFIGS = {
+    "agents": ("plain", "tuned", "agentkv"),
+    "claude": ("plain", "tuned", "agentkv"),
+    "priority": ("alone", "plain", "tuned", "agentkv", "agentkv-preempt"),
+    "real-cli": ("llama-server", "agentkv", "agentkv-warm"),
+}
+#: Context per slot: the synthetic prompts are short; Claude Code's first request is ~11.8K.
+_CTX = {"agents": 4096}
+_CTX_DEFAULT = 32768
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentkv-bench",
+        description="Multi-agent benchmark: agentkv against llama-server alone, in one run.",
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="agents",
+        help="agents: synthetic agents > slots; claude: fresh Claude Code sessions; restart: "
+        "the prefix store across a restart; priority: P0 while sub-agents prefill; real-cli: "
+        "the real Claude Code CLI; overhead: the gateway against a fake engine (default agents)",
+    )
+    parser.add_argument("--quick", action="store_true", help="the small CI-sized version")
+    size = parser.add_argument_group("size")
+    size.add_argument("--agents", type=int, help="agents (agents 6, claude 3; quick 3)")
+    size.add_argument("--slots", type=int, help="llama-server slots (default 2)")
+    size.add_argument("--turns", type=int, help="agents: requests per agent (default 4; quick 2)")
+    size.add_argument("--sessions", type=int, help="claude: fresh sessions per agent (default 2)")
+    size.add_argument(
+        "--followups", type=int, help="claude: follow-up turns per session (default 0; quick 1)"
+    )
+    size.add_argument(
+        "--scale",
+        type=float,
+        help="claude, restart, priority: length of the Claude Code prompt's texts, 1 = as "
+        "captured (~11.6K tokens; quick 0.125)",
+    )
+    size.add_argument("--rounds", type=int, help="priority: P0 arrivals (default 3; quick 2)")
+    size.add_argument("--subagents", type=int, help="priority: sub-agents (default 2)")
+    size.add_argument(
+        "--delay", type=float, help="priority: seconds from the sub-agents' start to P0's arrival"
+    )
+    size.add_argument("--seed", type=int, default=1, help="agents: workload seed (default 1)")
+    parser.add_argument(
+        "--ctx-per-slot",
+        type=int,
+        help=f"context per slot (agents 4096, otherwise {_CTX_DEFAULT})",
+    )
+    parser.add_argument(
+        "--configs",
+        help="comma list of configurations (agents, claude: plain,tuned,agentkv; priority: "
+        "alone,plain,tuned,agentkv,agentkv-preempt; real-cli: llama-server,agentkv,agentkv-warm)",
+    )
+    parser.add_argument(
+        "--tuned-args",
+        default=" ".join(TUNED_ARGS),
+        help=f"extra llama-server flags of the tuned config (default: {' '.join(TUNED_ARGS)})",
+    )
+    parser.add_argument(
+        "--no-overhead", action="store_true", help="agents: skip the gateway micro-benchmark"
+    )
+    parser.add_argument("--overhead-only", action="store_true", help="same as --scenario overhead")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="output directory")
+    parser.add_argument("--llama-server", type=Path, help="llama-server binary")
+    parser.add_argument("--model", type=Path, help="GGUF model (default: the bundled one)")
+    parser.add_argument(
+        "--claude-bin",
+        help="real-cli: the Claude Code CLI (default: $AGENTKV_CLAUDE_BIN, then claude on PATH)",
+    )
+    return parser
+
+
+def _evolve(spec: Any, **changes: Any) -> Any:
+    return attrs.evolve(spec, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _configs(args: argparse.Namespace, scenario: str) -> list[str]:
+    allowed = _CONFIGS[scenario]
+    if args.configs is None:
+        return list(allowed)
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = set(configs) - set(allowed)
+    if unknown:
+        raise SystemExit(f"agentkv-bench: unknown config(s): {', '.join(sorted(unknown))}")
+    return configs
+
+
+def _say(message: str) -> None:
+    print(f"agentkv-bench: {message}", file=sys.stderr, flush=True)
+
+
+async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any], str]:
+    """The scenario's report and its text table."""
+    ctx = args.ctx_per_slot or _CTX.get(scenario, _CTX_DEFAULT)
+    setup = EngineSetup(
+        binary=find_llama_server(args.llama_server),
+        model=Path(args.model or default_model_path()),
+        slots=args.slots or 2,
+        ctx=ctx,
+        log_dir=args.out / "logs",
+        tuned_args=tuple(args.tuned_args.split()),
+    )
+    bench = Bench(setup=setup, out=args.out, say=_say)
+    if scenario == "agents":
+        base = WorkloadSpec.quick(args.seed) if args.quick else WorkloadSpec(seed=args.seed)
+        spec = _evolve(base, agents=args.agents, slots=setup.slots, turns=args.turns)
+        report = await run_agents(
+            bench, spec, _configs(args, scenario), overhead=not args.no_overhead
+        )
+        return report, agents_table(report)
+    if scenario in ("claude", "restart"):
+        claude_spec = _evolve(
+            ClaudeSpec.quick() if args.quick else ClaudeSpec(),
+            agents=args.agents,
+            slots=setup.slots,
+            sessions=args.sessions,
+            followups=args.followups,
+            scale=args.scale,
+        )
+        if scenario == "claude":
+            report = await run_claude(bench, claude_spec, _configs(args, scenario))
+            return report, claude_table(report)
+        report = await run_restart(bench, claude_spec)
+        return report, restart_table(report)
+    if scenario == "priority":
+        priority_spec = _evolve(
+            PrioritySpec.quick() if args.quick else PrioritySpec(),
+            slots=setup.slots,
+            subagents=args.subagents,
+            rounds=args.rounds,
+            delay=args.delay,
+            scale=args.scale,
+        )
+        report = await run_priority(bench, priority_spec, _configs(args, scenario))
+        return report, priority_table(report)
+    from agentkv_bench.claude import CliSpec, find_claude, real_cli_table, run_real_cli
+
+    cli_spec = _evolve(
+        CliSpec(agents=1, sessions=1) if args.quick else CliSpec(),
+        agents=args.agents,
+        sessions=args.sessions,
+    )
+    report = await run_real_cli(
+        bench, cli_spec, claude=find_claude(args.claude_bin), configs=_configs(args, scenario)
+    )
+    return report, real_cli_table(report)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    scenario = "overhead" if args.overhead_only else args.scenario
+    if scenario == "overhead":
+        from agentkv_bench.overhead import gateway_overhead
+
+        print(json.dumps(anyio.run(gateway_overhead), indent=2))
+        return 0
+    report, text = anyio.run(_run, args, scenario)
+    print(text)
+    print(f"\nwritten under {args.out}; total {report['total_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""What llama-server itself counts, and the yardstick it is compared against.
+
+Prefill is read from llama-server's own Prometheus counters (``GET /metrics``; it needs
+``--metrics``), parsed with ``prometheus_client``, so no configuration reports on itself:
+
+- ``llamacpp:prompt_tokens_total`` sums the prompt tokens it computed (``timings.prompt_n``);
+- ``llamacpp:prompt_tokens_cached_total`` sums the ones it reused (``cache_n``).
+
+The minimum is the prefill no cache can avoid, from the prompts as the engine tokenizes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from agentkv import LlamaSlotClient, MessagesTranslator
+from agentkv_bench.workload import Workload, minimum_prefill
+
+__all__ = ["COUNTERS", "Counters", "PrefillYardstick", "parse_counters", "read_counters"]
+
+#: The report's name for each llama-server counter (sample names as llama-server writes them).
+COUNTERS = {
+    "prompt_computed": "llamacpp:prompt_tokens_total",
+    "prompt_cached": "llamacpp:prompt_tokens_cached_total",
+    "predicted": "llamacpp:tokens_predicted_total",
+    "prompt_seconds": "llamacpp:prompt_seconds_total",
+}
+
+Counters = dict[str, float]
+
+
+def parse_counters(text: str, names: Mapping[str, str] = COUNTERS) -> Counters:
+    """The counters named in ``names`` (report name → sample name) from Prometheus text; a
+    counter llama-server did not report is 0."""
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name] = float(sample.value)
+    return {key: samples.get(name, 0.0) for key, name in names.items()}
+
+
+async def read_counters(http: httpx.AsyncClient, engine_url: str) -> Counters:
+    response = await http.get(engine_url + "/metrics", timeout=30)
+    response.raise_for_status()
+    return parse_counters(response.text)
+
+
+def difference(after: Counters, before: Counters) -> Counters:
+    return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
+@attrs.frozen
+class PrefillYardstick:
+    """The prompts' token counts: ``minimum`` (every shared prefix counted once) and ``naive``
+    (every prompt computed whole)."""
+
+    minimum: int
+    naive: int
+    requests: int
+
+    @classmethod
+    def of(cls, sequences: Sequence[Sequence[int]]) -> PrefillYardstick:
+        return cls(
+            minimum=minimum_prefill(sequences),
+            naive=sum(len(s) for s in sequences),
+            requests=len(sequences),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+async def token_sequences(
+    engine_url: str, bodies: Iterable[Mapping[str, Any]], *, session_layout: bool = True
+) -> list[list[int]]:
+    """Token ids of each request's prompt, as the engine templates and tokenizes it after
+    agentkv's translation. ``session_layout=False`` renders the messages in the order the client
+    sent them, as llama-server's own ``/v1/messages`` does."""
+    translator = MessagesTranslator(session_layout=session_layout)
+    sequences = []
+    async with LlamaSlotClient(engine_url) as client:
+        for body in bodies:
+            sequences.append(await client.prompt_tokens(translator.translate(body).body))
+    return sequences
+
+
+async def yardsticks(engine_url: str, workloads: Sequence[Workload]) -> dict[str, PrefillYardstick]:
+    """The yardstick of ``workloads`` (all their requests), in both layouts: ``"client"`` (as
+    sent; llama-server's own route) and ``"agentkv"`` (agentkv's session layout)."""
+    bodies = [body for w in workloads for _, _, body in w.canonical_order()]
+    return {
+        "client": PrefillYardstick.of(
+            await token_sequences(engine_url, bodies, session_layout=False)
+        ),
+        "agentkv": PrefillYardstick.of(
+            await token_sequences(engine_url, bodies, session_layout=True)
+        ),
+    }
