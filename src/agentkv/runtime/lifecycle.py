@@ -550,7 +550,7 @@ class Exchange:
                             break
                         now = runtime.clock()
                         runtime.observe_timings(chunk.get("timings"))
-                        if chunk.get("choices"):
+                        if _generates(chunk):
                             runtime.gateway.decoding(
                                 lease, suspendable=runtime.store is not None and asm.continuable
                             )
@@ -582,6 +582,17 @@ class Exchange:
             self.record.cached_tokens = max(
                 self.record.cached_tokens, int(timings.get("cache_n", 0))
             )
+
+
+def _generates(chunk: Mapping[str, Any]) -> bool:
+    """Whether an engine chunk carries output (not just the role, or prompt progress)."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+            return True
+        if choice.get("finish_reason"):
+            return True
+    return False
 
 
 # -- the runtime ------------------------------------------------------------------------------
