@@ -107,6 +107,10 @@ class FakeLlama:
         slot = int(body.get("id_slot", -1))
         cache_n, prompt_n = self._run_prompt(slot, tokenize(render(body)))
         reply = self.script.pop(0) if self.script else self.reply
+        last = body["messages"][-1]
+        if last["role"] == "assistant" and isinstance(last.get("content"), str):
+            # A continued reply: llama-server sends the given beginning back first.
+            reply = last["content"] + reply
         if not body.get("stream"):
             return httpx.Response(200, json=self._final(reply, prompt_n, cache_n))
         return httpx.Response(

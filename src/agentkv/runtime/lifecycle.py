@@ -500,8 +500,10 @@ class Exchange:
     async def _reply(self, lease: Lease) -> Tokens:
         """Stream the reply into the assembler; one constrained retry for a broken tool call."""
         runtime, asm = self.runtime, self.assembler
+        so_far = asm.generated_text
         body = self._engine_body()
-        await self._relay(body, lease)
+        # llama-server streams a continued reply's given beginning back first: skip it.
+        await self._relay(body, lease, echo=so_far)
         if isinstance(asm.verdict(), RetryWithTools):
             # The reply tried to call a tool and got it wrong: ask once more, with decoding
             # constrained to a valid call of a declared tool.
@@ -515,7 +517,7 @@ class Exchange:
             self.record.status = "ok"
         return self.prepared.tokens
 
-    async def _relay(self, body: dict[str, Any], lease: Lease) -> None:
+    async def _relay(self, body: dict[str, Any], lease: Lease, *, echo: str = "") -> None:
         """One engine call: chunks in, Anthropic events out, until the engine ends, the client's
         deadline comes or the assembler asks to stop (a degenerate loop)."""
         runtime, asm, record = self.runtime, self.assembler, self.record
@@ -550,6 +552,8 @@ class Exchange:
                             break
                         now = runtime.clock()
                         runtime.observe_timings(chunk.get("timings"))
+                        if echo:
+                            chunk, echo = _without_echo(chunk, echo)
                         if _generates(chunk):
                             runtime.gateway.decoding(
                                 lease, suspendable=runtime.store is not None and asm.continuable
@@ -582,6 +586,25 @@ class Exchange:
             self.record.cached_tokens = max(
                 self.record.cached_tokens, int(timings.get("cache_n", 0))
             )
+
+
+def _without_echo(chunk: dict[str, Any], echo: str) -> tuple[dict[str, Any], str]:
+    """``chunk`` without the part of ``echo`` (a continued reply's given beginning, which
+    llama-server streams back) it starts with; and what of ``echo`` is still to come."""
+    choices: list[dict[str, Any]] = list(chunk.get("choices") or [])
+    delta = (choices[0].get("delta") or {}) if choices else {}
+    content = delta.get("content")
+    if not isinstance(content, str) or not content:
+        return chunk, echo
+    if echo.startswith(content):
+        rest, echo = "", echo[len(content) :]
+    elif content.startswith(echo):
+        rest, echo = content[len(echo) :], ""
+    else:
+        log.warning("a continued reply did not start with its own beginning; streaming it as is")
+        return chunk, ""
+    choice = {**choices[0], "delta": {**delta, "content": rest or None}}
+    return {**chunk, "choices": [choice, *choices[1:]]}, echo
 
 
 def _generates(chunk: Mapping[str, Any]) -> bool:
