@@ -112,7 +112,9 @@ class FakeLlama:
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
-            content=self._stream(slot, prompt_n, reply, cache_n),
+            content=self._stream(
+                slot, prompt_n, reply, cache_n, progress=bool(body.get("return_progress"))
+            ),
         )
 
     def _completion(self, body: dict[str, Any]) -> httpx.Response:
@@ -189,7 +191,7 @@ class FakeLlama:
         }
 
     async def _stream(
-        self, slot: int, prompt_n: int, reply: str, cache_n: int = 0
+        self, slot: int, prompt_n: int, reply: str, cache_n: int = 0, *, progress: bool = False
     ) -> AsyncIterator[bytes]:
         # A stream the client drops is never finished; httpx may not close the generator, so the
         # bookkeeping happens before the last chunk rather than in a ``finally``.
@@ -197,7 +199,22 @@ class FakeLlama:
         self.active[slot] = self.active.get(slot, 0) + 1
         self.max_per_slot = max(self.max_per_slot, self.active[slot])
         if self.prefill_delay:
-            await anyio.sleep(self.prefill_delay)
+            # The prefill in steps; with ``return_progress``, llama-server's progress chunks.
+            steps = 4
+            for step in range(steps):
+                if progress:
+                    done = prompt_n * step // steps
+                    yield _sse(
+                        {
+                            "choices": [],
+                            "prompt_progress": {
+                                "total": cache_n + prompt_n,
+                                "cache": cache_n,
+                                "processed": done,
+                            },
+                        }
+                    )
+                await anyio.sleep(self.prefill_delay / steps)
         pieces = [reply[i : i + self.chunk_chars] for i in range(0, len(reply), self.chunk_chars)]
         for n, piece in enumerate(pieces):
             yield _sse(
