@@ -33,6 +33,7 @@ from agentkv_server.body import read_json
 from agentkv_server.config import ServerConfig
 from agentkv_server.identity import agent_identity, agent_priority
 from agentkv_server.metrics import ServerMetrics
+from agentkv_server.page import page_mount
 
 __all__ = ["create_app", "error_response"]
 
@@ -212,6 +213,7 @@ def create_app(
             Route("/health", routes.health, methods=["GET"]),
             Route("/agentkv/slots", routes.slots, methods=["GET"]),
             Route("/metrics", routes.prometheus, methods=["GET"]),
+            page_mount(),
         ],
         lifespan=lifespan,
         exception_handlers={
