@@ -55,6 +55,42 @@ class FakeLlama:
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
+    async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The fake as an ASGI app, to serve it over real HTTP (for a whole agentkv-server)."""
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        query = scope.get("query_string", b"").decode()
+        request = httpx.Request(
+            scope["method"],
+            f"http://engine{scope['path']}" + (f"?{query}" if query else ""),
+            headers=[(k.decode(), v.decode()) for k, v in scope["headers"]],
+            content=body,
+        )
+        response = await self.handle(request)
+        framing = {"content-length", "transfer-encoding"}
+        headers = [
+            (k.encode(), v.encode()) for k, v in response.headers.items() if k not in framing
+        ]
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": headers}
+        )
+        try:
+            whole = response.content  # a plain reply, already read
+        except httpx.ResponseNotRead:
+            async for chunk in response.aiter_raw():  # a stream
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            whole = b""
+        await send({"type": "http.response.body", "body": whole})
+
     async def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         self.paths.append(path)
