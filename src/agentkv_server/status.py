@@ -93,6 +93,10 @@ def _pct(part: float, whole: float) -> str:
     return f"{round(100 * part / whole)}%" if whole else "-"
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
 def _bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -210,7 +214,8 @@ def render(table: dict[str, Any], *, url: str = "", now: float | None = None) ->
         out.append("store: off")
     else:
         out.append(
-            f"store: {len(store['entries'])} entries, {_bytes(store['bytes'])} of "
+            f"store: {_count(len(store['entries']), 'entry', 'entries')}, "
+            f"{_bytes(store['bytes'])} of "
             f"{_bytes(store['budget'])}, {store['saves']} saves, {store['restores']} restores, "
             f"{store['seconds_saved']:.1f}s of prefill saved"
         )

@@ -188,7 +188,7 @@ function drawStore(table) {
     return;
   }
   const hits = store.entries.reduce((sum, e) => sum + e.hits, 0);
-  $("store").textContent = `${num(store.entries.length)} entries`;
+  $("store").textContent = `${num(store.entries.length)} ${store.entries.length === 1 ? "entry" : "entries"}`;
   $("storenote").textContent = `${bytes(store.bytes)} of ${bytes(store.budget)}, ${num(store.saves)} saves, `
     + `${num(store.restores)} restores (${num(hits)} hits on kept entries), `
     + `${secs(store.seconds_saved)} of prefill saved`;
