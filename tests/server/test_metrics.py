@@ -269,3 +269,16 @@ async def test_failures_retries_and_cache_misses_are_counted(serve: Any) -> None
     assert value(samples, "agentkv_stopped_requests_total", reason="deadline") == 1
     assert value(samples, "agentkv_queue_wait_seconds_count", priority="2") == 0
     assert value(samples, "agentkv_cache_miss_seconds_total", section="tool") == 4.5
+
+
+async def test_every_metric_is_documented(serve: Any, tmp_path: Path) -> None:
+    """docs/observability.md lists each series the server exposes (store on, so all of them)."""
+    docs = (Path(__file__).parent.parent.parent / "docs" / "observability.md").read_text()
+    http = await serve(FakeLlama(save_dir=tmp_path), store_dir=tmp_path)
+    r = await http.get("/metrics")
+    families = {family.name for family in text_string_to_metric_families(r.text)}
+    families = {name for name in families if not name.endswith("_created")}
+    assert len(families) > 30
+    for name in families:
+        counter = f"`{name}_total" in docs
+        assert counter or f"`{name}`" in docs or f"`{name}{{" in docs, name
