@@ -44,8 +44,7 @@ _SOURCES = (("slot", "from_slot"), ("store", "from_store"), ("none", "cold"))
 
 def _status(record: RequestRecord) -> str:
     """``ok``, ``cancelled`` or the Anthropic error type (``overloaded_error``…): few values."""
-    status = record.status
-    return status.removeprefix("error: ") if status.startswith("error: ") else status
+    return record.status.removeprefix("error: ")
 
 
 def _section_kind(section: object) -> str:
