@@ -240,9 +240,11 @@ class FakeLlama:
             for step in range(steps):
                 if progress:
                     done = prompt_n * step // steps
+                    # As llama-server sends them: a bare role delta, and the progress.
+                    role = {"role": "assistant", "content": None}
                     yield _sse(
                         {
-                            "choices": [],
+                            "choices": [{"index": 0, "delta": role, "finish_reason": None}],
                             "prompt_progress": {
                                 "total": cache_n + prompt_n,
                                 "cache": cache_n,

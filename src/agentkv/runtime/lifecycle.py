@@ -500,7 +500,7 @@ class Exchange:
                             delta = choice.get("delta") or {}
                             if isinstance(delta.get("content"), str):
                                 text.append(delta["content"])
-                        if choices:
+                        if any(_produces(choice) for choice in choices):
                             runtime.gateway.decoding(lease)
                             record.generated += 1
                         events = asm.feed(chunk, now)
@@ -528,6 +528,15 @@ class Exchange:
             self.record.cached_tokens = max(
                 self.record.cached_tokens, int(timings.get("cache_n", 0))
             )
+
+
+def _produces(choice: Mapping[str, Any]) -> bool:
+    """The chunk carries output. llama-server's prefill progress chunks carry a bare
+    ``{"role": "assistant", "content": null}`` delta: the prompt is still being computed."""
+    delta = choice.get("delta") or {}
+    if choice.get("finish_reason") is not None:
+        return True
+    return isinstance(delta, Mapping) and any(v for k, v in delta.items() if k != "role")
 
 
 def asm_finish_reason(assembler: SSEAssembler) -> str | None:
