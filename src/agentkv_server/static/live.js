@@ -200,6 +200,10 @@ function drawStore(table) {
   $("entrynote").textContent = store.entries.length > 12 ? `the 12 most valuable of ${store.entries.length}` : "";
 }
 
+function lastRequests(n) {
+  return n === 1 ? "the last request" : `last ${n} requests`;
+}
+
 function drawCards(table) {
   for (const r of table.recent || []) if (!seen.has(r.ticket)) seen.set(r.ticket, r);
   while (seen.size > HISTORY) seen.delete(seen.keys().next().value);
@@ -207,12 +211,12 @@ function drawCards(table) {
   const prompt = history.reduce((s, r) => s + r.prompt_tokens, 0);
   const cached = history.reduce((s, r) => s + r.cached_tokens, 0);
   $("hitrate").textContent = pct(cached, prompt);
-  $("hitnote").textContent = history.length ? `${num(cached)} of ${num(prompt)} tokens, last ${history.length} requests` : "no requests yet";
+  $("hitnote").textContent = history.length ? `${num(cached)} of ${num(prompt)} tokens, ${lastRequests(history.length)}` : "no requests yet";
   sparkline($("hitspark"), history.map((r) => (r.prompt_tokens ? r.cached_tokens / r.prompt_tokens : 0)), 1);
   const ttfts = history.filter((r) => r.ttft_s !== null).map((r) => r.ttft_s);
   const sorted = ttfts.slice().sort((a, b) => a - b);
   $("ttft").textContent = sorted.length ? secs(sorted[Math.floor((sorted.length - 1) / 2)]) + " median" : "–";
-  $("ttftnote").textContent = sorted.length ? `max ${secs(sorted[sorted.length - 1])}, last ${sorted.length} requests` : "no requests yet";
+  $("ttftnote").textContent = sorted.length ? `max ${secs(sorted[sorted.length - 1])}, ${lastRequests(sorted.length)}` : "no requests yet";
   sparkline($("ttftspark"), ttfts);
   const p = table.placements;
   $("placements").textContent = p.acquired ? pct(p.from_slot + p.from_store, p.acquired) + " warm" : "–";
