@@ -55,6 +55,42 @@ class FakeLlama:
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
+    async def asgi(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The fake as an ASGI app, to serve it over real HTTP (for a whole agentkv-server)."""
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        query = scope.get("query_string", b"").decode()
+        request = httpx.Request(
+            scope["method"],
+            f"http://engine{scope['path']}" + (f"?{query}" if query else ""),
+            headers=[(k.decode(), v.decode()) for k, v in scope["headers"]],
+            content=body,
+        )
+        response = await self.handle(request)
+        framing = {"content-length", "transfer-encoding"}
+        headers = [
+            (k.encode(), v.encode()) for k, v in response.headers.items() if k not in framing
+        ]
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": headers}
+        )
+        try:
+            whole = response.content  # a plain reply, already read
+        except httpx.ResponseNotRead:
+            async for chunk in response.aiter_raw():  # a stream
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            whole = b""
+        await send({"type": "http.response.body", "body": whole})
+
     async def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         self.paths.append(path)
@@ -107,8 +143,8 @@ class FakeLlama:
         slot = int(body.get("id_slot", -1))
         cache_n, prompt_n = self._run_prompt(slot, tokenize(render(body)))
         reply = self.script.pop(0) if self.script else self.reply
-        last = body["messages"][-1]
-        if last["role"] == "assistant" and isinstance(last.get("content"), str):
+        last = body["messages"][-1] if body["messages"] else {}
+        if last.get("role") == "assistant" and isinstance(last.get("content"), str):
             # A continued reply: llama-server sends the given beginning back first.
             reply = last["content"] + reply
         if not body.get("stream"):
@@ -116,7 +152,9 @@ class FakeLlama:
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
-            content=self._stream(slot, prompt_n, reply, cache_n),
+            content=self._stream(
+                slot, prompt_n, reply, cache_n, progress=bool(body.get("return_progress"))
+            ),
         )
 
     def _completion(self, body: dict[str, Any]) -> httpx.Response:
@@ -193,7 +231,7 @@ class FakeLlama:
         }
 
     async def _stream(
-        self, slot: int, prompt_n: int, reply: str, cache_n: int = 0
+        self, slot: int, prompt_n: int, reply: str, cache_n: int = 0, *, progress: bool = False
     ) -> AsyncIterator[bytes]:
         # A stream the client drops is never finished; httpx may not close the generator, so the
         # bookkeeping happens before the last chunk rather than in a ``finally``.
@@ -201,7 +239,24 @@ class FakeLlama:
         self.active[slot] = self.active.get(slot, 0) + 1
         self.max_per_slot = max(self.max_per_slot, self.active[slot])
         if self.prefill_delay:
-            await anyio.sleep(self.prefill_delay)
+            # The prefill in steps; with ``return_progress``, llama-server's progress chunks.
+            steps = 4
+            for step in range(steps):
+                if progress:
+                    done = prompt_n * step // steps
+                    # As llama-server sends them: a bare role delta, and the progress.
+                    role = {"role": "assistant", "content": None}
+                    yield _sse(
+                        {
+                            "choices": [{"index": 0, "delta": role, "finish_reason": None}],
+                            "prompt_progress": {
+                                "total": cache_n + prompt_n,
+                                "cache": cache_n,
+                                "processed": done,
+                            },
+                        }
+                    )
+                await anyio.sleep(self.prefill_delay / steps)
         pieces = [reply[i : i + self.chunk_chars] for i in range(0, len(reply), self.chunk_chars)]
         for n, piece in enumerate(pieces):
             yield _sse(

@@ -32,6 +32,8 @@ from agentkv.sse import encode_event
 from agentkv_server.body import read_json
 from agentkv_server.config import ServerConfig
 from agentkv_server.identity import agent_identity, agent_priority
+from agentkv_server.metrics import ServerMetrics
+from agentkv_server.page import page_mount
 
 __all__ = ["create_app", "error_response"]
 
@@ -86,6 +88,7 @@ class _Routes:
     def __init__(self, runtime: Runtime, config: ServerConfig) -> None:
         self.runtime = runtime
         self.config = config
+        self.metrics = ServerMetrics(runtime)
 
     def check_auth(self, request: Request) -> None:
         expected = self.config.api_key
@@ -147,6 +150,10 @@ class _Routes:
         self.check_auth(request)
         return JSONResponse(self.runtime.table())
 
+    async def prometheus(self, request: Request) -> Response:
+        self.check_auth(request)
+        return self.metrics.response()
+
 
 def _lower(headers: Mapping[str, str]) -> dict[str, str]:
     return {k.lower(): v for k, v in headers.items()}
@@ -154,6 +161,9 @@ def _lower(headers: Mapping[str, str]) -> dict[str, str]:
 
 async def _agentkv_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, AgentKVError)
+    metrics = getattr(request.app.state, "metrics", None)
+    if isinstance(metrics, ServerMetrics):
+        metrics.refuse(request.url.path, exc)
     return error_response(exc)
 
 
@@ -202,6 +212,8 @@ def create_app(
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/agentkv/slots", routes.slots, methods=["GET"]),
+            Route("/metrics", routes.prometheus, methods=["GET"]),
+            page_mount(),
         ],
         lifespan=lifespan,
         exception_handlers={
@@ -211,4 +223,5 @@ def create_app(
         },
     )
     app.state.runtime = runtime
+    app.state.metrics = routes.metrics
     return app

@@ -14,10 +14,11 @@ import hashlib
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import types
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
@@ -30,6 +31,7 @@ from agentkv import AgentKVError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
+from agentkv_server import logs
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 
@@ -118,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  agentkv-server              # launch llama-server with the default model\n"
             "  agentkv-server --model ./qwen.gguf --slots 4 --ctx-per-slot 16384 --gpu-layers 99\n"
             "  agentkv-server --upstream http://127.0.0.1:8080 --slots 4  # running llama-server\n"
+            "  agentkv-server status --watch   # the slot table of a running agentkv-server\n"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -169,7 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
-        help="log level (default info)",
+        help="log level (default info: one line per request; debug adds every engine call)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="log lines as text or as one JSON object per line (default text)",
     )
     _add_options(parser)
     parser.set_defaults(api_key=os.environ.get("AGENTKV_API_KEY"))
@@ -205,6 +214,8 @@ class _Engine:
     ctx_per_slot: int | None
     store_dir: Path | None
     compat: str
+    #: The model file, when agentkv launched the engine.
+    model: Path | None = None
 
 
 def _file_digest(path: Path) -> str:
@@ -268,7 +279,9 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
         ]
     )
     async with LlamaServerProcess(config, binary=binary, on_progress=progress) as process:
-        yield _Engine(process.base_url, config.effective_ctx_per_slot, store_dir, compat)
+        yield _Engine(
+            process.base_url, config.effective_ctx_per_slot, store_dir, compat, model=model
+        )
 
 
 async def _engine_shape(
@@ -290,6 +303,14 @@ async def _engine_shape(
 
 
 class _Server(uvicorn.Server):
+    #: Called once the server listens (the startup block is printed then).
+    on_started: Callable[[], None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises a caught SIGINT/SIGTERM once it has stopped serving, which would end
@@ -313,10 +334,7 @@ async def _serve(args: argparse.Namespace) -> None:
         client = LlamaSlotClient(engine.base_url)
         try:
             if args.upstream:
-                print(
-                    f"agentkv-server: waiting for llama-server at {engine.base_url}",
-                    file=sys.stderr,
-                )
+                logs.say(f"waiting for llama-server at {engine.base_url}")
             await client.wait_ready(600.0)
             n_slots, ctx_per_slot = await _engine_shape(client, args.slots, engine.ctx_per_slot)
             server_config = _from_args(ServerConfig, args)
@@ -334,26 +352,29 @@ async def _serve(args: argparse.Namespace) -> None:
                     app,
                     host=server_config.host,
                     port=server_config.port,
-                    log_level=args.log_level,
                     lifespan="on",
+                    **logs.uvicorn_options(args.log_level),
                 )
             )
             url = f"http://{server_config.host}:{server_config.port}"
-            print(
-                f"agentkv-server: serving the Anthropic Messages API on {url} "
-                f"({n_slots} slots × {ctx_per_slot} tokens, engine {engine.base_url}, "
-                f"store {engine.store_dir or 'off'})\n"
-                "Point Claude Code at it:\n\n"
-                + claude_code_env(
+            fields = logs.startup_fields(
+                engine=engine.base_url,
+                launched=not args.upstream,
+                model=str(engine.model) if engine.model is not None else None,
+                slots=n_slots,
+                ctx_per_slot=ctx_per_slot,
+                store=str(engine.store_dir) if engine.store_dir is not None else None,
+                store_budget=runtime_config.store_budget,
+                url=url,
+                api_key=bool(server_config.api_key),
+                claude_code=claude_code_env(
                     url,
                     server_config.api_key,
                     ctx_per_slot=ctx_per_slot,
                     timeout=runtime_config.client_timeout,
-                )
-                + "\n",
-                file=sys.stderr,
-                flush=True,
+                ),
             )
+            server.on_started = lambda: logs.announce(fields)
             await server.serve()
         finally:
             with anyio.CancelScope(shield=True):
@@ -361,10 +382,13 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["status"]:
+        from agentkv_server.status import main as status_main
+
+        return status_main(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(args.log_level, args.log_format)
     if args.slots < 1:
         raise SystemExit("agentkv-server: --slots must be at least 1")
     try:

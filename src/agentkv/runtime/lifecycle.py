@@ -53,6 +53,7 @@ from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Checkpoint, Gateway
+from agentkv.runtime.report import request_fields, request_line
 from agentkv.runtime.store import PrefixStore
 from agentkv.sse import RetryWithTools, SSEAssembler, accumulate
 from agentkv.store import EntryKind, StoreIndex
@@ -160,6 +161,8 @@ class RequestRecord:
     #: Why the prompt was not all cached: where it parted from the best cached candidate
     #: (token position and prompt section), what was reused and computed, and what that cost.
     divergence: dict[str, Any] | None = None
+    #: Output chunks streamed so far (about one token each): the decoding speed, live.
+    generated: int = 0
     status: str = "queued"
 
 
@@ -558,6 +561,7 @@ class Exchange:
                             runtime.gateway.decoding(
                                 lease, suspendable=runtime.store is not None and asm.continuable
                             )
+                            record.generated += 1
                         events = asm.feed(chunk, now)
                         if events:
                             if record.ttft_s is None:
@@ -918,20 +922,7 @@ class Runtime:
         self._agents[record.agent] = totals
         while len(self._agents) > _MAX_AGENTS:
             self._agents.popitem(last=False)
-        log.info(
-            "agent=%s priority=%d slot=%s source=%s tokens=%d cached=%d computed=%d "
-            "ttft=%s total=%s status=%s",
-            record.agent,
-            record.priority,
-            record.slot,
-            record.source,
-            record.prompt_tokens,
-            record.cached_tokens,
-            record.computed_tokens,
-            record.ttft_s,
-            record.total_s,
-            record.status,
-        )
+        log.info("%s", request_line(record), extra={"agentkv_request": request_fields(record)})
         if self._tg is not None and exchange.failure is None:
             self._tg.start_soon(self._forget_later, exchange)
         else:

@@ -94,6 +94,9 @@ class PrefixStore:
     index: StoreIndex
     #: Wall clock for entry ages (they outlive the process).
     wall: Callable[[], float] = time.time
+    #: Seconds spent in llama-server's slot saves and restores, summed (for the metrics).
+    save_seconds: float = attrs.field(init=False, default=0.0)
+    restore_seconds: float = attrs.field(init=False, default=0.0)
     _lock: anyio.Lock = attrs.field(init=False, factory=anyio.Lock)
 
     # -- startup ------------------------------------------------------------------------------
@@ -163,6 +166,7 @@ class PrefixStore:
                 await anyio.to_thread.run_sync(_unlink, path)
             raise
         seconds = time.monotonic() - started
+        self.save_seconds += seconds
         tokens = await anyio.to_thread.run_sync(read_state_tokens, path)
         if not tokens:
             await anyio.to_thread.run_sync(_unlink, path)
@@ -209,6 +213,7 @@ class PrefixStore:
                 log.warning("prefix store: %s does not hold what the index says; deleted", entry.id)
                 await self.drop(entry.id)
                 return None
+            started = time.monotonic()
             try:
                 reply = await self.client.restore_slot(slot, f"{entry.id}.bin")
             except EngineError as exc:
@@ -216,6 +221,7 @@ class PrefixStore:
                 await self._erase(slot)
                 await self.drop(entry.id)
                 return None
+            self.restore_seconds += time.monotonic() - started
             if int(reply.get("n_restored", -1)) != entry.n_tokens:
                 log.warning(
                     "prefix store: %s restored %s tokens, expected %d; deleted",
@@ -290,6 +296,8 @@ class PrefixStore:
             "restores": stats.restores,
             "tokens_restored": stats.hits_tokens,
             "seconds_saved": stats.seconds_saved,
+            "save_seconds": round(self.save_seconds, 6),
+            "restore_seconds": round(self.restore_seconds, 6),
             "evicted": stats.evicted,
             "expired": stats.expired,
             "refused": stats.refused,

@@ -1,0 +1,329 @@
+"""``GET /metrics``: the runtime in Prometheus' text format, through ``prometheus-client``.
+
+Two kinds of series:
+
+- **per request**, fed by the runtime's request listener when a request ends: requests by status
+  and priority, TTFT, duration and queue-wait histograms per priority, prompt tokens reused and
+  computed (as llama-server reported them), output tokens, tool-call retries, suspensions,
+  requests cut short, client retries that joined a running request, and the seconds lost to
+  prompts that left the cache (when a record says where);
+- **read at scrape time** from the runtime's state by a collector: slots by state, tokens each
+  slot holds, queue depth and longest wait, checkpoints, slot placements by source, the prefix
+  store, compactions, the engine's measured speeds and engine restarts.
+
+Each app gets its own :class:`~prometheus_client.CollectorRegistry`, so several apps (tests, or
+more than one engine in a process) never collide. No series is labelled by agent: agent ids are
+client input and unbounded; every label here takes a handful of values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+from starlette.responses import Response
+
+from agentkv.exceptions import AgentKVError
+from agentkv.runtime.lifecycle import RequestRecord, Runtime
+
+__all__ = ["ServerMetrics"]
+
+#: Seconds: a warm request answers in well under a second; a cold 30,000-token prompt on a CPU
+#: takes minutes.
+_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640)
+_DURATION_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 1800)
+#: What a divergence's section starts with; anything else counts as "other".
+_SECTIONS = ("system", "tools", "tool", "message", "messages")
+_STATES = ("idle", "prefilling", "decoding")
+_SOURCES = (("slot", "from_slot"), ("store", "from_store"), ("none", "cold"))
+
+
+def _status(record: RequestRecord) -> str:
+    """``ok``, ``cancelled`` or the Anthropic error type (``overloaded_error``…): few values."""
+    return record.status.removeprefix("error: ")
+
+
+def _section_kind(section: object) -> str:
+    word = str(section).split(" ", 1)[0].lower() if section else ""
+    return word if word in _SECTIONS else "other"
+
+
+class ServerMetrics:
+    """The metrics of one app around one runtime; :meth:`response` is the scrape."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.registry = CollectorRegistry()
+        #: The engine's restarts so far; whoever supervises the engine sets this.
+        self.engine_restarts: Callable[[], int] = lambda: 0
+        r = self.registry
+        self.requests = Counter(
+            "agentkv_requests",
+            "Requests that ran (were queued), by how they ended: ok, cancelled or the error type",
+            ["status", "priority"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "agentkv_refused_requests",
+            "Messages requests answered with an error before they were queued (bad request, "
+            "prompt too long, queue full, authentication), by error type",
+            ["type"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "agentkv_ttft_seconds",
+            "Time from arrival to the first output event, queue wait included",
+            ["priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "agentkv_request_duration_seconds",
+            "Time from arrival to the end of the reply",
+            ["priority"],
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "agentkv_queue_wait_seconds",
+            "Time from arrival until the request got its slot",
+            ["priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "agentkv_prompt_tokens",
+            "Prompt tokens of finished requests as llama-server reported them: reused from its "
+            "KV cache (cache_n) or computed (prompt_n)",
+            ["kind"],
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            "agentkv_output_tokens", "Tokens generated for finished requests", registry=r
+        )
+        self.tool_retries = Counter(
+            "agentkv_tool_call_retries",
+            "Replies whose tool call could not be repaired and were asked for again, constrained",
+            registry=r,
+        )
+        self.suspensions = Counter(
+            "agentkv_suspensions",
+            "Times a request gave its slot up to a more urgent one and resumed later",
+            registry=r,
+        )
+        self.stopped = Counter(
+            "agentkv_stopped_requests",
+            "Replies agentkv cut short, by reason (deadline: the client's timeout was near; "
+            "repetition: a degenerate loop)",
+            ["reason"],
+            registry=r,
+        )
+        self.joined = Counter(
+            "agentkv_joined_retries",
+            "Client retries of a running or just finished request that joined it instead of "
+            "computing it again",
+            registry=r,
+        )
+        self.divergence_seconds = Counter(
+            "agentkv_cache_miss_seconds",
+            "Estimated prefill seconds spent after a prompt left the best cached candidate, by "
+            "the kind of section it left it in (system, tools, tool, message, other)",
+            ["section"],
+            registry=r,
+        )
+        self.registry.register(_RuntimeCollector(self))
+        runtime.add_listener(self.observe)
+
+    # -- per request ------------------------------------------------------------------------------
+
+    def observe(self, record: RequestRecord) -> None:
+        """Count one finished request (the runtime's listener)."""
+        priority = str(record.priority)
+        self.requests.labels(_status(record), priority).inc()
+        if record.ttft_s is not None:
+            self.ttft.labels(priority).observe(record.ttft_s)
+        if record.total_s is not None:
+            self.duration.labels(priority).observe(record.total_s)
+        if record.slot is not None:
+            self.queue_wait.labels(priority).observe(record.queued_s)
+        self.prompt_tokens.labels("reused").inc(record.cached_tokens)
+        self.prompt_tokens.labels("computed").inc(record.computed_tokens)
+        self.output_tokens.inc(record.output_tokens)
+        if record.retried:
+            self.tool_retries.inc()
+        if record.suspended:
+            self.suspensions.inc(record.suspended)
+        if record.stopped:
+            self.stopped.labels(record.stopped).inc()
+        if record.attached > 1:
+            self.joined.inc(record.attached - 1)
+        divergence = getattr(record, "divergence", None)
+        if isinstance(divergence, dict):
+            seconds = divergence.get("seconds")
+            if isinstance(seconds, int | float) and seconds > 0:
+                self.divergence_seconds.labels(_section_kind(divergence.get("section"))).inc(
+                    seconds
+                )
+
+    def refuse(self, path: str, exc: AgentKVError) -> None:
+        """A Messages request was answered with an error before it reached the queue."""
+        if path.startswith("/v1/messages") and not path.endswith("/count_tokens"):
+            self.refused.labels(exc.error_type).inc()
+
+    # -- the scrape -------------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def response(self) -> Response:
+        return Response(self.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+class _RuntimeCollector(Collector):
+    """Gauges and counters that the runtime already keeps, read when Prometheus scrapes."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # names are not known before the first scrape (the store may be off)
+
+    def collect(self) -> Iterator[Metric]:
+        runtime = self.metrics.runtime
+        table = runtime.gateway.table()
+        yield from _slots(table)
+        yield from _queue(table)
+        yield from _placements(table["placements"])
+        store = runtime.store.table() if runtime.store is not None else None
+        yield _gauge("agentkv_store_enabled", "1 when the prefix store is on", 1 if store else 0)
+        if store is not None:
+            yield from _store(store)
+        yield from _compactions(runtime.compactor.store.table())
+        costs = runtime.costs
+        yield _gauge(
+            "agentkv_prefill_tokens_per_second",
+            "Prompt tokens computed per second on an empty slot, as measured from the engine",
+            costs.prefill.tokens_per_second(0, 1000),
+        )
+        yield _gauge(
+            "agentkv_decode_tokens_per_second",
+            "Tokens generated per second, as measured from the engine",
+            costs.decode.rate,
+        )
+        yield _counter(
+            "agentkv_engine_restarts",
+            "Times the engine (llama-server) was restarted after it failed",
+            self.metrics.engine_restarts(),
+        )
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _slots(table: dict[str, Any]) -> Iterator[Metric]:
+    rows = table["slots"]
+    states = GaugeMetricFamily("agentkv_slots", "Engine slots by state", labels=["state"])
+    for state in _STATES:
+        states.add_metric([state], sum(1 for row in rows if row["state"] == state))
+    yield states
+    held = GaugeMetricFamily(
+        "agentkv_slot_tokens", "Tokens of KV cache each slot holds", labels=["slot"]
+    )
+    for row in rows:
+        held.add_metric([str(row["slot"])], row["tokens"])
+    yield held
+
+
+def _queue(table: dict[str, Any]) -> Iterator[Metric]:
+    queue = table["queue"]
+    yield _gauge("agentkv_queue_depth", "Requests waiting for a slot", len(queue))
+    yield _gauge(
+        "agentkv_queue_longest_wait_seconds",
+        "How long the longest-waiting queued request has waited",
+        max((t["waited_s"] for t in queue), default=0.0),
+    )
+    yield _gauge(
+        "agentkv_queue_waiting_for_checkpoint",
+        "Queued requests that wait for a shared prefix being computed, to restore it",
+        sum(1 for t in queue if t["waiting_for_checkpoint"] is not None),
+    )
+    yield _gauge(
+        "agentkv_background_queue_depth",
+        "Background work (compactions) waiting for an idle slot",
+        len(table["background"]),
+    )
+    yield _gauge(
+        "agentkv_checkpoints_running",
+        "Shared prompt heads being computed to be saved for other agents",
+        len(table["checkpoints"]),
+    )
+
+
+def _placements(stats: dict[str, Any]) -> Iterator[Metric]:
+    placements = CounterMetricFamily(
+        "agentkv_placements",
+        "Slots handed out, by where the cached part of the prompt came from: the slot's own "
+        "KV cache, the prefix store, or none (computed from scratch)",
+        labels=["source"],
+    )
+    for source, key in _SOURCES:
+        placements.add_metric([source], stats[key])
+    yield placements
+    planned = CounterMetricFamily(
+        "agentkv_planned_prompt_tokens",
+        "Prompt tokens agentkv expected to reuse or compute when it chose each slot",
+        labels=["kind"],
+    )
+    planned.add_metric(["reused"], stats["planned_reused_tokens"])
+    planned.add_metric(["computed"], stats["planned_computed_tokens"])
+    yield planned
+    yield _counter(
+        "agentkv_leases_reclaimed",
+        "Slots taken back by the watchdog from requests that held them too long",
+        stats["reclaimed"],
+    )
+
+
+def _store(store: dict[str, Any]) -> Iterator[Metric]:
+    yield _gauge(
+        "agentkv_store_entries", "Saved slot states in the prefix store", len(store["entries"])
+    )
+    yield _gauge("agentkv_store_bytes", "Bytes of saved slot states on disk", store["bytes"])
+    yield _gauge("agentkv_store_budget_bytes", "The prefix store's size budget", store["budget"])
+    counters = (
+        ("saves", "saves", "Slot states saved to the store"),
+        ("restores", "restores", "Slot states restored from the store"),
+        ("restored_tokens", "tokens_restored", "Prompt tokens restored instead of computed"),
+        ("seconds_saved", "seconds_saved", "Estimated prefill seconds that restores saved"),
+        ("save_seconds", "save_seconds", "Seconds spent saving slot states"),
+        ("restore_seconds", "restore_seconds", "Seconds spent restoring slot states"),
+        ("evictions", "evicted", "Entries deleted to stay within the budget"),
+        ("expired", "expired", "Parked contexts deleted because their agent went away"),
+        ("refused", "refused", "Entries refused at startup (another engine, bad file)"),
+    )
+    for name, key, doc in counters:
+        yield _counter(f"agentkv_store_{name}", doc, store[key])
+
+
+def _compactions(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+    done = [row for row in rows if not row.get("pending")]
+    yield _gauge(
+        "agentkv_compactions",
+        "Compactions in force (older messages replaced by a summary)",
+        len(done),
+    )
+    yield _gauge("agentkv_compactions_pending", "Compactions being computed", len(rows) - len(done))
+    yield _gauge(
+        "agentkv_compaction_saved_tokens",
+        "Prompt tokens the compactions in force save on every request",
+        sum(int(row["saved_tokens"]) for row in done),
+    )

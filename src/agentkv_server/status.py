@@ -1,0 +1,268 @@
+"""``agentkv-server status``: the slot, queue and store table of a running server, as plain text.
+
+For a person on SSH: the live page's facts without a browser. It reads ``GET /agentkv/slots``
+(with ``--api-key`` or ``$AGENTKV_API_KEY`` when the server needs one); ``--watch`` redraws it
+every ``--interval`` seconds until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from agentkv.runtime.report import divergence_text
+
+__all__ = ["build_parser", "fetch", "main", "render"]
+
+DEFAULT_URL = "http://127.0.0.1:8788"
+_CLEAR = "\x1b[H\x1b[2J"
+
+
+class StatusError(Exception):
+    """The table could not be read; the message says why, in words."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentkv-server status",
+        description="Show the slots, queue, prefix store and recent requests of a running "
+        "agentkv-server.",
+    )
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("AGENTKV_URL", DEFAULT_URL),
+        help=f"the server (default: $AGENTKV_URL, else {DEFAULT_URL})",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("AGENTKV_API_KEY"),
+        help="the server's API key, if it has one (default: $AGENTKV_API_KEY)",
+    )
+    parser.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
+    parser.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between redraws (default 1)"
+    )
+    return parser
+
+
+def fetch(
+    url: str, api_key: str | None = None, *, transport: httpx.BaseTransport | None = None
+) -> dict[str, Any]:
+    """The server's slot table (``GET /agentkv/slots``); :class:`StatusError` when unreadable."""
+    headers = {"x-api-key": api_key} if api_key else {}
+    try:
+        with httpx.Client(transport=transport, timeout=10.0) as client:
+            response = client.get(f"{url.rstrip('/')}/agentkv/slots", headers=headers)
+    except httpx.HTTPError as exc:
+        raise StatusError(f"cannot reach agentkv at {url}: {exc}") from exc
+    if response.status_code == 401:
+        raise StatusError(
+            f"{url} needs its API key: pass --api-key or set AGENTKV_API_KEY"
+            if not api_key
+            else f"{url} refused that API key"
+        )
+    if response.status_code != 200:
+        raise StatusError(f"{url}/agentkv/slots answered HTTP {response.status_code}")
+    try:
+        table: dict[str, Any] = response.json()
+    except ValueError as exc:
+        raise StatusError(f"{url}/agentkv/slots did not answer JSON; is it agentkv?") from exc
+    return table
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:,}"
+
+
+def _secs(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}s" if value < 10 else f"{value:.0f}s"
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{round(100 * part / whole)}%" if whole else "-"
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        cells = [
+            str(cell).rjust(widths[i]) if i in right else str(cell).ljust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        return "  " + "  ".join(cells).rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def _running_on(table: dict[str, Any], slot: int) -> dict[str, Any] | None:
+    for record in table.get("running") or []:
+        if record.get("slot") == slot and record.get("status") == "running":
+            return dict(record)
+    return None
+
+
+def _slot_progress(row: dict[str, Any], table: dict[str, Any]) -> str:
+    running = _running_on(table, row["slot"])
+    if row["state"] == "prefilling":
+        for checkpoint in table.get("checkpoints") or []:
+            if checkpoint["slot"] == row["slot"]:
+                done, total = checkpoint["progress"], checkpoint["tokens"]
+                return f"shared head {_num(done)}/{_num(total)} ({_pct(done, total)})"
+        if running is not None and running.get("prefilled") is not None:
+            done, total = running["prefilled"], running["prompt_tokens"]
+            return f"{_num(done)}/{_num(total)} prompt tokens ({_pct(done, total)})"
+        if running is not None:
+            return f"{_num(running['prompt_tokens'])} prompt tokens, starting"
+        return "starting"
+    if row["state"] == "decoding" and running is not None:
+        seconds = running.get("generating_s") or 0.0
+        generated = running.get("generated", 0)
+        rate = f"{generated / seconds:.1f} tokens/s" if seconds >= 0.5 else "- tokens/s"
+        return f"{rate}, {_num(generated)} generated"
+    if row.get("idle_s") is not None:
+        return f"idle {_secs(row['idle_s'])}" + (", saved" if row.get("stored") else "")
+    return ""
+
+
+def render(table: dict[str, Any], *, url: str = "", now: float | None = None) -> str:
+    """The table as plain text: slots, queue, store and placements, recent requests."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(now))
+    out = [f"agentkv {url}  {stamp}" if url else f"agentkv  {stamp}", ""]
+
+    slots = table["slots"]
+    out.append(f"slots ({len(slots)})")
+    rows = [
+        [
+            str(row["slot"]),
+            row["agent"] or "-",
+            "-" if row.get("priority") is None else str(row["priority"]),
+            _num(row["tokens"]),
+            row["state"],
+            _slot_progress(row, table),
+        ]
+        for row in slots
+    ]
+    out += _columns(["slot", "agent", "prio", "tokens", "state", "progress"], rows, {3})
+
+    queue = table["queue"]
+    checkpoints = {c["id"]: c for c in table.get("checkpoints") or []}
+    out += ["", f"queue ({len(queue)})"]
+    if queue:
+        rows = []
+        for ticket in queue:
+            waits = "a slot"
+            blocked = ticket.get("waiting_for_checkpoint")
+            if blocked is not None:
+                c = checkpoints.get(blocked)
+                waits = f"checkpoint #{blocked}" + (
+                    f" on slot {c['slot']} ({_pct(c['progress'], c['tokens'])})" if c else ""
+                )
+            rows.append(
+                [
+                    str(ticket["ticket"]),
+                    ticket["agent"],
+                    str(ticket["priority"]),
+                    _num(ticket["tokens"]),
+                    _secs(ticket["waited_s"]),
+                    f"{ticket['score']:.2f}",
+                    waits,
+                ]
+            )
+        out += _columns(
+            ["ticket", "agent", "prio", "tokens", "waited", "score", "waits for"],
+            rows,
+            {3, 4, 5},
+        )
+    else:
+        out.append("  nobody is waiting")
+
+    out.append("")
+    placements = table["placements"]
+    acquired = placements["acquired"]
+    warm = placements["from_slot"] + placements["from_store"]
+    out.append(
+        f"placements: {_pct(warm, acquired)} warm ({placements['from_slot']} from a slot, "
+        f"{placements['from_store']} from the store, {placements['cold']} cold)"
+    )
+    store = table.get("store")
+    if store is None:
+        out.append("store: off")
+    else:
+        out.append(
+            f"store: {_count(len(store['entries']), 'entry', 'entries')}, "
+            f"{_bytes(store['bytes'])} of "
+            f"{_bytes(store['budget'])}, {store['saves']} saves, {store['restores']} restores, "
+            f"{store['seconds_saved']:.1f}s of prefill saved"
+        )
+
+    recent = list(reversed(table.get("recent") or []))[:8]
+    out += ["", "recent requests (newest first)"]
+    if recent:
+        rows = [
+            [
+                r["agent"],
+                str(r["priority"]),
+                "-" if r["slot"] is None else str(r["slot"]),
+                r["source"] or "-",
+                f"{_num(r['cached_tokens'])}/{_num(r['prompt_tokens'])}",
+                _secs(r["ttft_s"]),
+                _secs(r["total_s"]),
+                r["status"],
+                divergence_text(r["divergence"]) if r.get("divergence") else "",
+            ]
+            for r in recent
+        ]
+        out += _columns(
+            ["agent", "prio", "slot", "source", "cached/prompt", "ttft", "total", "status", "why"],
+            rows,
+            {4, 5, 6},
+        )
+    else:
+        out.append("  none yet")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    clear = args.watch and sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                text = render(fetch(args.url, args.api_key), url=args.url)
+            except StatusError as exc:
+                if not args.watch:
+                    print(f"agentkv-server status: {exc}", file=sys.stderr)
+                    return 1
+                text = f"agentkv-server status: {exc}; retrying\n"
+            sys.stdout.write((_CLEAR if clear else "") + text)
+            sys.stdout.flush()
+            if not args.watch:
+                return 0
+            time.sleep(max(0.2, args.interval))
+    except KeyboardInterrupt:
+        return 0
