@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -42,8 +43,12 @@ _PING = encode_event({"type": "ping"})
 
 
 def error_response(exc: AgentKVError) -> JSONResponse:
-    """The Anthropic error contract: the status code and ``{"type":"error","error":{...}}``."""
-    return JSONResponse(exc.to_anthropic(), status_code=exc.status)
+    """The Anthropic error contract: the status code and ``{"type":"error","error":{...}}``,
+    and ``retry-after`` (whole seconds) when the error says when to try again."""
+    headers = None
+    if exc.retry_after is not None:
+        headers = {"retry-after": str(max(1, math.ceil(exc.retry_after)))}
+    return JSONResponse(exc.to_anthropic(), status_code=exc.status, headers=headers)
 
 
 async def _frames(exchange: Exchange) -> AsyncIterator[bytes]:
@@ -131,17 +136,26 @@ class _Routes:
         )
 
     async def health(self, request: Request) -> Response:
-        engine_ok = await self.runtime.client.health()
+        """200 ``ready``; 503 ``engine_restarting`` (with ``retry-after``) or
+        ``engine_unavailable``."""
+        client = self.runtime.client
+        state, detail = await client.engine_state()
         table = self.runtime.gateway.table()
-        return JSONResponse(
-            {
-                "status": "ok" if engine_ok else "engine_unavailable",
-                "engine": engine_ok,
-                "slots": self.runtime.config.n_slots,
-                "queued": len(table["queue"]),
-            },
-            status_code=200 if engine_ok else 503,
-        )
+        body: dict[str, Any] = {
+            "status": state,
+            "engine": state == "ready",
+            "slots": self.runtime.config.n_slots,
+            "queued": len(table["queue"]),
+        }
+        headers = None
+        if client.status is not None:
+            body["engine_generation"] = client.status.generation
+            body["engine_restarts"] = client.status.restarts
+        if state != "ready":
+            body["detail"] = detail
+        if state == "engine_restarting" and client.status is not None:
+            headers = {"retry-after": str(max(1, math.ceil(client.status.retry_after)))}
+        return JSONResponse(body, status_code=200 if state == "ready" else 503, headers=headers)
 
     async def slots(self, request: Request) -> Response:
         self.check_auth(request)
