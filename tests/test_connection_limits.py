@@ -255,7 +255,8 @@ async def test_health_reports_ready_restarting_and_unavailable(http: httpx.Async
 async def test_requests_during_a_restart_get_529_with_retry_after(
     http: httpx.AsyncClient,
 ) -> None:
-    """Messages and count_tokens during a restart: 529 overloaded_error, retry-after set."""
+    """Messages, count_tokens and models during a restart: 529 overloaded_error with
+    retry-after; served again once the engine is back."""
     status = EngineStatus()
     http.runtime.client.status = status  # type: ignore[attr-defined]
     status.set_state("restarting", "llama-server exited", retry_after=3)
@@ -264,9 +265,12 @@ async def test_requests_during_a_restart_get_529_with_retry_after(
         assert r.status_code == 529, path
         assert r.json()["error"]["type"] == "overloaded_error"
         assert r.headers["retry-after"] == "3"
+    r = await http.get("/v1/models")
+    assert (r.status_code, r.headers["retry-after"]) == (529, "3")
     status.new_generation()
     r = await http.post("/v1/messages", json=BODY)
     assert r.status_code == 200
+    assert (await http.get("/v1/models")).status_code == 200
 
 
 async def test_health_without_a_supervisor_probes_the_engine(http: httpx.AsyncClient) -> None:

@@ -125,6 +125,10 @@ class _Routes:
 
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
+        status = self.runtime.client.status
+        if status is not None and (unavailable := status.error()) is not None:
+            # No model is served while the engine restarts or after agentkv gave up on it.
+            raise unavailable
         entry = {
             "type": "model",
             "id": self.config.model_name,
