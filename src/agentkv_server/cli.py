@@ -535,6 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "debug":
+        # httpx logs every request at INFO; the engine's health checks alone would fill the log.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.slots < 1:
         raise SystemExit("agentkv-server: --slots must be at least 1")
     try:
