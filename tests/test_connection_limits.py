@@ -326,3 +326,49 @@ def test_printed_claude_code_lines_never_show_the_api_key() -> None:
     assert 'export ANTHROPIC_API_KEY="$AGENTKV_API_KEY"' in lines
     open_lines = cli.claude_code_env("http://x", None, ctx_per_slot=None, timeout=600)
     assert "export ANTHROPIC_API_KEY=agentkv" in open_lines
+
+
+async def test_count_tokens_of_a_client_that_leaves_is_cancelled() -> None:
+    """A count_tokens caller that disconnects: its templating call is cancelled, not finished."""
+    entered = anyio.Event()
+    cancelled = anyio.Event()
+
+    class Hanging(FakeLlama):
+        """Templating never finishes."""
+
+        async def handle(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/apply-template":
+                entered.set()
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    cancelled.set()
+            return await super().handle(request)
+
+    fake = Hanging()
+    data = json.dumps(BODY).encode()
+    gone = anyio.Event()
+    body_sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async with served(fake) as http:
+        app = http.app  # type: ignore[attr-defined]
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(app, scope("/v1/messages/count_tokens", len(data)), receive, send)
+                await entered.wait()
+                gone.set()
+                await cancelled.wait()
+    assert sent[0]["status"] == 499

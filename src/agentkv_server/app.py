@@ -85,6 +85,28 @@ async def _whole(request: Request, exchange: Exchange) -> Response:
     return Response(status_code=499)  # the client is gone; nobody reads this
 
 
+async def _unless_gone(request: Request, work: Awaitable[int]) -> int | None:
+    """``work``'s result, or None when the client disconnects first (``work`` is cancelled, so
+    an abandoned count never reaches the engine's templating queue or leaves it at once)."""
+    outcome: dict[str, Any] = {}
+
+    async def watch_disconnect(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_disconnect, tg.cancel_scope)
+        try:
+            outcome["value"] = await work
+        except AgentKVError as exc:  # raised below, not wrapped in a task group's error
+            outcome["error"] = exc
+        tg.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
 class _Routes:
     """The route handlers, around one runtime."""
 
@@ -121,7 +143,10 @@ class _Routes:
     async def count_tokens(self, request: Request) -> Response:
         self.check_auth(request)
         body = await read_json(request, self.config.body_limits)
-        return JSONResponse({"input_tokens": await self.runtime.count_tokens(body)})
+        counted = await _unless_gone(request, self.runtime.count_tokens(body))
+        if counted is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse({"input_tokens": counted})
 
     async def models(self, request: Request) -> Response:
         self.check_auth(request)

@@ -47,6 +47,7 @@ __all__ = [
     "crash_hint",
     "default_kv_budget",
     "drop_unsupported",
+    "exit_words",
     "find_llama_server",
     "free_port",
     "parse_size",
