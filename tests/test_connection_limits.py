@@ -296,6 +296,7 @@ def test_connection_settings_are_deliberate(monkeypatch: pytest.MonkeyPatch) -> 
     assert settings == {
         "timeout_keep_alive": 15,
         "limit_concurrency": 128,
+        "http": "h11",
         "h11_max_incomplete_event_size": 64 * 1024,
         "timeout_graceful_shutdown": 10,
     }

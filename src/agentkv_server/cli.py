@@ -429,6 +429,8 @@ def _connection_settings(args: argparse.Namespace) -> dict[str, Any]:
         # More connections (or running requests) than this get 503 at once, before the process
         # runs out of file descriptors and stops accepting.
         "limit_concurrency": max_connections,
+        # The h11 parser even where httptools is installed, so that the header limit below holds.
+        "http": "h11",
         # Request line and headers may take at most 64 KiB (uvicorn's default is 16 KiB); the
         # body has its own limit (--max-body-bytes).
         "h11_max_incomplete_event_size": 64 * 1024,
