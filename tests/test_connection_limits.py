@@ -14,11 +14,16 @@ import anyio
 import httpx
 import pytest
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentkv.runtime.engine import free_port
 from agentkv.runtime.status import EngineStatus
 from agentkv_server import cli
-from agentkv_server.limits import BodyTimeoutMiddleware, RequestTimeoutError
+from agentkv_server.limits import (
+    BodyTimeoutMiddleware,
+    RequestTimeoutError,
+    h11_with_header_timeout,
+)
 from tests.fakes import FakeLlama, served
 
 pytestmark = pytest.mark.anyio
@@ -223,6 +228,104 @@ async def test_slow_client_on_a_real_socket_gets_408_and_is_disconnected() -> No
     assert json.loads(body)["error"]["message"].startswith("the request body did not arrive")
 
 
+# -- the header deadline over a real socket ------------------------------------------------------
+
+
+async def _ok(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def with_server(header_timeout: float, talk: Any) -> Any:
+    """Run ``talk(port)`` in a thread against uvicorn with the header deadline."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            _ok,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            http=h11_with_header_timeout(header_timeout),
+            timeout_keep_alive=30,
+        )
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve)
+        with anyio.fail_after(20):
+            while not server.started:  # noqa: ASYNC110 - uvicorn exposes readiness as a flag
+                await anyio.sleep(0.02)
+            result = await anyio.to_thread.run_sync(talk, port)
+        server.should_exit = True
+    return result
+
+
+def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    started = time.monotonic()
+    received = b""
+    while chunk := sock.recv(4096):
+        received += chunk
+    return received, time.monotonic() - started
+
+
+async def test_silent_connection_is_closed_after_the_header_deadline() -> None:
+    """A connection that sends nothing is closed once the header deadline passes."""
+
+    def talk(port: int) -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            return read_until_closed(sock)
+
+    received, waited = await with_server(0.3, talk)
+    assert received == b""
+    assert 0.2 < waited < 5
+
+
+async def test_dribbled_headers_are_cut_off() -> None:
+    """Headers sent a few bytes at a time, never finished: closed at the deadline."""
+
+    def talk(port: int) -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            started = time.monotonic()
+            try:
+                for piece in (b"POST / HTTP/1.1\r\n", b"host: x\r\n", b"x-slow: 1"):
+                    sock.sendall(piece)
+                    time.sleep(0.1)
+            except OSError:  # pragma: no cover - closed early, also a pass
+                pass
+            received, _ = read_until_closed(sock)
+            return received, time.monotonic() - started
+
+    received, waited = await with_server(0.5, talk)
+    assert received == b""
+    assert 0.4 < waited < 5
+
+
+async def test_keep_alive_idle_time_does_not_count_as_header_time() -> None:
+    """Two whole requests on one keep-alive connection, idle longer than the header deadline
+    between them: both are answered."""
+
+    def talk(port: int) -> list[bytes]:
+        request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+        replies = []
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            for _ in range(2):
+                sock.sendall(request)
+                reply = b""
+                while not reply.endswith(b"ok"):
+                    reply += sock.recv(4096)
+                replies.append(reply)
+                time.sleep(0.6)
+        return replies
+
+    replies = await with_server(0.3, talk)
+    assert [r.split(b"\r\n", 1)[0] for r in replies] == [b"HTTP/1.1 200 OK"] * 2
+
+
 # -- engine states through the app ----------------------------------------------------------------
 
 
@@ -293,10 +396,12 @@ def test_connection_settings_are_deliberate(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(resource, "getrlimit", lambda kind: (256, 4096))
     settings = cli._connection_settings(parse())
+    protocol = settings.pop("http")
+    assert issubclass(protocol, H11Protocol)
+    assert protocol.header_timeout == 10.0
     assert settings == {
         "timeout_keep_alive": 15,
         "limit_concurrency": 128,
-        "http": "h11",
         "h11_max_incomplete_event_size": 64 * 1024,
         "timeout_graceful_shutdown": 10,
     }
@@ -305,7 +410,7 @@ def test_connection_settings_are_deliberate(monkeypatch: pytest.MonkeyPatch) -> 
     given = cli._connection_settings(parse("--max-connections", "40", "--keep-alive-timeout", "3"))
     assert (given["limit_concurrency"], given["timeout_keep_alive"]) == (40, 3)
     # Every setting is a real uvicorn option.
-    uvicorn.Config(lambda: None, **settings)
+    uvicorn.Config(lambda: None, http=protocol, **settings)
 
 
 def test_engine_options_parse() -> None:

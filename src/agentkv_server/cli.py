@@ -34,7 +34,7 @@ from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.supervisor import EngineSupervisor
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
-from agentkv_server.limits import BodyTimeoutMiddleware
+from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
 
 __all__ = ["build_parser", "claude_code_env", "main", "options_markdown"]
 
@@ -200,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
         "allowed at once; more wait their turn (default 4)",
     )
     conn = parser.add_argument_group("connections")
+    conn.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection that has not sent a request's line and headers this long after it "
+        "opened (or after the request's first byte) is closed (default 10; 0: no limit)",
+    )
     conn.add_argument(
         "--body-timeout",
         type=float,
@@ -429,8 +437,9 @@ def _connection_settings(args: argparse.Namespace) -> dict[str, Any]:
         # More connections (or running requests) than this get 503 at once, before the process
         # runs out of file descriptors and stops accepting.
         "limit_concurrency": max_connections,
-        # The h11 parser even where httptools is installed, so that the header limit below holds.
-        "http": "h11",
+        # The h11 parser (even where httptools is installed, so that the header limit below
+        # holds), with a deadline for request headers, which uvicorn lacks.
+        "http": h11_with_header_timeout(args.header_timeout),
         # Request line and headers may take at most 64 KiB (uvicorn's default is 16 KiB); the
         # body has its own limit (--max-body-bytes).
         "h11_max_incomplete_event_size": 64 * 1024,

@@ -1,24 +1,33 @@
-"""Connection limits the HTTP server itself lacks: a deadline for the request body.
+"""Connection limits the HTTP server itself lacks: deadlines for request headers and bodies.
 
 uvicorn bounds header size (``h11_max_incomplete_event_size``), idle keep-alive connections
 (``timeout_keep_alive``) and the number of connections (``limit_concurrency``), but not how long a
-client may take to send its body: a client dribbling one byte a second holds its connection, and
-a task, forever. :class:`BodyTimeoutMiddleware` gives every request ``timeout`` seconds, from the
-moment its headers are in, to deliver its whole body; a late one is cut with 408 and the
-connection is closed.
+client may take to send its request: a client dribbling one byte a second holds its connection
+(and, once its headers are in, a task) forever.
+
+- :func:`h11_with_header_timeout` is uvicorn's h11 protocol with a deadline for the request line
+  and headers: a connection that has not sent them whole within the deadline (counted from the
+  connection, or from the first byte of a keep-alive connection's next request) is closed.
+- :class:`BodyTimeoutMiddleware` gives every request ``timeout`` seconds, from the moment its
+  headers are in, to deliver its whole body; a late one is cut with 408 and the connection is
+  closed.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentkv.exceptions import AgentKVError
 
-__all__ = ["BodyTimeoutMiddleware", "RequestTimeoutError"]
+if TYPE_CHECKING:  # uvicorn's protocols are asyncio protocols; only their types are named here
+    import asyncio
+
+__all__ = ["BodyTimeoutMiddleware", "RequestTimeoutError", "h11_with_header_timeout"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -99,3 +108,58 @@ async def _send_error(send: Send, exc: AgentKVError) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class _HeaderDeadlineH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request headers arrive too slowly."""
+
+    header_timeout: float = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def _in_request(self) -> bool:
+        """Headers of the current request are in (a request/response cycle is running)."""
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _arm(self) -> None:
+        if self._header_timer is None and self.header_timeout > 0:
+            self._header_timer = self.loop.call_later(self.header_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expired(self) -> None:
+        self._header_timer = None
+        if not self._in_request() and not self.transport.is_closing():
+            self.logger.info("closing a connection whose request headers did not arrive in time")
+            self.transport.close()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()  # a connection that sends nothing counts too
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_request():
+            self._disarm()
+        else:
+            self._arm()  # part of a (next) request's headers: they must all come in time
+
+    def on_response_complete(self) -> None:
+        # Idle time between requests is the keep-alive timeout's; the deadline starts with the
+        # next request's first byte.
+        self._disarm()
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+def h11_with_header_timeout(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a ``seconds`` deadline for request headers (for
+    ``uvicorn.Config(http=...)``); 0: no deadline."""
+    return type(
+        "HeaderDeadlineH11Protocol", (_HeaderDeadlineH11Protocol,), {"header_timeout": seconds}
+    )
