@@ -554,7 +554,7 @@ async def test_launched_engine_gets_a_private_key_that_never_shows(fake: Fake) -
         assert start["key_mode"] == 0o600
         assert process.api_key not in " ".join(start["args"])
         key_file = Path(start["args"][start["args"].index("--api-key-file") + 1])
-        assert not key_file.exists()  # noqa: ASYNC240
+        assert not key_file.exists()
         assert process.log_path is not None
         assert process.api_key not in process.log_path.read_text()
         async with process.client() as client:
