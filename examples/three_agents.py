@@ -31,18 +31,21 @@ AGENTS = {  # name: (priority, the two questions it asks)
 
 
 @asynccontextmanager
-async def engine(upstream: str | None, progress: Callable[[str], None]) -> AsyncIterator[str]:
-    """A running llama-server's URL: ``upstream``, or one launched here with the default model."""
+async def engine(
+    upstream: str | None, progress: Callable[[str], None]
+) -> AsyncIterator[LlamaSlotClient]:
+    """A client for ``upstream``, or for a llama-server launched here with the default model."""
     if upstream:
-        yield upstream
+        async with LlamaSlotClient(upstream) as client:
+            yield client
         return
     from agentkv.runtime.engine import EngineConfig, LlamaServerProcess
     from agentkv.runtime.model import default_model_path
 
     model = await anyio.to_thread.run_sync(default_model_path)
     config = EngineConfig(model=model, slots=2, ctx_per_slot=4096, port=0)
-    async with LlamaServerProcess(config, on_progress=progress) as process:
-        yield process.base_url
+    async with LlamaServerProcess(config, on_progress=progress) as process, process.client() as c:
+        yield c
 
 
 async def agent(runtime: Runtime, name: str, echo: Callable[[str], None]) -> None:
@@ -66,7 +69,7 @@ async def main(
     progress: Callable[[str], None] = print,
 ) -> list[RequestRecord]:
     """Run the three agents at once; return the runtime's record of every request."""
-    async with engine(upstream, progress) as url, LlamaSlotClient(url) as client:
+    async with engine(upstream, progress) as client:
         await client.wait_ready(600.0)
         config = RuntimeConfig(n_slots=len(await client.slots()), ctx_per_slot=4096)
         async with Runtime(client, config) as runtime, anyio.create_task_group() as tg:

@@ -11,11 +11,14 @@ import httpx
 import pytest
 
 from agentkv.exceptions import (
+    EngineError,
     EngineResponseError,
+    EngineRestartingError,
     EngineTimeoutError,
     EngineUnavailableError,
 )
-from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.client import LlamaSlotClient, map_httpx_error, wait_until_ready
+from agentkv.runtime.status import EngineStatus
 
 pytestmark = pytest.mark.anyio
 
@@ -471,3 +474,358 @@ async def test_owned_http_client_is_closed() -> None:
         pass
     assert not injected.is_closed
     await injected.aclose()
+
+
+# -- the httpx error table ------------------------------------------------------------------------
+
+#: What each httpx exception must become, decided here independently of the table in client.py.
+#: Retryable "cannot reach" cases surface as EngineUnavailableError once the retries are spent.
+INTENDED: dict[type[Exception], type[EngineError]] = {
+    httpx.ConnectError: EngineUnavailableError,
+    httpx.ConnectTimeout: EngineUnavailableError,
+    httpx.PoolTimeout: EngineUnavailableError,
+    httpx.ReadTimeout: EngineTimeoutError,
+    httpx.WriteTimeout: EngineTimeoutError,
+    httpx.TimeoutException: EngineTimeoutError,
+    httpx.ReadError: EngineUnavailableError,
+    httpx.WriteError: EngineUnavailableError,
+    httpx.CloseError: EngineUnavailableError,
+    httpx.NetworkError: EngineUnavailableError,
+    httpx.RemoteProtocolError: EngineUnavailableError,
+    httpx.LocalProtocolError: EngineError,
+    httpx.ProtocolError: EngineUnavailableError,
+    httpx.ProxyError: EngineUnavailableError,
+    httpx.UnsupportedProtocol: EngineUnavailableError,
+    httpx.TransportError: EngineUnavailableError,
+    httpx.DecodingError: EngineResponseError,
+    httpx.TooManyRedirects: EngineResponseError,
+    httpx.RequestError: EngineError,
+    httpx.HTTPStatusError: EngineResponseError,
+    httpx.HTTPError: EngineError,
+    httpx.InvalidURL: EngineUnavailableError,
+    httpx.StreamError: EngineError,
+    httpx.StreamConsumed: EngineError,
+    httpx.StreamClosed: EngineError,
+    httpx.ResponseNotRead: EngineError,
+    httpx.RequestNotRead: EngineError,
+}
+#: Raised only by httpx.Cookies.get, never by sending a request.
+NOT_FROM_REQUESTS = {httpx.CookieConflict}
+
+
+def httpx_exception_classes() -> set[type[Exception]]:
+    return {
+        obj for obj in vars(httpx).values() if isinstance(obj, type) and issubclass(obj, Exception)
+    }
+
+
+def make_httpx_error(kind: type[Exception]) -> Exception:
+    request = httpx.Request("POST", BASE + "/v1/chat/completions")
+    if issubclass(kind, httpx.HTTPStatusError):
+        return kind("boom", request=request, response=httpx.Response(500, request=request))
+    if kind in (httpx.StreamConsumed, httpx.StreamClosed, httpx.ResponseNotRead):
+        return kind()
+    if kind is httpx.RequestNotRead:
+        return kind()
+    if issubclass(kind, httpx.RequestError):
+        return kind("boom", request=request)
+    return kind("boom")
+
+
+def test_every_httpx_exception_is_classified() -> None:
+    """Every exception class httpx exports is in the intended table (a new one fails here)."""
+    assert httpx_exception_classes() - NOT_FROM_REQUESTS == set(INTENDED)
+
+
+@pytest.mark.parametrize("kind", sorted(INTENDED, key=lambda k: k.__name__))
+def test_httpx_exception_maps_to_intended_error(kind: type[Exception]) -> None:
+    """Before a response: each httpx exception becomes its intended agentkv error."""
+    error = map_httpx_error(make_httpx_error(kind), "chat completion", BASE, started=False)
+    expected = INTENDED[kind]
+    # The private retryable subclass (_NotReadyError) counts as its public base.
+    public = type(error).__mro__[1] if type(error).__name__.startswith("_") else type(error)
+    assert public is expected
+    assert "chat completion" in error.message
+    assert BASE in error.message
+
+
+@pytest.mark.parametrize("kind", sorted(INTENDED, key=lambda k: k.__name__))
+async def test_httpx_exception_from_the_transport_is_mapped(kind: type[Exception]) -> None:
+    """Raised by the transport, each httpx exception reaches the caller as its agentkv error,
+    never as an httpx exception."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise make_httpx_error(kind)
+
+    client = make_client(handler, connect_retries=1)
+    with pytest.raises(EngineError) as info:
+        await client.chat(BODY, slot=0)
+    assert type(info.value) is INTENDED[kind]
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        (httpx.ReadTimeout, EngineTimeoutError),
+        (httpx.ReadError, EngineResponseError),
+        (httpx.RemoteProtocolError, EngineResponseError),
+        (httpx.DecodingError, EngineResponseError),
+    ],
+)
+async def test_httpx_exception_mid_stream(kind: type[Exception], expected: type[Exception]) -> None:
+    """After the first chunk, a lost connection is a truncated reply, a stall a timeout."""
+    body = StallingStream(sse(chunk("a"), done=False), make_httpx_error(kind))
+    client = make_client(lambda _: httpx.Response(200, stream=body))
+    with pytest.raises(EngineError) as info:
+        await collect(client)
+    assert type(info.value) is expected
+    if expected is EngineResponseError and kind is not httpx.DecodingError:
+        assert "truncated" in info.value.message
+
+
+# -- SSE parsing ----------------------------------------------------------------------------------
+
+
+async def test_legacy_error_field_reports_the_engine_message() -> None:
+    """An `error:` field (older llama-servers) raises the engine's own error, with its code."""
+    body = sse(chunk("a"), done=False) + (
+        b'error: {"code": 400, "message": "the request exceeds the available context size"}\n\n'
+    )
+    client = make_client(lambda _: httpx.Response(200, content=body))
+    with pytest.raises(EngineResponseError, match="exceeds the available context") as info:
+        await collect(client)
+    assert info.value.status == 400
+
+
+async def test_crlf_and_split_chunks_are_parsed() -> None:
+    """CRLF line ends and events split across network chunks parse like whole ones."""
+    whole = sse(chunk("x"), chunk("y", "stop")).replace(b"\n", b"\r\n")
+
+    class Dribble(httpx.AsyncByteStream):
+        async def __aiter__(self):  # type: ignore[no-untyped-def]
+            for i in range(0, len(whole), 7):
+                yield whole[i : i + 7]
+
+    client = make_client(lambda _: httpx.Response(200, stream=Dribble()))
+    got = await collect(client)
+    assert [c["choices"][0]["delta"]["content"] for c in got] == ["x", "y"]
+
+
+async def test_last_event_without_blank_line_counts() -> None:
+    """A final finishing chunk not followed by a blank line is still delivered."""
+    body = f"data: {json.dumps(chunk('z', 'stop'))}".encode()
+    client = make_client(lambda _: httpx.Response(200, content=body))
+    assert len(await collect(client)) == 1
+
+
+async def test_prefill_stream_ends_at_stop_true() -> None:
+    """A /completion stream ends with `stop: true`; without it, it is truncated."""
+    progress = {"prompt_progress": {"processed": 3, "total": 6}}
+    final = {"content": "", "stop": True, "timings": {"prompt_n": 6}}
+    sent: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/completion"
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, content=sse(progress, final, done=False))
+
+    client = make_client(handler)
+    async with client.prefill([1, 2, 3, 4, 5, 6], slot=1) as chunks:
+        got = [c async for c in chunks]
+    assert got[-1]["timings"]["prompt_n"] == 6
+    assert sent[0]["prompt"] == [1, 2, 3, 4, 5, 6]
+    assert sent[0]["return_progress"] is True
+    assert sent[0]["id_slot"] == 1
+
+    client = make_client(lambda _: httpx.Response(200, content=sse(progress, done=False)))
+    with pytest.raises(EngineResponseError, match="truncated"):
+        async with client.prefill([1, 2], slot=0) as chunks:
+            _ = [c async for c in chunks]
+
+
+# -- the engine's key, supervision, templating limit ----------------------------------------------
+
+
+async def test_api_key_is_sent_on_every_request() -> None:
+    """With an api_key every request carries Authorization: Bearer; without, none does."""
+    seen: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"tokens": [1]})
+        if request.url.path == "/slots":
+            return httpx.Response(200, json=[])
+        return httpx.Response(200, content=sse(chunk("a", "stop")))
+
+    keyed = make_client(handler, api_key="k3y")
+    await keyed.tokenize("a")
+    await keyed.slots()
+    await collect(keyed)
+    assert seen == ["Bearer k3y"] * 3
+    seen.clear()
+    await make_client(handler).tokenize("a")
+    assert seen == [None]
+
+
+async def test_requests_fail_at_once_while_the_engine_restarts() -> None:
+    """While the supervisor restarts the engine nothing is sent: 529 with retry-after."""
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        return httpx.Response(200, json=COMPLETION)
+
+    status = EngineStatus()
+    status.set_state("restarting", "llama-server exited with signal 9", retry_after=7.2)
+    client = make_client(handler, status=status)
+    with pytest.raises(EngineRestartingError) as info:
+        await client.chat(BODY, slot=0)
+    assert info.value.status == 529
+    assert info.value.error_type == "overloaded_error"
+    assert info.value.retry_after == 8
+    assert "signal 9" in info.value.message
+    assert calls == 0
+    status.new_generation()
+    assert (await client.chat(BODY, slot=0))["timings"]["cache_n"] == 3
+    assert calls == 1
+
+
+async def test_given_up_engine_is_unavailable_not_restarting() -> None:
+    """After the supervisor gave up, requests get 503 engine unavailable (no retry-after)."""
+    status = EngineStatus()
+    status.set_state("unavailable", "failed 6 times")
+    client = make_client(lambda _: httpx.Response(200, json=COMPLETION), status=status)
+    with pytest.raises(EngineUnavailableError) as info:
+        await client.chat(BODY, slot=0)
+    assert type(info.value) is EngineUnavailableError
+    assert info.value.retry_after is None
+
+
+async def test_refusals_turn_into_restarting_once_the_supervisor_notices() -> None:
+    """A refused connection retried while the supervisor starts a restart ends as 529."""
+    status = EngineStatus()
+    calls = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        status.set_state("restarting", "llama-server exited", retry_after=3)
+        raise httpx.ConnectError("refused", request=request)
+
+    client = make_client(handler, status=status, connect_retries=5)
+    with pytest.raises(EngineRestartingError):
+        await client.chat(BODY, slot=0)
+    assert calls == 1
+
+
+async def test_stream_broken_by_a_dying_engine_is_restarting() -> None:
+    """A stream cut because the engine died reports the restart, once the supervisor sees it."""
+    status = EngineStatus()
+
+    async def die_soon() -> None:
+        await anyio.sleep(0.05)
+        status.set_state("restarting", "llama-server exited with signal 9", retry_after=2)
+
+    body = StallingStream(sse(chunk("a"), done=False), httpx.RemoteProtocolError("closed"))
+    client = make_client(lambda _: httpx.Response(200, stream=body), status=status)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(die_soon)
+        with anyio.fail_after(5), pytest.raises(EngineRestartingError):
+            await collect(client)
+
+
+async def test_stream_broken_with_a_healthy_engine_stays_truncated() -> None:
+    """A supervised engine that stays ready: a broken stream is still 'truncated'."""
+    body = StallingStream(sse(chunk("a"), done=False), httpx.RemoteProtocolError("closed"))
+    client = make_client(lambda _: httpx.Response(200, stream=body), status=EngineStatus())
+    with anyio.fail_after(5), pytest.raises(EngineResponseError, match="truncated"):
+        await collect(client)
+
+
+async def test_engine_state_for_health() -> None:
+    """engine_state: the supervisor's state when not ready, else one probe."""
+    status = EngineStatus()
+    client = make_client(lambda _: httpx.Response(200, json={"status": "ok"}), status=status)
+    assert (await client.engine_state())[0] == "ready"
+    status.set_state("restarting", "exited")
+    assert await client.engine_state() == ("engine_restarting", "exited")
+    status.set_state("unavailable", "gave up")
+    assert await client.engine_state() == ("engine_unavailable", "gave up")
+    down = make_client(lambda r: httpx.Response(503, json={"error": {"message": "Loading"}}))
+    assert (await down.engine_state())[0] == "engine_unavailable"
+
+
+async def test_templating_calls_are_limited() -> None:
+    """At most templating_limit /tokenize and /apply-template calls are in flight at once."""
+    running = peak = 0
+    release = anyio.Event()
+    two_running = anyio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        if running == 2:
+            two_running.set()
+        await release.wait()
+        running -= 1
+        if request.url.path == "/apply-template":
+            return httpx.Response(200, json={"prompt": "p"})
+        return httpx.Response(200, json={"tokens": [1, 2]})
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client = LlamaSlotClient(BASE, http=http, templating_limit=2)
+    async with anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(client.tokenize, "x")
+            tg.start_soon(client.apply_template, BODY)
+        with anyio.fail_after(5):
+            await two_running.wait()
+        await anyio.sleep(0.05)  # time for a third call to slip through, if it could
+        assert running == 2
+        release.set()
+    assert peak == 2
+
+
+async def test_cancelled_caller_never_sends_its_templating_call() -> None:
+    """A caller that goes away while waiting for the limiter sends nothing."""
+    sent: list[str] = []
+    release = anyio.Event()
+    first_sent = anyio.Event()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content)["content"])
+        first_sent.set()
+        await release.wait()
+        return httpx.Response(200, json={"tokens": [1]})
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    client = LlamaSlotClient(BASE, http=http, templating_limit=1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.tokenize, "first")
+        with anyio.fail_after(5):
+            await first_sent.wait()
+        with anyio.move_on_after(0.1):
+            await client.tokenize("abandoned")
+        release.set()
+    assert await client.tokenize("third") == [1]
+    assert sent == ["first", "third"]
+
+
+async def test_wait_until_ready_runs_the_check_each_time() -> None:
+    """The shared readiness wait calls `check` before every probe and lets it fail the wait."""
+    checks = 0
+
+    def check() -> None:
+        nonlocal checks
+        checks += 1
+        if checks == 3:
+            raise RuntimeError("process exited")
+
+    loading = httpx.Response(503, json={"error": {"message": "Loading model"}})
+    http = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: loading))
+    with anyio.fail_after(5), pytest.raises(RuntimeError, match="process exited"):
+        await wait_until_ready(http, BASE, timeout=10, check=check, interval=0.01)
+    assert checks == 3

@@ -13,6 +13,7 @@ __all__ = [
     "AuthenticationError",
     "EngineError",
     "EngineResponseError",
+    "EngineRestartingError",
     "EngineTimeoutError",
     "EngineUnavailableError",
     "InvalidRequestError",
@@ -29,6 +30,8 @@ class AgentKVError(Exception):
 
     status: ClassVar[int] = 500
     error_type: ClassVar[str] = "api_error"
+    #: Seconds after which a retry may succeed; the server sends it as ``retry-after``.
+    retry_after: float | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -100,6 +103,20 @@ class EngineUnavailableError(EngineError):
 
     status = 503
     error_type = "overloaded_error"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineRestartingError(EngineUnavailableError):
+    """agentkv is restarting the llama-server it launched; ``retry_after`` says when to retry.
+
+    529 ``overloaded_error`` is what Anthropic clients retry on by themselves, after
+    ``retry-after`` seconds.
+    """
+
+    status = 529
 
 
 class EngineTimeoutError(EngineError):

@@ -13,20 +13,15 @@ prefix store directory (agentkv's only) is the one thing that may outlive a rest
 from __future__ import annotations
 
 import contextlib
-import signal
-import subprocess
-import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 import attrs
-import httpx
 import uvicorn
 
 from agentkv import LlamaSlotClient
-from agentkv.runtime.client import probe
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, free_port
 from agentkv.runtime.lifecycle import Runtime
@@ -91,34 +86,16 @@ def llama_server_args(setup: EngineSetup, name: str) -> list[str]:
 async def raw_llama_server(
     binary: Path, args: Sequence[str], log_path: Path, *, startup_timeout: float = 300.0
 ) -> AsyncIterator[str]:
-    """llama-server started with exactly ``args`` (plus a free port); yields its URL."""
-    port = free_port()
-    command = [str(binary), *args, "--port", str(port)]
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    url = f"http://127.0.0.1:{port}"
-    with log_path.open("wb") as log:
-        log.write(("$ " + " ".join(command) + "\n").encode())
-        log.flush()
-        process = await anyio.open_process(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-        )
-        try:
-            deadline = time.monotonic() + startup_timeout
-            async with httpx.AsyncClient() as http:
-                while (await probe(http, url))[0] != "ready":
-                    if process.returncode is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"llama-server did not start; see {log_path}")
-                    await anyio.sleep(0.2)
-            yield url
-        finally:
-            with anyio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.send_signal(signal.SIGTERM)
-                    with anyio.move_on_after(10):
-                        await process.wait()
-                    if process.returncode is None:
-                        process.kill()
-                await process.aclose()
+    """llama-server started with exactly ``args`` (plus a free port, no key); yields its URL."""
+    process = LlamaServerProcess.with_args(
+        args,
+        binary=binary,
+        log_dir=log_path.parent,
+        log_name=log_path.name,
+        startup_timeout=startup_timeout,
+    )
+    async with process:
+        yield process.base_url
 
 
 @contextlib.asynccontextmanager
@@ -165,7 +142,8 @@ async def agentkv_engine(
         port=0,
         slot_save_dir=store_dir,
     )
-    process = LlamaServerProcess(config, binary=setup.binary, log_dir=setup.log_dir)
+    # No engine key: the benchmark reads /metrics and tokenizes on the engine directly.
+    process = LlamaServerProcess(config, binary=setup.binary, log_dir=setup.log_dir, api_key=None)
     async with process as engine:
         client = LlamaSlotClient(engine.base_url)
         try:

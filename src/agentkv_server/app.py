@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -44,8 +45,12 @@ _PING = encode_event({"type": "ping"})
 
 
 def error_response(exc: AgentKVError) -> JSONResponse:
-    """The Anthropic error contract: the status code and ``{"type":"error","error":{...}}``."""
-    return JSONResponse(exc.to_anthropic(), status_code=exc.status)
+    """The Anthropic error contract: the status code and ``{"type":"error","error":{...}}``,
+    and ``retry-after`` (whole seconds) when the error says when to try again."""
+    headers = None
+    if exc.retry_after is not None:
+        headers = {"retry-after": str(max(1, math.ceil(exc.retry_after)))}
+    return JSONResponse(exc.to_anthropic(), status_code=exc.status, headers=headers)
 
 
 async def _frames(exchange: Exchange) -> AsyncIterator[bytes]:
@@ -80,6 +85,28 @@ async def _whole(request: Request, exchange: Exchange) -> Response:
     if "error" in outcome:
         return error_response(outcome["error"])
     return Response(status_code=499)  # the client is gone; nobody reads this
+
+
+async def _unless_gone(request: Request, work: Awaitable[int]) -> int | None:
+    """``work``'s result, or None when the client disconnects first (``work`` is cancelled, so
+    an abandoned count never reaches the engine's templating queue or leaves it at once)."""
+    outcome: dict[str, Any] = {}
+
+    async def watch_disconnect(scope: anyio.CancelScope) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch_disconnect, tg.cancel_scope)
+        try:
+            outcome["value"] = await work
+        except AgentKVError as exc:  # raised below, not wrapped in a task group's error
+            outcome["error"] = exc
+        tg.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 class _Routes:
@@ -119,10 +146,17 @@ class _Routes:
     async def count_tokens(self, request: Request) -> Response:
         self.check_auth(request)
         body = await read_json(request, self.config.body_limits)
-        return JSONResponse({"input_tokens": await self.runtime.count_tokens(body)})
+        counted = await _unless_gone(request, self.runtime.count_tokens(body))
+        if counted is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        return JSONResponse({"input_tokens": counted})
 
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
+        status = self.runtime.client.status
+        if status is not None and (unavailable := status.error()) is not None:
+            # No model is served while the engine restarts or after agentkv gave up on it.
+            raise unavailable
         entry = {
             "type": "model",
             "id": self.config.model_name,
@@ -134,17 +168,26 @@ class _Routes:
         )
 
     async def health(self, request: Request) -> Response:
-        engine_ok = await self.runtime.client.health()
+        """200 ``ready``; 503 ``engine_restarting`` (with ``retry-after``) or
+        ``engine_unavailable``."""
+        client = self.runtime.client
+        state, detail = await client.engine_state()
         table = self.runtime.gateway.table()
-        return JSONResponse(
-            {
-                "status": "ok" if engine_ok else "engine_unavailable",
-                "engine": engine_ok,
-                "slots": self.runtime.config.n_slots,
-                "queued": len(table["queue"]),
-            },
-            status_code=200 if engine_ok else 503,
-        )
+        body: dict[str, Any] = {
+            "status": state,
+            "engine": state == "ready",
+            "slots": self.runtime.config.n_slots,
+            "queued": len(table["queue"]),
+        }
+        headers = None
+        if client.status is not None:
+            body["engine_generation"] = client.status.generation
+            body["engine_restarts"] = client.status.restarts
+        if state != "ready":
+            body["detail"] = detail
+        if state == "engine_restarting" and client.status is not None:
+            headers = {"retry-after": str(max(1, math.ceil(client.status.retry_after)))}
+        return JSONResponse(body, status_code=200 if state == "ready" else 503, headers=headers)
 
     async def slots(self, request: Request) -> Response:
         self.check_auth(request)

@@ -31,9 +31,12 @@ from agentkv import AgentKVError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.status import EngineStatus
+from agentkv.runtime.supervisor import EngineSupervisor
 from agentkv_server import logs
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
+from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
 
 __all__ = ["build_parser", "claude_code_env", "main", "options_markdown"]
 
@@ -148,7 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--ctx-per-slot",
         type=int,
         default=None,
-        help="context tokens per slot (default: the model's training context)",
+        help="context tokens per slot (default: the model's training context, as far as "
+        "--kv-budget allows, and at least 4096)",
+    )
+    engine.add_argument(
+        "--kv-budget",
+        metavar="BYTES",
+        type=_size,
+        default=None,
+        help="memory the KV cache of all slots may take, in bytes or with a unit (8GiB, "
+        "512MiB); sets the default --ctx-per-slot (default: a quarter of the machine's memory)",
     )
     engine.add_argument(
         "--gpu-layers", type=int, default=0, help="layers to offload to the GPU, -ngl (default 0)"
@@ -167,6 +179,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--no-store", action="store_true", help="save no slot states (no parking, no sharing)"
+    )
+    engine.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restart a launched llama-server that dies; after more than N failures within "
+        "--restart-window seconds, exit non-zero (default 5; 0: exit at the first)",
+    )
+    engine.add_argument(
+        "--restart-window",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="the window --max-restarts counts failures in (default 300)",
+    )
+    engine.add_argument(
+        "--templating-limit",
+        type=int,
+        default=4,
+        metavar="N",
+        help="llama-server templating and tokenizing calls (count_tokens, prompt matching) "
+        "allowed at once; more wait their turn (default 4)",
+    )
+    conn = parser.add_argument_group("connections")
+    conn.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection that has not sent a request's line and headers this long after it "
+        "opened (or after the request's first byte) is closed (default 10; 0: no limit)",
+    )
+    conn.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a request whose body has not fully arrived this long after its headers gets 408 "
+        "(default 30; 0: no limit)",
+    )
+    conn.add_argument(
+        "--keep-alive-timeout",
+        type=int,
+        default=15,
+        metavar="SECONDS",
+        help="an idle keep-alive connection is closed after this long (default 15)",
+    )
+    conn.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections served at once; more get 503 at once (default: 512, or half the "
+        "open-file limit when that is lower)",
     )
     parser.add_argument(
         "--log-level",
@@ -191,10 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
 def claude_code_env(
     url: str, api_key: str | None, *, ctx_per_slot: int | None, timeout: float
 ) -> str:
-    """The lines a user pastes into the shell that starts Claude Code."""
+    """The lines a user pastes into the shell that starts Claude Code.
+
+    The API key itself is never printed (these lines end up in logs): with a key configured, the
+    line reads it from ``$AGENTKV_API_KEY``, which the user sets in that shell too.
+    """
     lines = [
         f"export ANTHROPIC_BASE_URL={url}",
-        f"export ANTHROPIC_API_KEY={api_key or 'agentkv'}",
+        'export ANTHROPIC_API_KEY="$AGENTKV_API_KEY"'
+        if api_key
+        else "export ANTHROPIC_API_KEY=agentkv  # any value: no key is required",
         # Claude Code waits this long for a reply; agentkv ends every reply within it.
         f"export API_TIMEOUT_MS={int(timeout * 1000)}",
         "export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1",
@@ -208,6 +280,15 @@ def claude_code_env(
     return "\n".join(lines)
 
 
+def _size(text: str) -> int:
+    from agentkv.runtime.engine import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 @attrs.frozen
 class _Engine:
     base_url: str
@@ -216,6 +297,13 @@ class _Engine:
     compat: str
     #: The model file, when agentkv launched the engine.
     model: Path | None = None
+    #: The key of the llama-server agentkv launched (None with --upstream).
+    api_key: str | None = None
+    #: The supervisor's view of a launched engine (None with --upstream).
+    status: EngineStatus | None = None
+    supervisor: EngineSupervisor | None = None
+    #: KV-cache bytes per token of context (None: unknown, with --upstream).
+    kv_bytes_per_token: int | None = None
 
 
 def _file_digest(path: Path) -> str:
@@ -244,32 +332,50 @@ def _file_digest(path: Path) -> str:
 
 @asynccontextmanager
 async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
-    """The engine's URL and shape; launches llama-server unless --upstream is given."""
+    """The engine's URL and shape; launches and supervises llama-server unless --upstream."""
     if args.upstream:
         store = None if args.no_store else args.store_dir
         yield _Engine(
             args.upstream.rstrip("/"), args.ctx_per_slot, store, f"upstream:{args.upstream}"
         )
         return
-    from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_server
-    from agentkv.runtime.model import default_cache_dir, default_model_path
-
-    binary = find_llama_server(args.llama_server)
-    model = Path(args.model if args.model is not None else default_model_path())
-    store_dir = None if args.no_store else (args.store_dir or default_cache_dir() / "store")
-    config = EngineConfig(
-        model=model,
-        slots=args.slots,
-        ctx_per_slot=args.ctx_per_slot,
-        gpu_layers=args.gpu_layers,
-        port=args.engine_port,
-        threads=args.threads,
-        slot_save_dir=store_dir,
+    from agentkv.runtime.engine import (
+        DEFAULT_KV_TYPE,
+        EngineConfig,
+        LlamaServerProcess,
+        default_kv_budget,
+        find_llama_server,
+        plan_context,
     )
+    from agentkv.runtime.model import default_cache_dir, default_model_path, read_model_shape
 
     def progress(message: str) -> None:
         print(f"agentkv-server: {message}", file=sys.stderr, flush=True)
 
+    binary = find_llama_server(args.llama_server)
+    model = Path(args.model if args.model is not None else default_model_path())
+    store_dir = None if args.no_store else (args.store_dir or default_cache_dir() / "store")
+    shape = await anyio.to_thread.run_sync(read_model_shape, model)
+    kv_type = DEFAULT_KV_TYPE
+    plan = plan_context(
+        shape,
+        slots=args.slots,
+        kv_budget=args.kv_budget if args.kv_budget is not None else default_kv_budget(),
+        kv_type=kv_type,
+        requested=args.ctx_per_slot,
+    )
+    progress(plan.describe())
+    config = EngineConfig(
+        model=model,
+        slots=args.slots,
+        ctx_per_slot=plan.ctx_per_slot,
+        n_ctx_train=shape.n_ctx_train,
+        gpu_layers=args.gpu_layers,
+        port=args.engine_port,
+        threads=args.threads,
+        slot_save_dir=store_dir,
+        kv_type=kv_type,
+    )
     compat = "|".join(
         [
             f"model={await anyio.to_thread.run_sync(_file_digest, model)}",
@@ -279,9 +385,32 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
         ]
     )
     async with LlamaServerProcess(config, binary=binary, on_progress=progress) as process:
-        yield _Engine(
-            process.base_url, config.effective_ctx_per_slot, store_dir, compat, model=model
+        supervisor = EngineSupervisor(
+            process, max_failures=args.max_restarts, window=args.restart_window
         )
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(supervisor.run)
+                try:
+                    yield _Engine(
+                        process.base_url,
+                        config.effective_ctx_per_slot,
+                        store_dir,
+                        compat,
+                        api_key=process.api_key,
+                        status=supervisor.status,
+                        supervisor=supervisor,
+                        kv_bytes_per_token=plan.bytes_per_token,
+                        model=model,
+                    )
+                finally:
+                    supervisor.stand_down()
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The supervisor never raises: what failed is the body, which callers expect bare.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
 
 
 async def _engine_shape(
@@ -302,6 +431,35 @@ async def _engine_shape(
     return slots, ctx_per_slot
 
 
+def _connection_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's connection settings, chosen on purpose (docs/configuration.md, connections)."""
+    max_connections = args.max_connections
+    if max_connections is None:
+        max_connections = 512
+        with contextlib.suppress(ImportError, OSError, ValueError):
+            import resource
+
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            if soft != resource.RLIM_INFINITY:
+                # Leave descriptors for llama-server connections, slot files and logs.
+                max_connections = max(16, min(max_connections, soft // 2))
+    return {
+        # Idle keep-alive connections are closed after this long; Claude Code reconnects freely.
+        "timeout_keep_alive": args.keep_alive_timeout,
+        # More connections (or running requests) than this get 503 at once, before the process
+        # runs out of file descriptors and stops accepting.
+        "limit_concurrency": max_connections,
+        # The h11 parser (even where httptools is installed, so that the header limit below
+        # holds), with a deadline for request headers, which uvicorn lacks.
+        "http": h11_with_header_timeout(args.header_timeout),
+        # Request line and headers may take at most 64 KiB (uvicorn's default is 16 KiB); the
+        # body has its own limit (--max-body-bytes).
+        "h11_max_incomplete_event_size": 64 * 1024,
+        # On shutdown, open streams get this long to finish before they are cut.
+        "timeout_graceful_shutdown": 10,
+    }
+
+
 class _Server(uvicorn.Server):
     #: Called once the server listens (the startup block is printed then).
     on_started: Callable[[], None] | None = None
@@ -310,6 +468,14 @@ class _Server(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started and self.on_started is not None:
             self.on_started()
+
+    #: Called when a signal asks the server to stop (before it stops).
+    on_exit: Callable[[], None] | None = None
+
+    def handle_exit(self, sig: int, frame: types.FrameType | None) -> None:
+        if self.on_exit is not None:
+            self.on_exit()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -331,7 +497,12 @@ class _Server(uvicorn.Server):
 
 async def _serve(args: argparse.Namespace) -> None:
     async with _engine(args) as engine:
-        client = LlamaSlotClient(engine.base_url)
+        client = LlamaSlotClient(
+            engine.base_url,
+            api_key=engine.api_key,
+            status=engine.status,
+            templating_limit=args.templating_limit,
+        )
         try:
             if args.upstream:
                 logs.say(f"waiting for llama-server at {engine.base_url}")
@@ -346,16 +517,26 @@ async def _serve(args: argparse.Namespace) -> None:
                 store_dir=engine.store_dir,
             )
             runtime = Runtime(client, runtime_config, store_compat=engine.compat)
+            if engine.kv_bytes_per_token:
+                # The model's KV bytes per token: what a saved slot costs, before any is saved.
+                runtime.costs.bytes_per_token = float(engine.kv_bytes_per_token)
             app = create_app(runtime, server_config)
             server = _Server(
                 uvicorn.Config(
-                    app,
+                    BodyTimeoutMiddleware(app, timeout=args.body_timeout),
                     host=server_config.host,
                     port=server_config.port,
                     lifespan="on",
                     **logs.uvicorn_options(args.log_level),
+                    **_connection_settings(args),
                 )
             )
+            supervisor = engine.supervisor
+            if supervisor is not None:
+                # A signal stops the engine on purpose: no restarts while shutting down. When the
+                # supervisor gives up, the server stops and the process exits non-zero.
+                server.on_exit = supervisor.stand_down
+                supervisor.on_give_up = lambda _: setattr(server, "should_exit", True)
             url = f"http://{server_config.host}:{server_config.port}"
             fields = logs.startup_fields(
                 engine=engine.base_url,
@@ -376,6 +557,8 @@ async def _serve(args: argparse.Namespace) -> None:
             )
             server.on_started = lambda: logs.announce(fields)
             await server.serve()
+            if supervisor is not None and supervisor.failure is not None:
+                raise supervisor.failure
         finally:
             with anyio.CancelScope(shield=True):
                 await client.aclose()

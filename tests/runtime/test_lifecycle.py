@@ -330,3 +330,25 @@ async def test_a_reply_suspended_mid_way_continues_where_it_stopped(tmp_path: Pa
         assert replies["background"] == so_far + " and the rest."
         # Its saved progress is gone once it has ended.
         await wait_for(lambda: not list(tmp_path.glob("akv-suspended-*.bin")))
+
+
+async def test_an_engine_restart_forgets_what_the_slots_held() -> None:
+    """When the supervisor reports a new engine generation, every slot is empty: the runtime
+    forgets the cached prompt it remembered, so the next request is not placed on a ghost."""
+    from agentkv.runtime.status import EngineStatus
+
+    fake = FakeLlama(reply="ok")
+    status = EngineStatus()
+    http = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
+    client = LlamaSlotClient("http://engine", http=http, connect_retries=0, status=status)
+    async with http, Runtime(client, RuntimeConfig(n_slots=2)) as runtime:
+        await ask(runtime, first_request("alpha"), "a")
+        held = [len(slot.tokens) for slot in runtime.gateway.slots.table()]
+        assert max(held) > 1000
+        status.new_generation()
+        await wait_for(
+            lambda: all(not slot.tokens for slot in runtime.gateway.slots.table()), timeout=5
+        )
+        await ask(runtime, first_request("alpha"), "a")
+        assert runtime.records()[-1].source == "none"
+        assert runtime.records()[-1].planned_reuse == 0

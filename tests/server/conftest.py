@@ -36,6 +36,7 @@ class Live(NamedTuple):
     engine_url: str
     runtime: Runtime
     portal: anyio.from_thread.BlockingPortal
+    engine_key: str | None = None
 
     def engine_table(self) -> dict[str, Any]:
         """agentkv's own slot table, as GET /agentkv/slots shows it."""
@@ -43,7 +44,7 @@ class Live(NamedTuple):
 
     def engine_slots(self) -> list[dict[str, Any]]:
         async def get() -> list[dict[str, Any]]:
-            async with LlamaSlotClient(self.engine_url) as client:
+            async with LlamaSlotClient(self.engine_url, api_key=self.engine_key) as client:
                 return await client.slots()
 
         return self.portal.call(get)
@@ -84,7 +85,9 @@ def start_live(root: Path, **settings: Any) -> Iterator[Live]:
                 assert time.monotonic() < deadline, "agentkv server did not start"
                 time.sleep(0.05)
             try:
-                yield Live(f"http://127.0.0.1:{port}", process.base_url, runtime, portal)
+                yield Live(
+                    f"http://127.0.0.1:{port}", process.base_url, runtime, portal, process.api_key
+                )
             finally:
                 server.should_exit = True
                 done.result(timeout=30)

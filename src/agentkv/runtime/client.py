@@ -7,6 +7,10 @@ boundary, onto the agentkv exception tree: unreachable → :class:`EngineUnavail
 Requests are retried only where a retry cannot repeat work: the connection was refused or could not
 be opened, or llama-server answered 503 because it is still loading the model. Nothing is retried
 once a response body has started to reach the caller.
+
+Low-level httpx errors are mapped by one table, :data:`HTTPX_ERROR_MAP`, in one place. Streams are
+parsed with httpx-sse. When agentkv supervises the engine (``status``), a request made while it
+restarts fails at once with :class:`EngineRestartingError` (529, ``retry-after``).
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import anyio
 import httpx
+
+# httpx-sse's decoders: its EventSource would drop the `error:` field older llama-servers use.
+from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -33,8 +40,9 @@ from agentkv.exceptions import (
     EngineTimeoutError,
     EngineUnavailableError,
 )
+from agentkv.runtime.status import EngineStatus
 
-__all__ = ["LlamaSlotClient"]
+__all__ = ["HTTPX_ERROR_MAP", "LlamaSlotClient", "probe", "wait_until_ready"]
 
 _CHAT_PATH = "/v1/chat/completions"
 # Opening a TCP connection to a local server never legitimately takes long; a slow connect means
@@ -42,8 +50,55 @@ _CHAT_PATH = "/v1/chat/completions"
 _CONNECT_TIMEOUT = 10.0
 
 
+#: While an engine restart is under way, a mid-stream break waits this long for the supervisor to
+#: notice, so that the caller hears "restarting" rather than "truncated".
+_SETTLE_SECONDS = 1.0
+
+
 class _NotReadyError(EngineUnavailableError):
     """Raised for the retryable cases only: refused/failed connection or 503 while loading."""
+
+
+#: Every httpx failure, most specific first, and the agentkv error it becomes, with words for the
+#: message. The first entry the exception is an instance of wins (like httpx's own
+#: ``HTTPCORE_EXC_MAP``). ``_NotReadyError`` is retried: nothing reached llama-server.
+HTTPX_ERROR_MAP: tuple[tuple[type[Exception], type[EngineError], str], ...] = (
+    (httpx.ConnectTimeout, _NotReadyError, "cannot reach llama-server (connect timed out)"),
+    (httpx.ConnectError, _NotReadyError, "cannot reach llama-server"),
+    # No pooled connection came free in time: too many requests are in flight already.
+    (httpx.PoolTimeout, EngineUnavailableError, "no free connection to llama-server"),
+    # Read or write timeout: llama-server accepted the request and then went silent.
+    (httpx.TimeoutException, EngineTimeoutError, "llama-server timed out"),
+    (httpx.RemoteProtocolError, EngineUnavailableError, "llama-server dropped the connection"),
+    (httpx.LocalProtocolError, EngineError, "agentkv sent llama-server an invalid request"),
+    (httpx.NetworkError, EngineUnavailableError, "the connection to llama-server broke"),
+    (httpx.ProxyError, EngineUnavailableError, "a proxy refused the way to llama-server"),
+    (httpx.UnsupportedProtocol, EngineUnavailableError, "the llama-server URL is not http(s)"),
+    (httpx.TransportError, EngineUnavailableError, "the connection to llama-server failed"),
+    (httpx.DecodingError, EngineResponseError, "llama-server sent an undecodable body"),
+    (httpx.TooManyRedirects, EngineResponseError, "llama-server redirected too often"),
+    (httpx.HTTPStatusError, EngineResponseError, "llama-server answered with an error status"),
+    (httpx.InvalidURL, EngineUnavailableError, "the llama-server URL is invalid"),
+    (httpx.StreamError, EngineError, "agentkv misread a llama-server response"),
+    (httpx.HTTPError, EngineError, "the request to llama-server failed"),
+)
+_HTTPX_ERRORS = tuple(kind for kind, _, _ in HTTPX_ERROR_MAP)
+
+
+def map_httpx_error(exc: Exception, what: str, base_url: str, *, started: bool) -> EngineError:
+    """The agentkv error for an httpx failure of request ``what`` (the one mapping).
+
+    ``started``: the response body had begun to reach the caller. A connection lost then is a
+    truncated reply (never retried), not an unreachable engine.
+    """
+    error, words = next(
+        ((error, words) for kind, error, words in HTTPX_ERROR_MAP if isinstance(exc, kind)),
+        (EngineError, "the request to llama-server failed"),
+    )
+    message = f"{words} ({what} at {base_url}): {exc!r}"
+    if started and issubclass(error, EngineUnavailableError):
+        return EngineResponseError(f"{message}; the reply is truncated")
+    return error(message)
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -104,64 +159,91 @@ def _finish_reason(chunk: Mapping[str, Any]) -> Any:
     return None
 
 
-class _ChunkStream:
-    """Async iterator over the chunk dicts of one streamed chat completion.
+class _Decoder(SSEDecoder):
+    """httpx-sse's event decoder, plus the ``error:`` field older llama-servers send.
 
-    Ends at ``data: [DONE]``. A stream that stops before ``[DONE]`` without having reported a
-    ``finish_reason`` is truncated and raises :class:`EngineResponseError`.
+    The SSE spec ignores unknown fields; llama-server versions of early 2025 report a failure
+    mid-stream as ``error: {json}``, which must not be mistaken for a merely truncated stream.
     """
 
-    def __init__(self, response: httpx.Response) -> None:
-        self._lines = response.aiter_lines()
+    def decode(self, line: str) -> Any:
+        if line.startswith("error:"):
+            super().decode("event: error")
+            line = "data:" + line[len("error:") :]
+        return super().decode(line)
+
+
+async def _events(response: httpx.Response) -> AsyncGenerator[tuple[str, str], None]:
+    """``(event, data)`` of each server-sent event of ``response``."""
+    lines = SSELineDecoder()
+    decoder = _Decoder()
+
+    def decoded(batch: list[str]) -> list[tuple[str, str]]:
+        events = (decoder.decode(line.rstrip("\n")) for line in batch)
+        return [(event.event, event.data) for event in events if event is not None]
+
+    async for text in response.aiter_text():
+        for item in decoded(lines.decode(text)):
+            yield item
+    # A last event without its closing blank line still counts.
+    for item in decoded([*lines.flush(), ""]):
+        yield item
+
+
+class _ChunkStream:
+    """Async iterator over the chunk dicts of one streamed completion.
+
+    Ends at ``data: [DONE]``. A stream that stops before ``[DONE]`` without having reported a
+    finish reason (``finish_reason``, or ``stop: true`` on ``/completion``) is truncated and
+    raises :class:`EngineResponseError`; an ``error`` (field or chunk key) raises the engine's.
+    """
+
+    def __init__(self, client: LlamaSlotClient, response: httpx.Response, what: str) -> None:
+        self._client = client
+        self._events = _events(response)
+        self._what = what
         self._done = False
         self._finished = False
 
     def __aiter__(self) -> _ChunkStream:
         return self
 
+    async def _next_event(self) -> tuple[str, str] | None:
+        try:
+            return await self._events.__anext__()
+        except StopAsyncIteration:
+            return None
+        except _HTTPX_ERRORS as exc:
+            self._done = True
+            raise await self._client._engine_error(exc, self._what, started=True) from exc
+
     async def __anext__(self) -> dict[str, Any]:
-        if self._done:
-            raise StopAsyncIteration
-        while True:
-            try:
-                line = await self._lines.__anext__()
-            except StopAsyncIteration:
+        while not self._done:
+            item = await self._next_event()
+            if item is None:
                 self._done = True
                 if self._finished:
-                    raise StopAsyncIteration from None
-                raise EngineResponseError(
-                    "llama-server stream ended before the completion finished (truncated)"
-                ) from None
-            except httpx.TimeoutException as exc:
-                self._done = True
-                raise EngineTimeoutError(f"llama-server stopped streaming: {exc!r}") from exc
-            except httpx.TransportError as exc:
-                self._done = True
-                raise EngineResponseError(
-                    f"llama-server connection broke mid-stream (truncated): {exc!r}"
-                ) from exc
-            line = line.strip()
-            if not line or line.startswith(":"):
+                    break
+                raise await self._client._engine_error(None, self._what, started=True)
+            event, data = item
+            if not data and event != "error":
                 continue
-            field, _, value = line.partition(":")
-            value = value.strip()
-            if field == "error":
-                # Some llama-server versions report failures as an `error:` SSE field.
+            if event == "error":
                 self._done = True
-                _check_chunk({"error": _parse_json(value, "stream")})
-            if field != "data":
-                continue
-            if value == "[DONE]":
+                _check_chunk({"error": _parse_json(data, "stream")})
+            if data == "[DONE]":
                 self._done = True
-                raise StopAsyncIteration
+                break
             try:
-                chunk = _check_chunk(_parse_json(value, "stream"))
+                chunk = _check_chunk(_parse_json(data, "stream"))
             except EngineError:
                 self._done = True
                 raise
             if _finish_reason(chunk) is not None:
                 self._finished = True
             return chunk
+        await self._events.aclose()
+        raise StopAsyncIteration
 
 
 class LlamaSlotClient:
@@ -171,6 +253,12 @@ class LlamaSlotClient:
     :meth:`aclose`. ``connect_retries`` and ``retry_seconds`` bound the safe retries (refused
     connection, 503 while loading); ``read_timeout`` is how long llama-server may stay silent
     mid-request before :class:`EngineTimeoutError`.
+
+    ``api_key`` is sent as ``Authorization: Bearer`` (the key agentkv gave the llama-server it
+    launched). ``status`` is the supervisor's view of that engine: while it restarts, requests fail
+    at once with :class:`EngineRestartingError`. ``templating_limit`` bounds how many
+    ``/apply-template`` and ``/tokenize`` calls run at once; the others wait their turn, and a
+    caller cancelled while waiting never sends its call.
     """
 
     def __init__(
@@ -182,6 +270,9 @@ class LlamaSlotClient:
         retry_seconds: float = 30.0,
         read_timeout: float = 600.0,
         retry_backoff: float = 0.25,
+        api_key: str | None = None,
+        status: EngineStatus | None = None,
+        templating_limit: int = 4,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._owns_http = http is None
@@ -190,6 +281,10 @@ class LlamaSlotClient:
         self._connect_retries = max(0, connect_retries)
         self._retry_seconds = retry_seconds
         self._retry_backoff = retry_backoff
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        #: The supervisor's view of the engine (None: not supervised by this process).
+        self.status = status
+        self._templating = anyio.CapacityLimiter(max(1, templating_limit))
 
     # -- chat ---------------------------------------------------------------------------------
 
@@ -225,7 +320,7 @@ class LlamaSlotClient:
         payload = self._chat_body(body, slot, stream=True)
         response = await self._send("POST", _CHAT_PATH, "chat completion", payload, stream=True)
         try:
-            yield _ChunkStream(response)
+            yield _ChunkStream(self, response, "chat completion")
         finally:
             # Shielded: closing must happen even when the caller is being cancelled, or the
             # engine would keep generating into a connection nobody reads.
@@ -236,12 +331,13 @@ class LlamaSlotClient:
 
     async def tokenize(self, content: str, *, add_special: bool = False) -> list[int]:
         """Token ids of ``content``; special-token text (``<|im_start|>``) is parsed as such."""
-        data = await self._request_json(
-            "POST",
-            "/tokenize",
-            "tokenize",
-            json_body={"content": content, "add_special": add_special, "parse_special": True},
-        )
+        async with self._templating:
+            data = await self._request_json(
+                "POST",
+                "/tokenize",
+                "tokenize",
+                json_body={"content": content, "add_special": add_special, "parse_special": True},
+            )
         tokens = data.get("tokens") if isinstance(data, Mapping) else None
         if not isinstance(tokens, list):
             raise EngineResponseError(f"llama-server tokenize returned {data!r:.200}")
@@ -250,9 +346,10 @@ class LlamaSlotClient:
 
     async def apply_template(self, body: Mapping[str, Any]) -> str:
         """The prompt text llama-server's chat template makes of a chat ``body``."""
-        data = await self._request_json(
-            "POST", "/apply-template", "apply-template", json_body=dict(body)
-        )
+        async with self._templating:
+            data = await self._request_json(
+                "POST", "/apply-template", "apply-template", json_body=dict(body)
+            )
         prompt = data.get("prompt") if isinstance(data, Mapping) else None
         if not isinstance(prompt, str):
             raise EngineResponseError(f"llama-server apply-template returned {data!r:.200}")
@@ -293,7 +390,7 @@ class LlamaSlotClient:
         }
         response = await self._send("POST", "/completion", "prefill", payload, stream=True)
         try:
-            yield _ChunkStream(response)
+            yield _ChunkStream(self, response, "prefill")
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
@@ -338,6 +435,14 @@ class LlamaSlotClient:
         state, _ = await probe(self._http, self.base_url)
         return state == "ready"
 
+    async def engine_state(self) -> tuple[str, str]:
+        """What ``/health`` reports: ``("ready" | "engine_restarting" | "engine_unavailable",
+        detail)``, from the supervisor's status where there is one, else from one probe."""
+        if self.status is not None and self.status.state != "ready":
+            return f"engine_{self.status.state}", self.status.detail
+        state, detail = await probe(self._http, self.base_url)
+        return ("ready", detail) if state == "ready" else ("engine_unavailable", detail)
+
     async def wait_ready(
         self,
         timeout: float,  # noqa: ASYNC109 - part of the public contract
@@ -346,21 +451,7 @@ class LlamaSlotClient:
     ) -> None:
         """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
         ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
-        deadline = time.monotonic() + timeout
-        last = ""
-        while True:
-            state, detail = await probe(self._http, self.base_url)
-            if state == "ready":
-                if on_progress is not None:
-                    on_progress(f"llama-server at {self.base_url} is ready")
-                return
-            message = f"llama-server at {self.base_url}: {detail}"
-            if on_progress is not None and message != last:
-                on_progress(message)
-            last = message
-            if time.monotonic() >= deadline:
-                raise EngineUnavailableError(f"{message} (still not ready after {timeout:g} s)")
-            await anyio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+        await wait_until_ready(self._http, self.base_url, timeout=timeout, on_progress=on_progress)
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it."""
@@ -386,6 +477,30 @@ class LlamaSlotClient:
     ) -> Any:
         response = await self._send(method, path, what, json_body, params=params)
         return _parse_json(response.text, what)
+
+    async def _engine_error(
+        self, exc: Exception | None, what: str, *, started: bool
+    ) -> EngineError:
+        """The error for a failed request (``exc`` None: a stream that ended too early).
+
+        While the supervisor restarts the engine, that is the error: the caller should retry.
+        A broken stream waits a moment for the supervisor to notice a dead engine first.
+        """
+        if exc is None:
+            error: EngineError = EngineResponseError(
+                f"llama-server {what} stream ended before the completion finished (truncated)"
+            )
+        else:
+            error = map_httpx_error(exc, what, self.base_url, started=started)
+        status = self.status
+        if status is not None and isinstance(error, EngineUnavailableError | EngineResponseError):
+            if started and status.state == "ready":
+                with anyio.move_on_after(_SETTLE_SECONDS):
+                    await status.changed()
+            restarting = status.error()
+            if restarting is not None:
+                return restarting
+        return error
 
     async def _send(
         self,
@@ -424,22 +539,20 @@ class LlamaSlotClient:
         params: Mapping[str, str] | None,
         stream: bool,
     ) -> httpx.Response:
-        request = self._http.build_request(
-            method, self.base_url + path, json=json_body, params=params, timeout=self._timeout
-        )
+        if self.status is not None and (refused := self.status.error()) is not None:
+            raise refused
         try:
+            request = self._http.build_request(
+                method,
+                self.base_url + path,
+                json=json_body,
+                params=params,
+                headers=self._headers,
+                timeout=self._timeout,
+            )
             response = await self._http.send(request, stream=stream)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            # Nothing reached llama-server, so trying again cannot duplicate work.
-            raise _NotReadyError(f"cannot reach llama-server at {self.base_url}: {exc!r}") from exc
-        except httpx.TimeoutException as exc:
-            raise EngineTimeoutError(
-                f"llama-server {what} timed out at {self.base_url}: {exc!r}"
-            ) from exc
-        except httpx.TransportError as exc:
-            raise EngineUnavailableError(
-                f"llama-server {what} failed at {self.base_url}: {exc!r}"
-            ) from exc
+        except _HTTPX_ERRORS as exc:
+            raise await self._engine_error(exc, what, started=False) from exc
         if response.is_success:
             return response
         try:
@@ -451,10 +564,18 @@ class LlamaSlotClient:
         raise _status_error(response, what)
 
 
-async def probe(http: httpx.AsyncClient, base_url: str) -> tuple[str, str]:
-    """One ``GET /health``: ``("ready" | "loading" | "down", detail in words)``."""
+async def probe(
+    http: httpx.AsyncClient,
+    base_url: str,
+    *,
+    timeout: float = 5.0,  # noqa: ASYNC109 - passed on to httpx
+) -> tuple[str, str]:
+    """One ``GET /health``: ``("ready" | "loading" | "down", detail in words)``.
+
+    ``/health`` needs no API key on llama-server.
+    """
     try:
-        response = await http.get(f"{base_url.rstrip('/')}/health", timeout=5.0)
+        response = await http.get(f"{base_url.rstrip('/')}/health", timeout=timeout)
     except httpx.ConnectError:
         return "down", "not accepting connections yet"
     except httpx.HTTPError as exc:
@@ -464,3 +585,37 @@ async def probe(http: httpx.AsyncClient, base_url: str) -> tuple[str, str]:
     if response.status_code == 503:
         return "loading", f"loading the model ({_error_message(response)})"
     return "down", f"health check answered HTTP {response.status_code}: {_error_message(response)}"
+
+
+async def wait_until_ready(
+    http: httpx.AsyncClient,
+    base_url: str,
+    *,
+    timeout: float,  # noqa: ASYNC109 - a deadline for the whole wait, reported in the error
+    on_progress: Callable[[str], None] | None = None,
+    check: Callable[[], None] | None = None,
+    interval: float = 0.25,
+) -> None:
+    """The one readiness wait: poll ``/health`` until llama-server has loaded its model.
+
+    ``on_progress`` hears each change of state in words; ``check`` runs before each probe and
+    may raise (a launcher's "the process has exited"). After ``timeout`` seconds:
+    :class:`EngineUnavailableError` naming the last state.
+    """
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        if check is not None:
+            check()
+        state, detail = await probe(http, base_url)
+        if state == "ready":
+            if on_progress is not None:
+                on_progress(f"llama-server at {base_url} is ready")
+            return
+        message = f"llama-server at {base_url}: {detail}"
+        if on_progress is not None and message != last:
+            on_progress(message)
+        last = message
+        if time.monotonic() >= deadline:
+            raise EngineUnavailableError(f"{message} (still not ready after {timeout:g} s)")
+        await anyio.sleep(min(interval, max(0.0, deadline - time.monotonic())))

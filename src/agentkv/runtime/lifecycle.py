@@ -45,6 +45,7 @@ from agentkv.costs import CostModel
 from agentkv.exceptions import (
     AgentKVError,
     EngineError,
+    EngineTimeoutError,
     EngineUnavailableError,
     PromptTooLongError,
 )
@@ -54,6 +55,7 @@ from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Checkpoint, Gateway
 from agentkv.runtime.report import request_fields, request_line
+from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
 from agentkv.sse import RetryWithTools, SSEAssembler, accumulate
 from agentkv.store import EntryKind, StoreIndex
@@ -700,6 +702,8 @@ class Runtime:
         self._tg = await anyio.create_task_group().__aenter__()
         self._tg.start_soon(self.gateway.run_watchdog, self.config.watchdog_interval)
         self._tg.start_soon(self._upkeep)
+        if self.client.status is not None:
+            self._tg.start_soon(self._follow_engine_restarts, self.client.status)
         self.compactor.attach(self._tg)
         return self
 
@@ -855,9 +859,14 @@ class Runtime:
             self.costs.decode.observe(predicted, predicted_ms / 1000)
 
     async def guard_store(self, work: Any) -> Any:
-        """Run a store operation; a store the engine cannot serve is switched off, not fatal."""
+        """Run a store operation; a store the engine cannot serve is switched off, not fatal.
+
+        An engine that is down or restarting says nothing about the store: the error goes to
+        the request as it is, and the store stays on."""
         try:
             return await work
+        except (EngineUnavailableError, EngineTimeoutError):
+            raise
         except EngineError as exc:
             if not self._store_off:
                 log.warning("prefix store is off: llama-server cannot save slots (%s)", exc.message)
@@ -934,6 +943,15 @@ class Runtime:
         await anyio.sleep(self.config.retry_grace)
         if self._exchanges.get(exchange.prepared.key) is exchange:
             del self._exchanges[exchange.prepared.key]
+
+    async def _follow_engine_restarts(self, status: EngineStatus) -> None:
+        """A restarted engine's slots are all empty: forget what they held."""
+        generation = status.generation
+        while True:
+            generation = await status.wait_generation(generation)
+            for slot in range(self.gateway.n_slots):
+                self.gateway.slots.invalidate(slot)
+            log.info("engine restarted (generation %d): slot contents forgotten", generation)
 
     async def _upkeep(self) -> None:
         while True:

