@@ -17,7 +17,7 @@ from agentkv import AgentKVError, LlamaSlotClient
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 
-__all__ = ["build_parser", "claude_code_env", "main"]
+__all__ = ["build_parser", "claude_code_compacts_at", "claude_code_env", "main"]
 
 log = logging.getLogger("agentkv.server")
 
@@ -176,17 +176,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def claude_code_env(url: str, api_key: str | None) -> str:
-    """The lines a user pastes into the shell that starts Claude Code."""
+#: The longest reply Claude Code asks for. It also sets how early Claude Code compacts: it keeps
+#: ``min(this, 20000) + 13000`` tokens of its window free (see docs/claude-code.md).
+CLAUDE_CODE_MAX_OUTPUT_TOKENS = 4096
+#: Claude Code's own compaction buffer, subtracted from the window besides the output reserve.
+CLAUDE_CODE_COMPACT_BUFFER = 13000
+#: Claude Code's first request (system prompt, tools, session context), in the default model's
+#: tokens.
+CLAUDE_CODE_FIRST_REQUEST_TOKENS = 12000
+#: The model tiers Claude Code resolves through ANTHROPIC_DEFAULT_<TIER>_MODEL.
+_MODEL_ALIASES = ("OPUS", "SONNET", "HAIKU", "FABLE")
+
+
+def claude_code_env(
+    url: str,
+    api_key: str | None,
+    *,
+    model_name: str = "agentkv-local",
+    ctx_per_slot: int | None = None,
+) -> str:
+    """The lines a user pastes into the shell that starts Claude Code.
+
+    Claude Code does not know a local model: it gets one model id for every tier (so sub-agents
+    and helpers never ask for a model whose window it believes is larger), the slot's real window
+    (so it compacts before a slot overflows), a bounded reply length, and no traffic to
+    Anthropic's own services.
+    """
     key = api_key or "agentkv"
-    return "\n".join(
-        [
-            f"export ANTHROPIC_BASE_URL={url}",
-            f"export ANTHROPIC_API_KEY={key}",
-            "# one line per agent: who it is, and how urgent (0 = most urgent … 3 = background)",
-            "export ANTHROPIC_CUSTOM_HEADERS=$'X-Agent-Id: coordinator\\nX-Agent-Priority: 0'",
-        ]
-    )
+    lines = [
+        f"export ANTHROPIC_BASE_URL={url}",
+        f"export ANTHROPIC_API_KEY={key}",
+        f"export ANTHROPIC_MODEL={model_name}",
+        *(f"export ANTHROPIC_DEFAULT_{tier}_MODEL={model_name}" for tier in _MODEL_ALIASES),
+    ]
+    if ctx_per_slot is not None:
+        lines.append(f"export CLAUDE_CODE_MAX_CONTEXT_TOKENS={ctx_per_slot}")
+    lines += [
+        f"export CLAUDE_CODE_MAX_OUTPUT_TOKENS={CLAUDE_CODE_MAX_OUTPUT_TOKENS}",
+        "export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1",
+        "export API_TIMEOUT_MS=1800000",
+    ]
+    if ctx_per_slot is None:
+        lines.append("# the context per slot is unknown: Claude Code will assume 1M tokens")
+    elif claude_code_compacts_at(ctx_per_slot) < CLAUDE_CODE_FIRST_REQUEST_TOKENS:
+        lines.append(
+            f"# {ctx_per_slot} tokens per slot is too small for Claude Code: it compacts past "
+            f"{max(claude_code_compacts_at(ctx_per_slot), 0)} tokens, and its first request "
+            f"alone is about {CLAUDE_CODE_FIRST_REQUEST_TOKENS}"
+        )
+    lines += [
+        "# optional, one per agent: who it is, and how urgent (0 = most urgent … 3 = background)",
+        "# export ANTHROPIC_CUSTOM_HEADERS=$'X-Agent-Id: coordinator\\nX-Agent-Priority: 0'",
+    ]
+    return "\n".join(lines)
+
+
+def claude_code_compacts_at(ctx_per_slot: int) -> int:
+    """The context size at which Claude Code (2.1.x) compacts, given the lines printed above."""
+    reserve = min(CLAUDE_CODE_MAX_OUTPUT_TOKENS, 20000) + CLAUDE_CODE_COMPACT_BUFFER
+    return ctx_per_slot - reserve
 
 
 @asynccontextmanager
@@ -270,7 +318,11 @@ async def _serve(args: argparse.Namespace) -> None:
             print(
                 f"agentkv-server: serving the Anthropic Messages API on {url} "
                 f"({args.slots} slots, engine {base_url})\n"
-                "Point Claude Code at it:\n\n" + claude_code_env(url, args.api_key) + "\n",
+                "Point Claude Code at it:\n\n"
+                + claude_code_env(
+                    url, args.api_key, model_name=args.model_name, ctx_per_slot=ctx_per_slot
+                )
+                + "\n",
                 file=sys.stderr,
                 flush=True,
             )
