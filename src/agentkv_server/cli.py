@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 #: The longest reply Claude Code asks for. It also sets how early Claude Code compacts: it keeps
 #: ``min(this, 20000) + 13000`` tokens of its window free (see docs/claude-code.md).
 CLAUDE_CODE_MAX_OUTPUT_TOKENS = 4096
+#: How long Claude Code waits for a reply, and for a stream that carries no content yet (ms).
+CLAUDE_CODE_TIMEOUT_MS = 1_800_000
 #: Claude Code's own compaction buffer, subtracted from the window besides the output reserve.
 CLAUDE_CODE_COMPACT_BUFFER = 13000
 #: Claude Code's first request (system prompt, tools, session context), in the default model's
@@ -214,7 +216,12 @@ def claude_code_env(
     lines += [
         f"export CLAUDE_CODE_MAX_OUTPUT_TOKENS={CLAUDE_CODE_MAX_OUTPUT_TOKENS}",
         "export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1",
-        "export API_TIMEOUT_MS=1800000",
+        # A cold prefill behind a queue can take minutes before the first token; Claude Code's own
+        # limit on a stream without content is 600 s, after which it would send the same request
+        # again without streaming.
+        f"export API_TIMEOUT_MS={CLAUDE_CODE_TIMEOUT_MS}",
+        f"export CLAUDE_STREAM_IDLE_TIMEOUT_MS={CLAUDE_CODE_TIMEOUT_MS}",
+        "export CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK=1",
     ]
     if ctx_per_slot is None:
         lines.append("# the context per slot is unknown: Claude Code will assume 1M tokens")

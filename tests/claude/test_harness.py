@@ -24,6 +24,9 @@ def test_lines_name_one_model_for_every_tier_and_the_real_window() -> None:
     assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "32768"
     assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "4096"
     assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
+    # A slow first token is waited for, and never answered by the same request without streaming.
+    assert env["API_TIMEOUT_MS"] == env["CLAUDE_STREAM_IDLE_TIMEOUT_MS"] == "1800000"
+    assert env["CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK"] == "1"
     # Agent identity is left to Claude Code's session id unless the user opts in.
     assert "ANTHROPIC_CUSTOM_HEADERS" not in env
 
