@@ -114,15 +114,24 @@ def test_file_task_ends_in_bound_with_the_file_or_a_clear_failure(
     # Never a duplicate computation: every request the engine ran for this session is a distinct
     # one, even when Claude Code sent one again (a retry, or the same request without streaming).
     sessions = {e.session for e in sent if e.session}
-    assert len(sessions) == 1, sessions
-    (session,) = sessions
-    distinct = {e.identity() for e in sent}
-    retries = [e for e in sent if e.retry_count > 0]
-    ran = engine_runs(agentkv_server.table(), session)
-    assert len(ran) <= len(distinct), (
-        f"{len(ran)} engine runs for {len(distinct)} distinct requests "
-        f"({len(sent)} sent, {len(retries)} marked as retries)"
-    )
+    assert len(sessions) <= 1, sessions
+    for session in sessions:
+        distinct = {e.identity() for e in sent}
+        retries = [e for e in sent if e.retry_count > 0]
+        table = agentkv_server.table()
+        ran = engine_runs(table, session)
+        # The slot table lists only the last 16 requests: it covers the session when it lists
+        # fewer, or when its oldest is another agent's.
+        recent = table.get("recent", [])
+        covered = len(recent) < 16 or recent[0].get("agent") != session
+        assert covered or len(distinct) == len(sent), (
+            f"Claude Code sent {len(sent) - len(distinct)} requests again, and the slot table no "
+            "longer lists the whole session"
+        )
+        assert len(ran) <= len(distinct), (
+            f"{len(ran)} engine runs for {len(distinct)} distinct requests "
+            f"({len(sent)} sent, {len(retries)} marked as retries)"
+        )
 
     hello = project / "hello.txt"
     if run.returncode == 0 and hello.is_file():
