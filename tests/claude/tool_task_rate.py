@@ -6,9 +6,10 @@
 It starts ``agentkv-server`` with its defaults (plus ``--server-args``) unless ``--url`` names one
 that is already running, then runs ``claude -p "Create a file named hello.txt containing exactly the
 text: hi" --permission-mode acceptEdits`` in a fresh git project per try, through a recording proxy.
-Each try is one of: ``ok`` (the file holds exactly ``hi``), ``wrong-content``, ``no-file`` (Claude
-Code ended normally without the file), ``error`` (it ended with a non-zero status), ``timeout``
-(killed at ``--timeout``). The CLI comes from ``$AGENTKV_CLAUDE_BIN`` or ``claude`` on PATH.
+Each try is one of: ``ok`` (Claude Code ended and the file holds exactly ``hi``), ``wrong-content``,
+``no-file`` (Claude Code ended normally without the file), ``error`` (it ended with a non-zero
+status), ``timeout`` (killed at ``--timeout``; ``file_ok`` says whether the file was right
+anyway). The CLI comes from ``$AGENTKV_CLAUDE_BIN`` or ``claude`` on PATH.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def one_try(n: int, lines: list[str], url: str, root: Path, timeout: float) -> d
         "distinct_requests": len({e.identity() for e in sent}),
         "retries": sum(1 for e in sent if e.retry_count > 0),
         "file": hello.read_text()[:200] if hello.is_file() else None,
+        # The file can be right although the session did not end in time.
+        "file_ok": hello.is_file() and hello.read_text().strip() == "hi",
         "last_output": (run.stdout.strip() or run.stderr.strip())[-300:],
     }
 
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         "tries": len(results),
         "outcomes": dict(counts),
         "success_rate": round(counts["ok"] / len(results), 3) if results else None,
+        "file_ok": sum(1 for r in results if r["file_ok"]),
         "wall_s": round(wall, 1),
         "max_try_s": max((r["elapsed_s"] for r in results), default=None),
         "lines": lines,
