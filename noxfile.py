@@ -10,7 +10,13 @@ nox.options.sessions = ["lint", "typing", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 # Building llama.cpp is the slow part of a fresh environment; skip what llama-server does not need.
-os.environ.setdefault("CMAKE_ARGS", "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")
+# AMX stays off: on a CPU that reports it, a native build dies with SIGILL (`tilezero`).
+AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+os.environ.setdefault(
+    "CMAKE_ARGS",
+    "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
+    f"-DCMAKE_C_FLAGS='{AMX_OFF}' -DCMAKE_CXX_FLAGS='{AMX_OFF}'",
+)
 os.environ.setdefault("LLAMA_CPP_BUILD_JOBS", "3")
 
 

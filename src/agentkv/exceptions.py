@@ -132,7 +132,10 @@ class EngineResponseError(EngineError):
     def __init__(self, message: str, upstream_status: int | None = None) -> None:
         super().__init__(message)
         self.upstream_status = upstream_status
-        # A 4xx from the engine is about the request (e.g. an image sent to a text-only model).
+        # A 4xx from the engine is about the request (e.g. an image sent to a text-only model);
+        # 401/403 are about agentkv's key for the engine, which is not the client's fault.
         if upstream_status is not None and 400 <= upstream_status < 500:
+            if upstream_status in (401, 403):
+                return
             self.status = 400  # type: ignore[misc]
             self.error_type = "invalid_request_error"  # type: ignore[misc]

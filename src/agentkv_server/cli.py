@@ -38,7 +38,7 @@ from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
 
-__all__ = ["build_parser", "claude_code_env", "main", "options_markdown"]
+__all__ = ["build_parser", "claude_code_compacts_at", "claude_code_env", "main", "options_markdown"]
 
 log = logging.getLogger("agentkv.server")
 
@@ -253,11 +253,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- running ------------------------------------------------------------------------------------
 
+#: The longest reply Claude Code asks for. It also sets how early Claude Code compacts: it keeps
+#: ``min(this, 20000) + 13000`` tokens of its window free (see docs/claude-code.md).
+CLAUDE_CODE_MAX_OUTPUT_TOKENS = 4096
+#: Claude Code's own compaction buffer, subtracted from the window besides the output reserve.
+CLAUDE_CODE_COMPACT_BUFFER = 13000
+#: Claude Code's first request (system prompt, tools, session context), in the default model's
+#: tokens.
+CLAUDE_CODE_FIRST_REQUEST_TOKENS = 12000
+#: The model tiers Claude Code resolves through ANTHROPIC_DEFAULT_<TIER>_MODEL.
+_MODEL_ALIASES = ("OPUS", "SONNET", "HAIKU", "FABLE")
+
 
 def claude_code_env(
-    url: str, api_key: str | None, *, ctx_per_slot: int | None, timeout: float
+    url: str,
+    api_key: str | None,
+    *,
+    model_name: str = "agentkv-local",
+    ctx_per_slot: int | None = None,
+    timeout: float = 1800.0,
 ) -> str:
     """The lines a user pastes into the shell that starts Claude Code.
+
+    Claude Code does not know a local model: it gets one model id for every tier (so sub-agents
+    and helpers never ask for a model whose window it believes is larger), the slot's real window
+    (so it compacts before a slot overflows), a bounded reply length, and no traffic to
+    Anthropic's own services. ``timeout`` is the runtime's ``client_timeout``: agentkv ends every
+    reply within it, and Claude Code waits that long.
 
     The API key itself is never printed (these lines end up in logs): with a key configured, the
     line reads it from ``$AGENTKV_API_KEY``, which the user sets in that shell too.
@@ -267,15 +289,32 @@ def claude_code_env(
         'export ANTHROPIC_API_KEY="$AGENTKV_API_KEY"'
         if api_key
         else "export ANTHROPIC_API_KEY=agentkv  # any value: no key is required",
-        # Claude Code waits this long for a reply; agentkv ends every reply within it.
-        f"export API_TIMEOUT_MS={int(timeout * 1000)}",
-        "export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1",
+        f"export ANTHROPIC_MODEL={model_name}",
+        *(f"export ANTHROPIC_DEFAULT_{tier}_MODEL={model_name}" for tier in _MODEL_ALIASES),
     ]
     if ctx_per_slot is not None:
         lines.append(f"export CLAUDE_CODE_MAX_CONTEXT_TOKENS={ctx_per_slot}")
     lines += [
-        "# one line per agent: who it is, and how urgent (0 = most urgent … 3 = background)",
-        "export ANTHROPIC_CUSTOM_HEADERS=$'X-Agent-Id: coordinator\\nX-Agent-Priority: 0'",
+        f"export CLAUDE_CODE_MAX_OUTPUT_TOKENS={CLAUDE_CODE_MAX_OUTPUT_TOKENS}",
+        "export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1",
+        # A cold prefill behind a queue can take minutes before the first token; Claude Code's own
+        # limit on a stream without content is 600 s, after which it would send the same request
+        # again without streaming.
+        f"export API_TIMEOUT_MS={int(timeout * 1000)}",
+        f"export CLAUDE_STREAM_IDLE_TIMEOUT_MS={int(timeout * 1000)}",
+        "export CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK=1",
+    ]
+    if ctx_per_slot is None:
+        lines.append("# the context per slot is unknown: Claude Code will assume 1M tokens")
+    elif claude_code_compacts_at(ctx_per_slot) < CLAUDE_CODE_FIRST_REQUEST_TOKENS:
+        lines.append(
+            f"# {ctx_per_slot} tokens per slot is too small for Claude Code: it compacts past "
+            f"{max(claude_code_compacts_at(ctx_per_slot), 0)} tokens, and its first request "
+            f"alone is about {CLAUDE_CODE_FIRST_REQUEST_TOKENS}"
+        )
+    lines += [
+        "# optional, one per agent: who it is, and how urgent (0 = most urgent … 3 = background)",
+        "# export ANTHROPIC_CUSTOM_HEADERS=$'X-Agent-Id: coordinator\\nX-Agent-Priority: 0'",
     ]
     return "\n".join(lines)
 
@@ -328,6 +367,12 @@ def _file_digest(path: Path) -> str:
         with cache.open("a") as f:
             f.write(f"{key} {value}\n")
     return value
+
+
+def claude_code_compacts_at(ctx_per_slot: int) -> int:
+    """The context size at which Claude Code (2.1.x) compacts, given the lines printed above."""
+    reserve = min(CLAUDE_CODE_MAX_OUTPUT_TOKENS, 20000) + CLAUDE_CODE_COMPACT_BUFFER
+    return ctx_per_slot - reserve
 
 
 @asynccontextmanager
@@ -551,6 +596,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 claude_code=claude_code_env(
                     url,
                     server_config.api_key,
+                    model_name=server_config.model_name,
                     ctx_per_slot=ctx_per_slot,
                     timeout=runtime_config.client_timeout,
                 ),

@@ -21,7 +21,6 @@ import httpx
 import pytest
 import uvicorn
 
-from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, free_port
 from agentkv.runtime.lifecycle import Runtime
@@ -63,7 +62,7 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     with anyio.from_thread.start_blocking_portal() as portal:
         process = LlamaServerProcess(config, binary=binary, log_dir=root / "logs")
         with portal.wrap_async_context_manager(process):
-            client = LlamaSlotClient(process.base_url, read_timeout=600)
+            client = process.client(read_timeout=600)
             runtime = Runtime(
                 client,
                 RuntimeConfig(n_slots=2, ctx_per_slot=CTX_PER_SLOT, store_dir=root / "slots"),

@@ -160,7 +160,8 @@ def test_a_ten_request_session_logs_ten_lines_and_the_startup_block(
         f"export ANTHROPIC_BASE_URL={url}",
     ):
         assert needed in block, block
-    assert len(others) <= 20, block
+    # Nothing else: the rows, then one line per Claude Code variable (and a few comments).
+    assert len(others) <= 32, block
     # The status command saw the server's table.
     assert "slots (4)" in shown and "recent requests" in shown
     assert shown.count("ok") >= 8

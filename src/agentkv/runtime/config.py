@@ -89,9 +89,9 @@ class RuntimeConfig:
     coalesce_chars: int = setting(16, "flush text deltas after this many characters", flag=False)
     coalesce_seconds: float = setting(0.05, "or after this many seconds", flag=False)
     client_timeout: float = setting(
-        900.0,
-        "seconds a client waits for a whole reply (Claude Code: API_TIMEOUT_MS, 600 s by "
-        "default); generation stops in time to answer within it",
+        1800.0,
+        "seconds a client waits for a whole reply (Claude Code: API_TIMEOUT_MS, which the "
+        "printed lines set to this); generation stops in time to answer within it",
         group="streaming",
     )
     retry_grace: float = setting(
