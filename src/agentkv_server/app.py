@@ -193,6 +193,15 @@ class _Routes:
         self.check_auth(request)
         return JSONResponse(self.runtime.table())
 
+    async def clear_store(self, request: Request) -> Response:
+        """``DELETE /agentkv/store`` (``?agent=ID`` for one agent): delete saved KV states."""
+        self.check_auth(request)
+        agent = request.query_params.get("agent") or None
+        if self.runtime.store is None:
+            return JSONResponse({"deleted": 0, "store": "off"})
+        deleted = await self.runtime.clear_store(agent=agent)
+        return JSONResponse({"deleted": deleted, "agent": agent})
+
     async def prometheus(self, request: Request) -> Response:
         self.check_auth(request)
         return self.metrics.response()
@@ -255,6 +264,7 @@ def create_app(
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/agentkv/slots", routes.slots, methods=["GET"]),
+            Route("/agentkv/store", routes.clear_store, methods=["DELETE"]),
             Route("/metrics", routes.prometheus, methods=["GET"]),
             page_mount(),
         ],

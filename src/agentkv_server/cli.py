@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  agentkv-server --model ./qwen.gguf --slots 4 --ctx-per-slot 16384 --gpu-layers 99\n"
             "  agentkv-server --upstream http://127.0.0.1:8080 --slots 4  # running llama-server\n"
             "  agentkv-server status --watch   # the slot table of a running agentkv-server\n"
+            "  agentkv-server store clear [--agent ID]   # delete saved KV states\n"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -616,6 +617,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from agentkv_server.status import main as status_main
 
         return status_main(argv[1:])
+    if argv[:1] == ["store"]:
+        from agentkv_server.store_cmd import main as store_main
+
+        return store_main(argv[1:])
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     if args.slots < 1:

@@ -875,6 +875,19 @@ class Runtime:
             self.gateway.store = None
             return None
 
+    async def clear_store(self, *, agent: str | None = None) -> int:
+        """Delete the prefix store's entries (every one, or one agent's) and their files; slots
+        whose content they covered count as unsaved again. Returns how many were deleted."""
+        if self.store is None:
+            return 0
+        removed = await self.store.clear(agent=agent)
+        for entry_id in removed:
+            self.gateway.slots.forget_entry(entry_id)
+        log.info(
+            "prefix store: %d entries deleted%s", len(removed), f" of {agent}" if agent else ""
+        )
+        return len(removed)
+
     def later(self, work: Callable[..., Any], *args: Any) -> None:
         """Run ``work(*args)`` in the background (best effort: dropped when stopping)."""
         if self._tg is not None:

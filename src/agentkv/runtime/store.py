@@ -248,13 +248,14 @@ class PrefixStore:
             await self._delete([entry] if entry is not None else [])
             await anyio.to_thread.run_sync(self._write_index_sync)
 
-    async def clear(self, *, agent: str | None = None) -> int:
-        """Delete every entry, or every entry of one agent (pinned ones stay). Returns how many."""
+    async def clear(self, *, agent: str | None = None) -> list[str]:
+        """Delete every entry, or every entry of one agent, with its file (entries being restored
+        right now stay). Returns the ids deleted."""
         async with self._lock:
             removed = self.index.clear(agent=agent)
             await self._delete(removed)
             await anyio.to_thread.run_sync(self._write_index_sync)
-        return len(removed)
+        return [entry.id for entry in removed]
 
     async def expire(self) -> int:
         """Delete the contexts of agents that are gone."""
