@@ -38,7 +38,14 @@ from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
 
-__all__ = ["build_parser", "claude_code_compacts_at", "claude_code_env", "main", "options_markdown"]
+__all__ = [
+    "build_parser",
+    "claude_code_compacts_at",
+    "claude_code_env",
+    "fields_markdown",
+    "main",
+    "options_markdown",
+]
 
 log = logging.getLogger("agentkv.server")
 
@@ -76,8 +83,12 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
             kind = _base_type(field.type)
             help_text = field.metadata["help"]
             if kind is bool:
-                action = "store_false" if flag.startswith("--no-") else "store_true"
-                group.add_argument(flag, dest=field.name, action=action, help=help_text)
+                off = flag.startswith("--no-")
+                action = "store_false" if off else "store_true"
+                state = "on by default; this flag turns it off" if off else "off by default"
+                group.add_argument(
+                    flag, dest=field.name, action=action, help=f"{help_text} ({state})"
+                )
                 continue
             default = field.default
             shown = "unset" if default is None else default
@@ -87,21 +98,49 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                 type=kind if kind in (int, float) else (Path if kind is Path else str),
                 default=default,
                 metavar=field.metadata.get("metavar"),
-                help=f"{help_text} (default: {shown})",
+                help=help_text if "default" in help_text else f"{help_text} (default: {shown})",
             )
 
 
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
 def options_markdown() -> str:
-    """The configuration table for the docs, generated from the same fields."""
-    rows = ["| option | default | what it does |", "|---|---|---|"]
-    for cls in _CONFIGS:
-        for field, flag in _options(cls):
-            default = field.default
-            if _base_type(field.type) is bool:
-                shown = "on" if flag.startswith("--no-") else "off"
-            else:
-                shown = "unset" if default is None else f"`{default}`"
-            rows.append(f"| `{flag}` | {shown} | {field.metadata['help']} |")
+    """docs/configuration.md's option tables, generated from the parser itself (and so from the
+    config classes' fields): one table per group of ``agentkv-server --help``."""
+    parser = build_parser()
+    out: list[str] = []
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
+        if not actions:
+            continue
+        title = "general" if group.title in ("options", "optional arguments") else group.title
+        out += [f"### {title}", "", "| option | what it does |", "|---|---|"]
+        for action in actions:
+            flag = max(action.option_strings, key=len)
+            if action.nargs != 0:
+                if action.choices:
+                    flag += " {" + ",".join(map(str, action.choices)) + "}"
+                else:
+                    flag += f" {action.metavar or action.dest.upper()}"
+            out.append(f"| `{flag}` | {_cell(action.help or '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def fields_markdown(cls: type[Any]) -> str:
+    """A table of every field of a config class: default, command-line option, meaning."""
+    flags = {field.name: flag for field, flag in _options(cls)}
+    rows = ["| field | default | option | meaning |", "|---|---|---|---|"]
+    for field in attrs.fields(cls):
+        default = field.default
+        if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+            default = default.factory()
+        shown = "unset" if default is None else f"`{default}`"
+        flag = f"`{flags[field.name]}`" if field.name in flags else "–"
+        help_text = _cell(field.metadata.get("help", ""))
+        rows.append(f"| `{field.name}` | {_cell(shown)} | {flag} | {help_text} |")
     return "\n".join(rows) + "\n"
 
 
