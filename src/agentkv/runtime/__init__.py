@@ -4,3 +4,9 @@ It talks to llama-server (``client``), launches it (``engine``, ``model``), hand
 queued requests (``gateway``), runs compactions (``compactor``) and drives one request's whole
 lifecycle. It uses anyio and httpx; the pure core below it does neither.
 """
+
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.config import RuntimeConfig
+from agentkv.runtime.lifecycle import Exchange, Prepared, RequestRecord, Runtime
+
+__all__ = ["Exchange", "LlamaSlotClient", "Prepared", "RequestRecord", "Runtime", "RuntimeConfig"]
