@@ -25,7 +25,7 @@ class FakeLlama:
 
     reply: str = "Hello from the fake engine."
     #: When not empty, each chat request takes the next reply from here instead of ``reply``.
-    script: list[str] = attrs.field(factory=list)
+    script: list[str | Callable[[dict[str, Any]], str]] = attrs.field(factory=list)
     chunk_chars: int = 4
     delay: float = 0.0
     #: Seconds before the first chunk (a stand-in for prefill).
@@ -143,6 +143,8 @@ class FakeLlama:
         slot = int(body.get("id_slot", -1))
         cache_n, prompt_n = self._run_prompt(slot, tokenize(render(body)))
         reply = self.script.pop(0) if self.script else self.reply
+        if callable(reply):  # a reply that depends on the request (a continuation's prefill)
+            reply = reply(body)
         last = body["messages"][-1] if body["messages"] else {}
         if last.get("role") == "assistant" and isinstance(last.get("content"), str):
             # A continued reply: llama-server sends the given beginning back first.

@@ -32,7 +32,8 @@ def render(text: str) -> str:
             re.S,
         )
         assert pattern.search(text), f"docs/configuration.md lacks the {name} markers"
-        text = pattern.sub(lambda m: m.group(1) + table.rstrip("\n") + "\n" + m.group(3), text)
+        block = table.rstrip("\n") + "\n"
+        text = pattern.sub(lambda m, block=block: m.group(1) + block + m.group(3), text)
     return text
 
 

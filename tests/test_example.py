@@ -62,13 +62,19 @@ def test_every_request_finishes(report: Any, example: ModuleType) -> None:
     assert all(r.prompt_tokens > 0 and r.output_tokens > 0 for r in report)
 
 
-def test_second_turns_reuse_the_cache(report: Any) -> None:
-    """Every agent's second turn takes most of its prompt from a slot's cache, in tokens."""
+def test_second_turns_reuse_the_shared_system_prompt(report: Any) -> None:
+    """Every agent's second turn takes at least the shared system prompt from a slot's cache.
+
+    Three agents take turns on two slots, so an agent often finds its own turn overwritten by
+    another's: its context (about 100 tokens) is too small to be worth saving to the store
+    (``park_min``), and recomputing it is cheaper. What every agent shares, the system prompt
+    (49 tokens with the default model's chat template), is never computed again.
+    """
     seen: dict[str, int] = {}
-    shares = {}
+    second = []
     for record in report:
         seen[record.agent] = seen.get(record.agent, 0) + 1
         if seen[record.agent] == 2:
-            shares[record.agent] = record.cached_tokens / record.prompt_tokens
-    assert len(shares) == 3
-    assert {agent: share > 0.5 for agent, share in shares.items()} == dict.fromkeys(shares, True)
+            second.append(record)
+    assert len(second) == 3
+    assert all(r.source == "slot" and r.cached_tokens >= 45 for r in second), second

@@ -301,8 +301,15 @@ async def test_a_reply_suspended_mid_way_continues_where_it_stopped(tmp_path: Pa
     """A P2 reply that is streaming gives its only slot to a P0 request; it resumes as a
     continuation of its own text, and its client gets one whole reply."""
     first = "one two three four five six seven eight nine ten " * 3
+
+    def resumed(body: dict[str, Any]) -> str:
+        # The model, given the reply so far up to its last whitespace, writes the cut-off word
+        # again and goes on.
+        prefill = body["messages"][-1]["content"]
+        return first[len(prefill) :] + "and the rest."
+
     fake = FakeLlama(
-        script=[first, "urgent", " and the rest."], chunk_chars=4, delay=0.03, save_dir=tmp_path
+        script=[first, "urgent", resumed], chunk_chars=4, delay=0.03, save_dir=tmp_path
     )
     async with running(fake, n_slots=1, preempt_from=1, store_dir=tmp_path) as runtime:
         replies: dict[str, str] = {}
@@ -325,9 +332,12 @@ async def test_a_reply_suspended_mid_way_continues_where_it_stopped(tmp_path: Pa
         assert replies["coordinator"] == "urgent"
         continuation = fake.requests[-1]["messages"]
         assert continuation[-1]["role"] == "assistant"
-        so_far = continuation[-1]["content"]
-        assert 0 < len(so_far) < len(first) and first.startswith(so_far)
-        assert replies["background"] == so_far + " and the rest."
+        prefill = continuation[-1]["content"]
+        # It resumes from the reply so far, cut at its last whitespace.
+        assert 0 < len(prefill) < len(first) and first.startswith(prefill)
+        assert prefill.endswith(" ")
+        # The client gets one whole reply: no word twice, none lost.
+        assert replies["background"] == first + "and the rest."
         # Its saved progress is gone once it has ended.
         await wait_for(lambda: not list(tmp_path.glob("akv-suspended-*.bin")))
 

@@ -38,7 +38,8 @@ def post(
 
 def computed(live: Live) -> float:
     """llama-server's own count of prompt tokens computed so far."""
-    text = httpx.get(f"{live.engine_url}/metrics", timeout=30).text
+    headers = {"authorization": f"Bearer {live.engine_key}"} if live.engine_key else {}
+    text = httpx.get(f"{live.engine_url}/metrics", headers=headers, timeout=30).text
     for line in text.splitlines():
         if line.startswith("llamacpp:prompt_tokens_total"):
             return float(line.split()[-1])
@@ -114,11 +115,12 @@ def test_a_reply_suspended_mid_decode_continues_correctly(live_preempt: Live) ->
         r for r in live.runtime.records() if r.agent.startswith("counter-") and r.suspended
     ]
     assert len(suspended) == 1
-    for name in ("counter-0", "counter-1"):
-        numbers = [
-            int(w)
-            for w in results[name]["content"][0]["text"].replace(",", " ").split()
-            if w.isdigit()
-        ]
-        # The continued reply carries on counting: no number repeated, none skipped.
-        assert numbers[:40] == list(range(1, 41)), (name, numbers)
+    texts = {name: results[name]["content"][0]["text"] for name in ("counter-0", "counter-1")}
+    for name, text in texts.items():
+        numbers = [int(w) for w in text.replace(",", " ").split() if w.isdigit()]
+        # Each reply counts on: no number repeated, none skipped (the default model stops at
+        # 20, whatever the prompt asks).
+        assert len(numbers) >= 15 and numbers == list(range(1, len(numbers) + 1)), (name, text)
+    # The same request, decoded greedily: the reply that was suspended and resumed is the one
+    # that ran through, character for character.
+    assert texts["counter-0"] == texts["counter-1"], texts

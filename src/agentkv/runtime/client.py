@@ -395,6 +395,32 @@ class LlamaSlotClient:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
 
+    @contextlib.asynccontextmanager
+    async def complete(
+        self, payload: Mapping[str, Any], *, slot: int
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """A streamed raw ``/completion`` on ``slot`` (``payload`` holds ``prompt`` as token
+        ids and the sampling settings); yields an iterator of its chunks. Leaving the block
+        closes the response, which stops the generation."""
+        body = {**payload, "id_slot": slot, "cache_prompt": True, "stream": True}
+        response = await self._send("POST", "/completion", "completion", body, stream=True)
+        try:
+            yield _ChunkStream(self, response, "completion")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+
+    async def detokenize(self, tokens: list[int] | tuple[int, ...]) -> str:
+        """The text of ``tokens``, as the engine's tokenizer writes it."""
+        async with self._templating:
+            data = await self._request_json(
+                "POST", "/detokenize", "detokenize", json_body={"tokens": list(tokens)}
+            )
+        content = data.get("content") if isinstance(data, Mapping) else None
+        if not isinstance(content, str):
+            raise EngineResponseError(f"llama-server /detokenize returned {data!r:.200}")
+        return content
+
     # -- slots --------------------------------------------------------------------------------
 
     async def slots(self) -> list[dict[str, Any]]:

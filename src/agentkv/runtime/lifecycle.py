@@ -45,6 +45,7 @@ from agentkv.costs import CostModel
 from agentkv.exceptions import (
     AgentKVError,
     EngineError,
+    EngineResponseError,
     EngineTimeoutError,
     EngineUnavailableError,
     PromptTooLongError,
@@ -196,6 +197,8 @@ class Exchange:
     _prompt_ms: float = 0.0
     #: Store entries holding this request's saved progress (pinned until it ends).
     _suspended: list[str] = attrs.field(factory=list)
+    #: The exact tokens a reply suspended mid-way left in its slot (prompt and reply so far).
+    _resume_from: Tokens | None = None
 
     @property
     def done(self) -> bool:
@@ -390,6 +393,7 @@ class Exchange:
             return ()
         store.index.pin(entry.id)
         self._suspended.append(entry.id)
+        self._resume_from = entry.tokens if self.assembler.generated_text else None
         self.runtime.gateway.slots.mark_stored(lease.slot, entry.id)
         return entry.tokens
 
@@ -490,7 +494,9 @@ class Exchange:
         so_far = asm.generated_text
         if so_far:
             asm.begin_continuation()
-            body["messages"] = [*body["messages"], {"role": "assistant", "content": so_far}]
+            prefill = _continuation_prefill(so_far)
+            if prefill:
+                body["messages"] = [*body["messages"], {"role": "assistant", "content": prefill}]
             requested -= asm.usage["output_tokens"]
         left = self.deadline - runtime.clock()
         affordable = int(max(1.0, left) * runtime.costs.decode.rate)
@@ -507,8 +513,11 @@ class Exchange:
         runtime, asm = self.runtime, self.assembler
         so_far = asm.generated_text
         body = self._engine_body()
-        # llama-server streams a continued reply's given beginning back first: skip it.
-        await self._relay(body, lease, echo=so_far)
+        resumed = so_far and await self._resume_exactly(lease, body)
+        if not resumed:
+            # llama-server streams a continued reply's given beginning back first, then
+            # generates the last, cut-off word again: the client has both already, so skip them.
+            await self._relay(body, lease, echo=so_far)
         if isinstance(asm.verdict(), RetryWithTools):
             # The reply tried to call a tool and got it wrong: ask once more, with decoding
             # constrained to a valid call of a declared tool.
@@ -522,7 +531,40 @@ class Exchange:
             self.record.status = "ok"
         return self.prepared.tokens
 
-    async def _relay(self, body: dict[str, Any], lease: Lease, *, echo: str = "") -> None:
+    async def _resume_exactly(self, lease: Lease, body: Mapping[str, Any]) -> bool:
+        """Continue a reply suspended mid-way from the exact tokens its slot held (restored from
+        the store): a raw ``/completion`` of those tokens, plus the few the client got that were
+        not yet in the cache. Text re-tokenized is not what the model generated, and a small
+        model continues it differently (or not at all). False when the saved tokens do not
+        match; the caller then continues from the text."""
+        saved, self._resume_from = self._resume_from, None
+        prompt = self.prepared.tokens
+        if saved is None or len(saved) <= len(prompt) or tuple(saved[: len(prompt)]) != prompt:
+            return False  # no reply tokens were saved (or not this prompt's)
+        client, so_far = self.runtime.client, self.assembler.generated_text
+        try:
+            cached_text = await client.detokenize(saved[len(prompt) :])
+            if not so_far.startswith(cached_text):
+                return False
+            tail = so_far[len(cached_text) :]
+            tail_tokens = await client.tokenize(tail) if tail else []
+        except (EngineResponseError, EngineTimeoutError) as exc:
+            log.info("resuming a reply from its text: %s", exc.message)
+            return False
+        payload: dict[str, Any] = {
+            "prompt": [*saved, *tail_tokens],
+            "n_predict": body["max_tokens"],
+            "return_progress": True,
+        }
+        for name in _SAMPLING:
+            if name in body:
+                payload[name] = body[name]
+        await self._relay(payload, lease, raw=True)
+        return True
+
+    async def _relay(
+        self, body: dict[str, Any], lease: Lease, *, echo: str = "", raw: bool = False
+    ) -> None:
         """One engine call: chunks in, Anthropic events out, until the engine ends, the client's
         deadline comes or the assembler asks to stop (a degenerate loop)."""
         runtime, asm, record = self.runtime, self.assembler, self.record
@@ -532,6 +574,11 @@ class Exchange:
 
         async def produce() -> None:
             try:
+                if raw:
+                    async with send, runtime.client.complete(body, slot=lease.slot) as chunks:
+                        async for chunk in chunks:
+                            await send.send(_as_chat_chunk(chunk))
+                    return
                 async with send, runtime.client.stream(body, slot=lease.slot) as chunks:
                     async for chunk in chunks:
                         await send.send(chunk)
@@ -592,6 +639,46 @@ class Exchange:
             self.record.cached_tokens = max(
                 self.record.cached_tokens, int(timings.get("cache_n", 0))
             )
+
+
+#: Chat body fields that a raw /completion takes as they are.
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _as_chat_chunk(chunk: Mapping[str, Any]) -> dict[str, Any]:
+    """A raw ``/completion`` chunk in the shape of a chat-completion chunk."""
+    finish = None
+    if chunk.get("stop"):
+        finish = "length" if chunk.get("stop_type") == "limit" else "stop"
+    out: dict[str, Any] = {
+        "choices": [{"delta": {"content": chunk.get("content") or None}, "finish_reason": finish}]
+    }
+    for name in ("timings", "prompt_progress"):
+        if name in chunk:
+            out[name] = chunk[name]
+    return out
+
+
+def _continuation_prefill(text: str) -> str:
+    """What a suspended reply resumes from: its text up to the last whitespace.
+
+    The reply's own tokens are not kept, only its text, and the text re-tokenized at a cut in the
+    middle of a word is not what the model generated: given "... 19 20" the default model ends
+    the reply at once, given "... 19 " it goes on with "20 21". So the last word is generated
+    again (and skipped, since the client has it).
+    """
+    cut = max(text.rfind(" "), text.rfind("\n"), text.rfind("\t"))
+    return text[: cut + 1]
 
 
 def _without_echo(chunk: dict[str, Any], echo: str) -> tuple[dict[str, Any], str]:
