@@ -84,6 +84,9 @@ def test_args_carry_the_slot_policy_flags(tmp_path: Path) -> None:
     assert "--no-webui" in args
     assert "--slot-save-path" not in args
     assert "--cache-ram" not in args
+    # A small logical batch, so that a cancelled prefill stops within seconds.
+    assert flag_value(args, "-b") == "512" and flag_value(args, "-ub") == "512"
+    assert "-b" not in EngineConfig(model=tmp_path / "m.gguf", batch=None).args()
 
 
 def test_args_optional_settings(tmp_path: Path) -> None:

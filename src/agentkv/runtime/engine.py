@@ -320,6 +320,11 @@ class EngineConfig:
     )
     threads: int | None = None
     cache_ram_mib: int | None = None
+    #: Logical batch (``-b``): prompt tokens llama-server computes between two looks at its task
+    #: queue. A cancelled prefill (a suspension for an urgent request) stops only at the end of
+    #: a batch: 2048 (llama-server's default) is about 18 s of prefill on 2 CPU cores, 512 about
+    #: 4.5 s, at the same speed (7,460 tokens: 110 tokens/s with 2048, 113 with 512).
+    batch: int | None = 512
     alias: str | None = None
     n_ctx_train: int = 32768
     webui: bool = False
@@ -369,6 +374,8 @@ class EngineConfig:
             args += ["-t", str(self.threads)]
         if self.cache_ram_mib is not None:
             args += ["--cache-ram", str(self.cache_ram_mib)]
+        if self.batch is not None:
+            args += ["-b", str(self.batch), "-ub", str(min(self.batch, 512))]
         if self.slot_save_dir is not None:
             args += ["--slot-save-path", str(self.slot_save_dir)]
         if self.alias is not None:
