@@ -13,7 +13,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from starlette.applications import Starlette
@@ -35,6 +35,8 @@ from agentkv_server.config import ServerConfig
 from agentkv_server.identity import agent_identity, agent_priority
 from agentkv_server.metrics import ServerMetrics
 from agentkv_server.page import page_mount
+
+T = TypeVar("T")
 
 __all__ = ["create_app", "error_response"]
 
@@ -66,30 +68,19 @@ async def _frames(exchange: Exchange) -> AsyncIterator[bytes]:
 
 async def _whole(request: Request, exchange: Exchange) -> Response:
     """The non-streaming reply; a client that disconnects stops waiting for it."""
-    outcome: dict[str, Any] = {}
-
-    async def watch_disconnect(scope: anyio.CancelScope) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(watch_disconnect, tg.cancel_scope)
-        try:
-            outcome["message"] = await exchange.message()
-        except AgentKVError as exc:
-            outcome["error"] = exc
-        tg.cancel_scope.cancel()
-    if "message" in outcome:
-        return JSONResponse(outcome["message"])
-    if "error" in outcome:
-        return error_response(outcome["error"])
-    return Response(status_code=499)  # the client is gone; nobody reads this
+    try:
+        message = await _unless_gone(request, exchange.message())
+    except AgentKVError as exc:
+        return error_response(exc)
+    if message is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(message)
 
 
-async def _unless_gone(request: Request, work: Awaitable[int]) -> int | None:
-    """``work``'s result, or None when the client disconnects first (``work`` is cancelled, so
-    an abandoned count never reaches the engine's templating queue or leaves it at once)."""
+async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None when the client disconnects first (``work`` is cancelled: an
+    abandoned count never reaches the engine's templating queue, an abandoned reply is no
+    longer waited for)."""
     outcome: dict[str, Any] = {}
 
     async def watch_disconnect(scope: anyio.CancelScope) -> None:

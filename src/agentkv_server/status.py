@@ -18,7 +18,7 @@ import httpx
 
 from agentkv.runtime.report import divergence_text
 
-__all__ = ["build_parser", "fetch", "main", "render"]
+__all__ = ["add_server_options", "build_parser", "fetch", "main", "render"]
 
 DEFAULT_URL = "http://127.0.0.1:8788"
 _CLEAR = "\x1b[H\x1b[2J"
@@ -28,12 +28,8 @@ class StatusError(Exception):
     """The table could not be read; the message says why, in words."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="agentkv-server status",
-        description="Show the slots, queue, prefix store and recent requests of a running "
-        "agentkv-server.",
-    )
+def add_server_options(parser: argparse.ArgumentParser) -> None:
+    """``--url`` and ``--api-key`` of a running agentkv-server (from the environment by default)."""
     parser.add_argument(
         "--url",
         default=os.environ.get("AGENTKV_URL", DEFAULT_URL),
@@ -44,6 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("AGENTKV_API_KEY"),
         help="the server's API key, if it has one (default: $AGENTKV_API_KEY)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentkv-server status",
+        description="Show the slots, queue, prefix store and recent requests of a running "
+        "agentkv-server.",
+    )
+    add_server_options(parser)
     parser.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     parser.add_argument(
         "--interval", type=float, default=1.0, help="seconds between redraws (default 1)"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,10 +17,9 @@ from typing import Any
 import httpx
 
 from agentkv.runtime.store import INDEX_FILE
+from agentkv_server.status import add_server_options
 
 __all__ = ["build_parser", "clear_offline", "clear_online", "main"]
-
-DEFAULT_URL = "http://127.0.0.1:8788"
 
 
 class StoreCommandError(Exception):
@@ -38,16 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         "clear", help="delete saved KV states: every one, or those of one agent"
     )
     clear.add_argument("--agent", help="only this agent's entries (its X-Agent-Id)")
-    clear.add_argument(
-        "--url",
-        default=os.environ.get("AGENTKV_URL", DEFAULT_URL),
-        help=f"the running server (default: $AGENTKV_URL, else {DEFAULT_URL})",
-    )
-    clear.add_argument(
-        "--api-key",
-        default=os.environ.get("AGENTKV_API_KEY"),
-        help="the server's API key, if it has one (default: $AGENTKV_API_KEY)",
-    )
+    add_server_options(clear)
     clear.add_argument(
         "--offline",
         metavar="DIR",
