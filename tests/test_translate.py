@@ -507,7 +507,8 @@ def test_growing_conversation_only_appends(
     in session layout the notes go before the words, so a cut never separates them.
     """
     cut = max(1, min(cut, len(messages)))
-    if layout and _is_human(messages[cut - 1]):
+    if layout and (_is_human(messages[cut - 1]) or messages[cut - 1]["role"] == "system"):
+        # A cut inside a turn's notes (or right after its words) is no state a client sends.
         while cut < len(messages) and messages[cut]["role"] == "system":
             cut += 1
     translate = MessagesTranslator(session_layout=layout).translate
