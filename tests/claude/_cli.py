@@ -142,8 +142,8 @@ class AgentKVServer:
             str(find_server_script()),
             "--port",
             str(self.port),
-            "--slot-save-dir",
-            str(self.root / "slots"),
+            "--store-dir",
+            str(self.root / "store"),
             *self.extra_args,
         ]
 
