@@ -58,8 +58,10 @@ class ServerMetrics:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.registry = CollectorRegistry()
-        #: The engine's restarts so far; whoever supervises the engine sets this.
-        self.engine_restarts: Callable[[], int] = lambda: 0
+        #: The engine's restarts so far, from the supervisor's status when there is one.
+        self.engine_restarts: Callable[[], int] = lambda: (
+            runtime.client.status.restarts if runtime.client.status is not None else 0
+        )
         r = self.registry
         self.requests = Counter(
             "agentkv_requests",

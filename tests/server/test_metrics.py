@@ -226,9 +226,18 @@ async def test_each_app_has_its_own_registry(serve: Any) -> None:
 
 
 async def test_engine_restarts_come_from_whoever_supervises_the_engine(serve: Any) -> None:
+    from agentkv.runtime.status import EngineStatus
+
     http = await serve(FakeLlama())
     metrics = http.app.state.metrics  # type: ignore[attr-defined]
     assert isinstance(metrics, ServerMetrics)
+    # By default: the supervisor's status that the client carries.
+    status = EngineStatus()
+    metrics.runtime.client.status = status
+    status.new_generation()
+    status.new_generation()
+    assert value(await scrape(http), "agentkv_engine_restarts_total") == 2
+    # Or whatever a program that supervises its engine itself says.
     restarts = [0]
     metrics.engine_restarts = lambda: restarts[0]
     restarts[0] = 3
