@@ -13,10 +13,11 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+from jsonschema import Draft202012Validator, validators
 
 __all__ = [
     "CALL_FENCE_LABELS",
@@ -66,148 +67,24 @@ def json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def _is_type(value: Any, name: str) -> bool:
-    actual = json_type(value)
-    return actual == name or (name == "number" and actual == "integer")
-
-
-def _json_equal(a: Any, b: Any) -> bool:
-    """Equality as JSON sees it: ``true`` is not ``1`` (Python's ``True == 1`` must not leak in)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return a == b
-    return type(a) is type(b) and bool(a == b)
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def validate(instance: Any, schema: Schema, path: str = "$") -> list[str]:
-    """Errors of ``instance`` against a tool ``input_schema`` (empty when it is valid).
+    r"""Errors of ``instance`` against a tool ``input_schema`` (empty when it is valid).
 
-    Covers what tool schemas use: ``type``, ``properties``, ``required``,
-    ``additionalProperties``, ``enum``, ``const``, ``items``, ``minItems``/``maxItems``,
-    ``minLength``/``maxLength``, ``pattern``, ``minimum``/``maximum`` (and the exclusive forms),
-    ``anyOf``/``oneOf``/``allOf``. Other keywords (``$ref``, ``format``, ...) are ignored. Each
-    error starts with the path of the offending value (``$.todos[0].status``).
+    The schema is applied by ``jsonschema`` with the draft it names (2020-12 when it names none);
+    local ``$ref``\ s are followed, ``format`` is not asserted. Each error starts with the path of
+    the offending value (``$.todos[0].status``). A schema that cannot be applied (it is itself
+    invalid, or refers to a document it does not hold) checks nothing, as ``{}`` would: a
+    client's broken schema must not fail its request.
     """
-    if schema is True:
+    if not isinstance(schema, Mapping | bool):
         return []
-    if schema is False:
-        return [f"{path}: no value is allowed here"]
-    errors: list[str] = []
-
-    expected = schema.get("type")
-    if expected is not None:
-        names = [expected] if isinstance(expected, str) else list(expected)
-        known = [n for n in names if n in _TYPE_NAMES]
-        if known and not any(_is_type(instance, n) for n in known):
-            # Nothing else can be checked meaningfully against a value of the wrong type.
-            return [f"{path}: expected {' or '.join(known)}, got {json_type(instance)}"]
-
-    if "const" in schema and not _json_equal(instance, schema["const"]):
-        errors.append(f"{path}: must be {_short(schema['const'])}")
-    enum = schema.get("enum")
-    if isinstance(enum, list) and not any(_json_equal(instance, e) for e in enum):
-        errors.append(f"{path}: {_short(instance)} is not one of {_short(enum)}")
-
-    if isinstance(instance, dict):
-        errors.extend(_validate_object(instance, schema, path))
-    elif isinstance(instance, list):
-        errors.extend(_validate_array(instance, schema, path))
-    elif isinstance(instance, str):
-        errors.extend(_validate_string(instance, schema, path))
-    elif isinstance(instance, int | float) and not isinstance(instance, bool):
-        errors.extend(_validate_number(instance, schema, path))
-
-    for sub in schema.get("allOf") or ():
-        errors.extend(validate(instance, sub, path))
-    any_of = schema.get("anyOf")
-    if isinstance(any_of, list) and any_of and all(validate(instance, s, path) for s in any_of):
-        errors.append(f"{path}: matches none of the {len(any_of)} anyOf alternatives")
-    one_of = schema.get("oneOf")
-    if isinstance(one_of, list) and one_of:
-        matched = sum(1 for s in one_of if not validate(instance, s, path))
-        if matched != 1:
-            errors.append(f"{path}: matches {matched} of the oneOf alternatives, not exactly one")
-    return errors
-
-
-def _validate_object(instance: dict[str, Any], schema: Mapping[str, Any], path: str) -> list[str]:
-    errors: list[str] = []
-    properties: Mapping[str, Any] = schema.get("properties") or {}
-    for name in schema.get("required") or ():
-        if name not in instance:
-            errors.append(f"{path}: missing required property {name!r}")
-    extra = schema.get("additionalProperties", True)
-    for name, value in instance.items():
-        where = f"{path}.{name}"
-        if name in properties:
-            errors.extend(validate(value, properties[name], where))
-        elif extra is False:
-            errors.append(f"{path}: unexpected property {name!r}")
-        elif isinstance(extra, Mapping):
-            errors.extend(validate(value, extra, where))
-    return errors
-
-
-def _validate_array(instance: list[Any], schema: Mapping[str, Any], path: str) -> list[str]:
-    errors: list[str] = []
-    low, high = schema.get("minItems"), schema.get("maxItems")
-    if isinstance(low, int) and len(instance) < low:
-        errors.append(f"{path}: needs at least {low} items, has {len(instance)}")
-    if isinstance(high, int) and len(instance) > high:
-        errors.append(f"{path}: allows at most {high} items, has {len(instance)}")
-    items = schema.get("items")
-    if isinstance(items, Mapping | bool):
-        for i, item in enumerate(instance):
-            errors.extend(validate(item, items, f"{path}[{i}]"))
-    return errors
-
-
-def _validate_string(instance: str, schema: Mapping[str, Any], path: str) -> list[str]:
-    errors: list[str] = []
-    low, high = schema.get("minLength"), schema.get("maxLength")
-    if isinstance(low, int) and len(instance) < low:
-        errors.append(f"{path}: shorter than {low} characters")
-    if isinstance(high, int) and len(instance) > high:
-        errors.append(f"{path}: longer than {high} characters")
-    pattern = schema.get("pattern")
-    if isinstance(pattern, str):
-        try:
-            compiled = re.compile(pattern)
-        except re.error:
-            # An ECMA-only construct Python cannot compile: unknown, so not checked.
-            compiled = None
-        if compiled is not None and compiled.search(instance) is None:
-            errors.append(f"{path}: does not match {pattern!r}")
-    return errors
-
-
-_BOUNDS: dict[str, tuple[Callable[[float, float], bool], str]] = {
-    "minimum": (lambda v, b: v < b, "less than"),
-    "maximum": (lambda v, b: v > b, "greater than"),
-    "exclusiveMinimum": (lambda v, b: v <= b, "not greater than"),
-    "exclusiveMaximum": (lambda v, b: v >= b, "not less than"),
-}
-
-
-def _validate_number(instance: float, schema: Mapping[str, Any], path: str) -> list[str]:
-    errors: list[str] = []
-    for keyword, bound in schema.items():
-        if keyword not in _BOUNDS or not isinstance(bound, int | float) or isinstance(bound, bool):
-            continue
-        fails, words = _BOUNDS[keyword]
-        if fails(instance, bound):
-            errors.append(f"{path}: {_short(instance)} is {words} {bound}")
-    return errors
+    try:
+        cls = validators.validator_for(schema, default=Draft202012Validator)
+        found = list(cls(schema).iter_errors(instance))
+    except Exception:
+        return []
+    found.sort(key=lambda e: (tuple(str(p) for p in e.absolute_path), e.message))
+    return [f"{path}{e.json_path[1:]}: {e.message}" for e in found]
 
 
 # -- JSON repair -----------------------------------------------------------------------------------
