@@ -5,7 +5,8 @@ sent), :mod:`~agentkv_bench.engines` (the configurations), :mod:`~agentkv_bench.
 client side), :mod:`~agentkv_bench.metrics` (llama-server's counters and the minimum prefill),
 :mod:`~agentkv_bench.scenarios` (what runs), :mod:`~agentkv_bench.report` (table, JSON, chart),
 :mod:`~agentkv_bench.overhead` (the gateway against a fake engine), :mod:`~agentkv_bench.claude`
-(the real Claude Code CLI as the client) and :mod:`~agentkv_bench.cli`.
+(the real Claude Code CLI as the client), :mod:`~agentkv_bench.soak` (many clients, dropped
+requests and an engine kill against ``agentkv-server``) and :mod:`~agentkv_bench.cli`.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from agentkv_bench.workload import WorkloadSpec
 
 __all__ = ["build_parser", "main"]
 
-SCENARIOS = ("agents", "claude", "restart", "priority", "real-cli", "overhead")
+SCENARIOS = ("agents", "claude", "restart", "priority", "real-cli", "overhead", "soak")
 _CONFIGS = {
     "agents": ("plain", "tuned", "agentkv"),
     "claude": ("plain", "tuned", "agentkv"),
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="agents",
         help="agents: synthetic agents > slots; claude: fresh Claude Code sessions; restart: "
         "the prefix store across a restart; priority: P0 while sub-agents prefill; real-cli: "
-        "the real Claude Code CLI; overhead: the gateway against a fake engine (default agents)",
+        "the real Claude Code CLI; overhead: the gateway against a fake engine; soak: many "
+        "clients, dropped requests and an engine kill against agentkv-server (default agents)",
     )
     parser.add_argument("--quick", action="store_true", help="the small CI-sized version")
     size = parser.add_argument_group("size")
@@ -80,7 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument(
         "--delay", type=float, help="priority: seconds from the sub-agents' start to P0's arrival"
     )
-    size.add_argument("--seed", type=int, default=1, help="agents: workload seed (default 1)")
+    size.add_argument("--clients", type=int, help="soak: concurrent clients (default 16; quick 4)")
+    size.add_argument("--requests", type=int, help="soak: requests per client (default 3; quick 2)")
+    size.add_argument(
+        "--disconnect",
+        type=float,
+        help="soak: share of requests dropped on purpose at a random moment (default 0.3)",
+    )
+    size.add_argument(
+        "--kill-at",
+        type=float,
+        help="soak: seconds from the clients' start to the engine's SIGKILL (default 20; quick 10)",
+    )
+    size.add_argument(
+        "--seed",
+        type=int,
+        default=1,
+        help="agents: workload seed; soak: its random plan (default 1)",
+    )
     parser.add_argument(
         "--ctx-per-slot",
         type=int,
@@ -131,6 +149,29 @@ def _say(message: str) -> None:
 
 async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any], str]:
     """The scenario's report and its text table."""
+    if scenario == "soak":
+        from agentkv_bench.soak import SoakSpec, run_soak, soak_table
+
+        try:
+            soak_spec = _evolve(
+                SoakSpec.quick(args.seed) if args.quick else SoakSpec(seed=args.seed),
+                clients=args.clients,
+                requests=args.requests,
+                disconnect=args.disconnect,
+                kill_at=args.kill_at,
+                slots=args.slots,
+            )
+        except ValueError as exc:
+            raise SystemExit(f"agentkv-bench: {exc}") from None
+        report = await run_soak(
+            args.out,
+            soak_spec,
+            llama_server=args.llama_server,
+            model=args.model,
+            ctx_per_slot=args.ctx_per_slot,
+            say=_say,
+        )
+        return report, soak_table(report)
     ctx = args.ctx_per_slot or _CTX.get(scenario, _CTX_DEFAULT)
     setup = EngineSetup(
         binary=find_llama_server(args.llama_server),
@@ -197,7 +238,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report, text = anyio.run(_run, args, scenario)
     print(text)
     print(f"\nwritten under {args.out}; total {report['total_s']} s")
-    return 0
+    # A scenario with pass criteria (soak) fails the command when they are not met.
+    return 1 if report.get("passed") is False else 0
 
 
 if __name__ == "__main__":
