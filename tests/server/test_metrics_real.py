@@ -78,3 +78,45 @@ def test_counters_move_after_real_requests(live: Live) -> None:
     assert value(after, "agentkv_decode_tokens_per_second") > 0
     assert value(after, "agentkv_prefill_tokens_per_second") > 0
     assert value(after, "agentkv_store_enabled") == 1
+
+
+def test_a_changed_tool_description_is_reported_at_that_tool(live: Live) -> None:
+    """Claude Code's tools (from a captured request), then the same request with one tool's
+    description changed: the engine reuses the prompt up to that tool, and the record and the
+    metrics name the tool where the prompts parted."""
+    import json
+    from pathlib import Path
+
+    fixture = Path(__file__).parent.parent / "fixtures" / "claude_code_request.json"
+    tools = json.loads(fixture.read_text())["tools"]
+    names = [tool["name"] for tool in tools]
+    changed_at = names.index("Write")
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "system": SYSTEM,
+        "tools": tools,
+        "messages": [{"role": "user", "content": "List the files."}],
+    }
+    headers = {"x-agent-id": "tool-changer", "x-agent-priority": "1"}
+    before = scrape(live)
+    url = f"{live.url}/v1/messages"
+    assert httpx.post(url, json=body, headers=headers, timeout=600).is_success
+    edited = [dict(tool) for tool in tools]
+    edited[changed_at]["description"] = "Writes a file to the local filesystem, replacing it."
+    again = {**body, "tools": edited}
+    assert httpx.post(url, json=again, headers=headers, timeout=600).is_success
+
+    record = live.runtime.records()[-1]
+    assert record.agent == "tool-changer" and record.divergence is not None, record
+    assert record.divergence["section"] == f"tool {changed_at} (Write)", record.divergence
+    # llama-server reused the prompt up to that tool and computed the rest.
+    assert 0 < record.cached_tokens <= record.divergence["position"] + 4
+    assert record.computed_tokens > 0
+    after = scrape(live)
+    grown = {
+        key: after[key] - before.get(key, 0.0)
+        for key in after
+        if key[0].startswith("agentkv_cache_miss_seconds") and after[key] > before.get(key, 0.0)
+    }
+    assert any(dict(labels).get("section") == "tool" for _, labels in grown), grown
