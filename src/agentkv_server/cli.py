@@ -95,7 +95,8 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag,
                 dest=field.name,
-                type=kind if kind in (int, float) else (Path if kind is Path else str),
+                type=field.metadata.get("parse")
+                or (kind if kind in (int, float) else (Path if kind is Path else str)),
                 default=default,
                 metavar=field.metadata.get("metavar"),
                 help=help_text if "default" in help_text else f"{help_text} (default: {shown})",

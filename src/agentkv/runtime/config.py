@@ -16,7 +16,7 @@ import attrs
 
 from agentkv.limits import RequestLimits
 
-__all__ = ["GiB", "RuntimeConfig", "setting"]
+__all__ = ["GiB", "RuntimeConfig", "priority_or_off", "setting"]
 
 GiB = 1 << 30
 
@@ -31,6 +31,16 @@ def setting(
         validator=validator,
         metadata={"help": help, **metadata},
     )
+
+
+def priority_or_off(text: str) -> int | None:
+    """A priority (0–3) from the command line, or None for ``off``."""
+    if text.strip().lower() in ("off", "none", "never"):
+        return None
+    value = int(text)
+    if not 0 <= value <= 3:
+        raise ValueError(f"a priority is 0 to 3, not {value}")
+    return value
 
 
 def _ge(minimum: float) -> Any:
@@ -75,11 +85,13 @@ class RuntimeConfig:
     )
     watchdog_interval: float = setting(15.0, "seconds between watchdog sweeps", flag=False)
     preempt_from: int | None = setting(
-        None,
-        "let a priority-0 request suspend a running request of this priority or less urgent "
-        "(its progress is saved and it resumes later); unset: never",
+        1,
+        "a priority-0 request may suspend a running request of this priority or less urgent "
+        "(its progress is saved to the prefix store and it resumes later, nothing computed "
+        "twice); 'off': never",
         group="scheduling",
         metavar="P",
+        parse=priority_or_off,
     )
 
     # -- streaming --------------------------------------------------------------------------------
