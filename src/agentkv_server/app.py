@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -260,6 +261,7 @@ def create_app(
             page_mount(),
         ],
         lifespan=lifespan,
+        middleware=[Middleware(_HostCheck, config=config)] if config.allowed_hosts else [],
         exception_handlers={
             AgentKVError: _agentkv_error,
             HTTPException: _http_error,
@@ -269,3 +271,25 @@ def create_app(
     app.state.runtime = runtime
     app.state.metrics = routes.metrics
     return app
+
+
+class _HostCheck:
+    """Refuses a request whose ``Host`` is not one the server answers to (DNS rebinding: a web
+    page that makes a browser send requests to a name that resolves to 127.0.0.1)."""
+
+    def __init__(self, app: Any, config: ServerConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            host = next(
+                (v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"), None
+            )
+            if not self.config.host_allowed(host):
+                error = InvalidRequestError(
+                    f"Host {host!r} is not one this server answers to (--allowed-hosts)"
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

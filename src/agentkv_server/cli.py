@@ -546,6 +546,20 @@ def _connection_settings(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's settings; bound to a loopback address, it answers loopback names only."""
+    config: ServerConfig = _from_args(ServerConfig, args)
+    if config.allowed_hosts is None and (
+        config.host in _LOOPBACK or config.host.startswith("127.")
+    ):
+        names = dict.fromkeys([config.host, *_LOOPBACK])
+        config = attrs.evolve(config, allowed_hosts=",".join(names))
+    return config
+
+
 class _Server(uvicorn.Server):
     #: Called once the server listens (the startup block is printed then).
     on_started: Callable[[], None] | None = None
@@ -594,7 +608,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 logs.say(f"waiting for llama-server at {engine.base_url}")
             await client.wait_ready(600.0)
             n_slots, ctx_per_slot = await _engine_shape(client, args.slots, engine.ctx_per_slot)
-            server_config = _from_args(ServerConfig, args)
+            server_config = _server_config(args)
             runtime_config = _from_args(
                 RuntimeConfig,
                 args,

@@ -32,6 +32,28 @@ class ServerConfig:
         64, "deepest nesting of JSON arrays and objects in a body; deeper is a 400", flag=False
     )
     model_name: str = setting("agentkv-local", "the model id /v1/models lists", group="server")
+    allowed_hosts: str | None = setting(
+        None,
+        "comma-separated Host names the server answers (others get 400, which stops DNS "
+        "rebinding); '*': any; default: agentkv-server bound to a loopback address answers "
+        "localhost, 127.0.0.1 and ::1 only, otherwise any",
+        group="server",
+        metavar="HOSTS",
+    )
+
+    def host_allowed(self, header: str | None) -> bool:
+        """Whether a request's ``Host`` header names this server (always, without a list)."""
+        if self.allowed_hosts is None:
+            return True
+        allowed = {h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip()}
+        if "*" in allowed:
+            return True
+        name = (header or "").strip().lower()
+        if name.startswith("["):  # [::1]:8788
+            name = name[1 : name.find("]")] if "]" in name else name
+        elif name.count(":") == 1:  # 127.0.0.1:8788, localhost:8788
+            name = name.split(":", 1)[0]
+        return name in allowed
 
     @property
     def body_limits(self) -> BodyLimits:
