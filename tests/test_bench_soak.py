@@ -463,10 +463,16 @@ def _stand_in(engine: subprocess.Popen[bytes], restart_s: float) -> Any:
     state: dict[str, Any] = {"down_since": None, "open": 0, "restarts": 0}
 
     def up() -> bool:
-        if engine.poll() is not None and state["down_since"] is None:
+        if state["down_since"] is None:
+            # A SIGKILL takes a moment to end the process: a bare poll() right after the kill
+            # can still see it alive (and the stand-in would serve as if nothing happened).
+            try:
+                engine.wait(timeout=0.02)
+            except subprocess.TimeoutExpired:
+                return True
             state["down_since"] = time.monotonic()
             state["restarts"] += 1
-        return state["down_since"] is None or time.monotonic() - state["down_since"] > restart_s
+        return time.monotonic() - state["down_since"] > restart_s
 
     async def health(request: Request) -> Response:
         body = {"status": "ready" if up() else "engine_restarting"}
