@@ -19,7 +19,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,6 +28,8 @@ from typing import Any
 
 import attrs
 import httpx
+
+from agentkv_bench.soak import server_script
 
 #: Where to find the CLI: this variable, else ``claude`` on PATH.
 ENV_CLAUDE_BIN = "AGENTKV_CLAUDE_BIN"
@@ -66,17 +67,6 @@ def find_claude() -> Path:
             f"no `claude` on PATH and ${ENV_CLAUDE_BIN} unset; install it with "
             f"`npm install @anthropic-ai/claude-code@{CLAUDE_CODE_VERSION}`"
         )
-    return Path(found)
-
-
-def find_server_script() -> Path:
-    """The ``agentkv-server`` console script of this environment."""
-    beside = Path(sys.executable).with_name("agentkv-server")
-    if beside.is_file():
-        return beside
-    found = shutil.which("agentkv-server")
-    if found is None:
-        raise FileNotFoundError("no agentkv-server script; pip install -e '.[all]'")
     return Path(found)
 
 
@@ -139,7 +129,7 @@ class AgentKVServer:
     @property
     def command(self) -> list[str]:
         return [
-            str(find_server_script()),
+            str(server_script()),
             "--port",
             str(self.port),
             "--store-dir",
