@@ -45,11 +45,6 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
-    if value is not None and value < 0:
-        raise ValueError(f"{attribute.name} must be None or >= 0, got {value}")
-
-
 @attrs.frozen
 class PrefixFingerprinter:
     """Turns an engine request body into a :class:`Fingerprint` of its stable prefix.
@@ -58,7 +53,9 @@ class PrefixFingerprinter:
     (``None`` = all of them; ``0`` = system and tools only).
     """
 
-    max_turns: int | None = attrs.field(default=None, validator=_non_negative)
+    max_turns: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(0))
+    )
 
     def fingerprint(self, body: Mapping[str, Any]) -> Fingerprint:
         """The chained fingerprint of ``body``, an OpenAI chat body (``EngineRequest.body``)."""
