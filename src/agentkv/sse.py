@@ -39,16 +39,13 @@ from typing import Any, Literal
 import attrs
 
 from agentkv._types import ANY_TOOL, ForcedTool
-from agentkv.exceptions import AgentKVError, EngineResponseError, SSEProtocolError
+from agentkv.callscan import TAG_OPEN, CallScanner, fence_label, may_become_fence_line
+from agentkv.exceptions import EngineResponseError, SSEProtocolError
 from agentkv.guard import Repetition, RepetitionGuard, periodic_suffix
 from agentkv.repair import (
     CALL_FENCE_LABELS,
-    TAG_OPEN,
-    CallScanner,
     RejectedCandidate,
     extract_tool_calls,
-    fence_label,
-    may_become_fence_line,
     repair_arguments,
 )
 
@@ -145,7 +142,7 @@ class SSEAssembler:
     With ``tool_schemas`` (auto mode, tool-call repair on), text is held back from the point where
     a call written as text may start: a reply that starts with ``{``, a fence line labelled as
     JSON (or not labelled), a ``<tool_call>`` tag. Held text that can no longer become a valid
-    call (:class:`~agentkv.repair.CallScanner`) is released as text at once, unless it is a call
+    call (:class:`~agentkv.callscan.CallScanner`) is released as text at once, unless it is a call
     written wrongly, which is kept for the retry for at most ``hold_chars`` characters or
     ``hold_seconds`` seconds from where the hold began. The same bound ends a hold that has not yet
     named a declared tool. Released text streams, and is scanned again for a later call.
@@ -303,8 +300,9 @@ class SSEAssembler:
         """What to do now that the engine's reply has ended (or was closed on :attr:`stop`).
 
         :class:`RetryWithTools` when the reply held back text that tried to call a tool and gave
-        no valid call (as :func:`~agentkv.repair.needs_retry` decides), the reply was neither cut
-        off by the token limit nor stopped, and there was no retry yet; else
+        no valid call (:func:`~agentkv.repair.extract_tool_calls` found candidates and rejected
+        them all), the reply was neither cut off by the token limit nor stopped, and there was no
+        retry yet; else
         :class:`ReplyComplete`. It changes nothing: ask as often as you like.
         """
         if self._state != "streaming":
@@ -415,14 +413,6 @@ class SSEAssembler:
         )
         out.append({"type": "message_stop"})
         return out
-
-    def ping(self) -> dict[str, Any]:
-        """A keep-alive event; valid anywhere in the stream."""
-        return {"type": "ping"}
-
-    def error(self, exc: AgentKVError) -> dict[str, Any]:
-        """The ``error`` event for a failure after the response has started."""
-        return exc.to_anthropic()
 
     @property
     def usage(self) -> dict[str, int]:
