@@ -3,7 +3,8 @@
 The assembler holds back text from the point where a call may start (see docs/repair.md).
 :class:`CallScanner` reads the held text once, incrementally, with a small JSON lexer that knows
 the declared tools' schemas, and says whether it can still become a call, so that text which
-cannot is released at once instead of at the end of the reply. Pure: no I/O.
+cannot is released at once instead of at the end of the reply. :class:`HoldGate` decides, for
+a growing reply, what streams at once and what is held. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from agentkv.guard import Repetition, cut_tail, periodic_suffix
 from agentkv.repair import (
     CALL_FENCE_LABELS,
     CALL_KEYS,
@@ -25,7 +27,14 @@ from agentkv.repair import (
 )
 from agentkv.schema import TYPE_NAMES, Schema
 
-__all__ = ["TAG_OPEN", "CallScanner", "HoldOutlook", "fence_label", "may_become_fence_line"]
+__all__ = [
+    "TAG_OPEN",
+    "CallScanner",
+    "HoldGate",
+    "HoldOutlook",
+    "fence_label",
+    "may_become_fence_line",
+]
 
 TAG_OPEN = "<tool_call>"
 _TAG_CLOSE = "</tool_call>"
@@ -549,3 +558,185 @@ class CallScanner:
         if reader.invalid or reader.trailing:
             return _ATTEMPT
         return HoldOutlook(can_be_call=True, committed=reader.named or reader.values > 0)
+
+
+#: Held text is read in slices of at most this many characters, so that a release found early in
+#: a very large chunk (a non-streaming reply) does not first read the whole chunk.
+_SLICE = 512
+
+
+@attrs.define
+class HoldGate:
+    """Streams a reply's text, holding it back from where a call written as text may start.
+
+    A call may start at a reply that starts with ``{``, a fence line labelled as JSON (or not
+    labelled), or a ``<tool_call>`` tag. Held text that can no longer become a valid call
+    (:class:`CallScanner`) is released as text at once, unless it is a call written wrongly,
+    which is kept (for the retry) for at most ``hold_chars`` characters or ``hold_seconds``
+    seconds from where the hold began. The same bound ends a hold that has not yet named a
+    declared tool. Released text streams, and is scanned again for a later call.
+
+    :meth:`feed` and :meth:`flush` return the pieces to stream, in order; what is held at the end
+    of the reply is :attr:`held` (and :attr:`pending`, a partial tag or fence line).
+    """
+
+    tools: Mapping[str, Schema | None]
+    hold_chars: int = 1024
+    hold_seconds: float = 15.0
+
+    # Streamed text not yet sent: what may still open a call (a partial tag or fence line).
+    _buf: str = attrs.field(default="", init=False)
+    _line_start: bool = attrs.field(default=True, init=False)  # _buf starts a line
+    _reply_start: bool = attrs.field(default=True, init=False)  # only whitespace so far
+    _fences: int = attrs.field(default=0, init=False)  # fence lines streamed (their parity)
+    _seen_tag: bool = attrs.field(default=False, init=False)  # tags take precedence over fences
+    # The held segment: from where a call may start.
+    _scanner: CallScanner | None = attrs.field(default=None, init=False)
+    _held: list[str] = attrs.field(factory=list, init=False)
+    _held_len: int = attrs.field(default=0, init=False)
+    _held_since: float = attrs.field(default=0.0, init=False)
+
+    @property
+    def holding(self) -> bool:
+        """Whether a segment that may be a call is held."""
+        return self._scanner is not None
+
+    @property
+    def held(self) -> str:
+        """The held segment ('' when nothing is held)."""
+        return "".join(self._held)
+
+    @property
+    def pending(self) -> str:
+        """Text kept back because it may still open a call (a partial tag or fence line)."""
+        return self._buf
+
+    def feed(self, text: str, now: float) -> list[str]:
+        """Take more of the reply; return the pieces that stream now."""
+        out: list[str] = []
+        while text:
+            if self._scanner is None:
+                text = self._scan(text, out)
+                if not text:
+                    break
+                self._scanner = CallScanner(self.tools)
+                self._held, self._held_len, self._held_since = [], 0, now
+            piece, text = text[:_SLICE], text[_SLICE:]
+            self._held.append(piece)
+            self._held_len += len(piece)
+            self._scanner.feed(piece)
+            if self._hold_over(now):
+                text = self._release(out) + text
+        return out
+
+    def flush(self, now: float) -> list[str]:
+        """Release a hold whose time has run out (call it on a timer between chunks)."""
+        if self._scanner is None or not self._hold_over(now):
+            return []
+        out: list[str] = []
+        rest = self._release(out)
+        return out + self.feed(rest, now)
+
+    def take_pending(self) -> str:
+        """:attr:`pending`, which is then forgotten (the reply has ended: it is text)."""
+        text, self._buf = self._buf, ""
+        return text
+
+    def drop_held(self) -> str:
+        """Forget the held segment and return it (the reply is asked for again)."""
+        held = self.held
+        self._scanner, self._held, self._held_len = None, [], 0
+        return held
+
+    def trim(self, found: Repetition) -> int:
+        """Drop the repeated copies (all but the first) from what is held or kept back; return
+        how many characters are still to drop from what was already passed on."""
+        period = found.period
+        if self._scanner is not None:
+            held = self.held
+            drop = max(found.length, periodic_suffix(held, period)) - period
+            kept, drop = cut_tail(held, drop)
+            self._held, self._held_len = [kept], len(kept)
+            return drop
+        self._buf, drop = cut_tail(self._buf, found.length - period)
+        return drop
+
+    def _scan(self, text: str, out: list[str]) -> str:
+        """Stream ``text`` up to where a call may start; return the text from there on ('' when
+        nothing opens). A partial tag or fence line at the end is kept back until it is whole."""
+        buf, self._buf = self._buf + text, ""
+        if self._reply_start:
+            head = buf.lstrip()
+            if not head:
+                self._buf = buf
+                return ""
+            self._reply_start = False
+            if head.startswith("{"):
+                return buf  # a reply that starts with JSON
+        opening = self._opening(buf)
+        if opening is not None:
+            self._stream(buf[:opening], out)
+            return buf[opening:]
+        keep = len(buf)
+        for size in range(min(len(TAG_OPEN) - 1, len(buf)), 0, -1):
+            if TAG_OPEN.startswith(buf[-size:]):
+                keep = len(buf) - size
+                break
+        if not self._seen_tag:
+            newline = buf.rfind("\n")
+            last_line = newline + 1 if newline >= 0 else (0 if self._line_start else None)
+            if last_line is not None and may_become_fence_line(buf[last_line:]):
+                keep = min(keep, last_line)
+        self._stream(buf[:keep], out)
+        self._buf = buf[keep:]
+        return ""
+
+    def _opening(self, buf: str) -> int | None:
+        """Where in ``buf`` a call may start: a ``<tool_call>`` tag, or a fence line that opens a
+        block labelled as JSON (fence lines pair in order, as the extractor pairs them; once a tag
+        has appeared, fences are not read, as the extractor then reads only tags)."""
+        tag = buf.find(TAG_OPEN)
+        limit = tag if tag >= 0 else len(buf)
+        if self._line_start:
+            position = 0
+        else:
+            newline = buf.find("\n")
+            position = newline + 1 if newline >= 0 else len(buf) + 1
+        while position < limit:
+            newline = buf.find("\n", position)
+            if newline < 0:
+                break  # the last line is not complete yet
+            label = fence_label(buf[position:newline])
+            if label is not None:
+                self._fences += 1
+                if self._fences % 2 == 1 and label in CALL_FENCE_LABELS and not self._seen_tag:
+                    return position
+            position = newline + 1
+        if tag >= 0:
+            self._seen_tag = True
+            return tag
+        return None
+
+    def _stream(self, text: str, out: list[str]) -> None:
+        if text:
+            self._line_start = text.endswith("\n")
+            out.append(text)
+
+    def _hold_over(self, now: float) -> bool:
+        """Whether the held segment should be released now."""
+        assert self._scanner is not None
+        outlook = self._scanner.outlook
+        if outlook.committed:
+            return False  # a call of a declared tool being written: held to its end
+        if not (outlook.can_be_call or outlook.attempt):
+            return True  # it cannot be a call, nor is it one written wrongly
+        return self._held_len > self.hold_chars or now - self._held_since >= self.hold_seconds
+
+    def _release(self, out: list[str]) -> str:
+        """Send the held segment's opening as text; return the rest, to be scanned again."""
+        assert self._scanner is not None
+        held = self.held
+        skip = min(self._scanner.opening_end, len(held))
+        self._scanner, self._held, self._held_len = None, [], 0
+        self._stream(held[:skip], out)
+        return held[skip:]
