@@ -1,4 +1,4 @@
-"""PrefixFingerprinter and compare(): chained prefix fingerprints of engine bodies."""
+"""PrefixFingerprinter: chained prefix fingerprints of engine bodies."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkv._types import Fingerprint, Match, MatchKind
-from agentkv.fingerprint import PrefixFingerprinter, canonical_json, compare
+from agentkv.fingerprint import PrefixFingerprinter, canonical_json
 
 SYSTEM = {"role": "system", "content": "You are a careful coding agent."}
 TOOLS = [
@@ -103,7 +102,7 @@ def test_tool_settings_change_the_tools_block(change: dict[str, Any]) -> None:
     changed = FP.fingerprint({**body(user("hi")), **change})
     assert changed.blocks[0] == base.blocks[0]
     assert changed.blocks[1] != base.blocks[1]
-    assert compare(changed, base) == Match(MatchKind.MISS, 1, base.sizes[0])
+    assert shared(changed, base) == 1
 
 
 def test_leading_system_messages_form_one_block() -> None:
@@ -144,49 +143,37 @@ def test_messages_must_be_a_list() -> None:
         FP.fingerprint({"messages": "hello"})
 
 
-def test_compare_exact() -> None:
-    """The same body compares EXACT, sharing every block."""
+def shared(a: Any, b: Any) -> int:
+    """How many leading blocks two fingerprints share."""
+    count = 0
+    for mine, theirs in zip(a.blocks, b.blocks, strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count
+
+
+def test_same_body_gives_the_same_fingerprint() -> None:
+    """The same body gives an equal fingerprint, and a fresh fingerprinter agrees."""
     fp = FP.fingerprint(body(user("hi")))
-    match = compare(fp, FP.fingerprint(body(user("hi"))))
-    assert match.kind is MatchKind.EXACT
-    assert (match.shared_blocks, match.shared_size) == (len(fp.blocks), fp.total_size)
+    assert fp == PrefixFingerprinter().fingerprint(body(user("hi")))
+    assert shared(fp, fp) == len(fp.blocks)
 
 
-def test_compare_prefix_when_conversation_grew() -> None:
-    """A request extending what the slot holds is a PREFIX hit sized by the shared blocks."""
+def test_a_grown_conversation_extends_the_chain() -> None:
+    """A request extending an earlier one shares every block of the earlier one."""
     cached = FP.fingerprint(body(user("hi")))
     request = FP.fingerprint(body(user("hi"), assistant("hello"), user("more")))
-    match = compare(request, cached)
-    assert match.kind is MatchKind.PREFIX
-    assert match.shared_blocks == len(cached.blocks)
-    assert match.shared_size == cached.total_size
+    assert shared(request, cached) == len(cached.blocks)
+    assert sum(request.sizes[: len(cached.blocks)]) == cached.total_size
 
 
-def test_compare_miss_counts_common_leading_blocks() -> None:
-    """Diverging turns give MISS, but the shared system + tools blocks are still counted."""
+def test_diverging_turns_still_share_system_and_tools() -> None:
+    """Diverging first turns share only the system and tools blocks."""
     a = FP.fingerprint(body(user("hi"), assistant("x")))
     b = FP.fingerprint(body(user("bye"), assistant("x")))
-    match = compare(a, b)
-    assert match.kind is MatchKind.MISS
-    assert match.shared_blocks == 2
-    assert match.shared_size == a.sizes[0] + a.sizes[1]
-
-
-def test_compare_shorter_request_is_a_miss() -> None:
-    """When the slot holds more than the request (a retry), it is a MISS sharing the request."""
-    short = FP.fingerprint(body(user("hi")))
-    long = FP.fingerprint(body(user("hi"), assistant("hello")))
-    match = compare(short, long)
-    assert match.kind is MatchKind.MISS
-    assert match.shared_blocks == len(short.blocks)
-
-
-def test_compare_with_nothing_cached_is_a_miss() -> None:
-    """An empty slot (None or an empty fingerprint) shares nothing."""
-    fp = FP.fingerprint(body(user("hi")))
-    assert compare(fp, None).kind is MatchKind.MISS
-    empty = compare(fp, Fingerprint(blocks=(), sizes=()))
-    assert (empty.kind, empty.shared_blocks, empty.shared_size) == (MatchKind.MISS, 0, 0)
+    assert shared(a, b) == 2
+    assert a.blocks[2:] != b.blocks[2:]
 
 
 json_text = st.text(max_size=20)
@@ -200,25 +187,21 @@ messages = st.lists(
 
 @given(system=json_text, head=messages, tail=messages.filter(bool))
 def test_extended_body_is_prefix_of_longer(system: str, head: list[Any], tail: list[Any]) -> None:
-    """Appending messages to a body makes the shorter one a PREFIX sharing all its blocks."""
+    """Appending messages to a body keeps every block of the shorter one as the chain's prefix."""
     # A conversation opens with a user turn; system messages after it are ordinary turns.
     opening = [{"role": "system", "content": system}, user("start")]
     short_body = {"messages": [*opening, *head], "tools": TOOLS}
     long_body = {**short_body, "messages": [*short_body["messages"], *tail]}
     short, long = FP.fingerprint(short_body), FP.fingerprint(long_body)
-    match = compare(long, short)
-    assert match.kind is MatchKind.PREFIX
-    assert match.shared_blocks == len(short.blocks)
-    assert match.shared_size == short.total_size
-    assert compare(long, long).kind is MatchKind.EXACT
-    assert compare(short, long).kind is MatchKind.MISS
+    assert len(long.blocks) > len(short.blocks)
+    assert long.blocks[: len(short.blocks)] == short.blocks
+    assert long.sizes[: len(short.sizes)] == short.sizes
 
 
 @given(a=messages, b=messages)
 def test_shared_blocks_is_the_common_run(a: list[Any], b: list[Any]) -> None:
-    """compare() counts exactly the leading blocks that are equal and never exceeds either side."""
+    """Two chains agree on exactly the leading blocks that are equal."""
     fa, fb = FP.fingerprint({"messages": a}), FP.fingerprint({"messages": b})
-    match = compare(fa, fb)
     head_a, head_b = leading_system(a), leading_system(b)
     expected = 0
     if a[:head_a] == b[:head_b]:
@@ -227,9 +210,9 @@ def test_shared_blocks_is_the_common_run(a: list[Any], b: list[Any]) -> None:
             if mine != theirs:
                 break
             expected += 1
-    assert match.shared_blocks == expected
-    assert match.shared_size == sum(fa.sizes[:expected])
-    assert (match.kind is MatchKind.EXACT) == (a == b)
+    assert shared(fa, fb) == expected
+    assert fa.sizes[:expected] == fb.sizes[:expected]
+    assert (fa == fb) == (a == b)
 
 
 def leading_system(messages: list[Any]) -> int:

@@ -17,7 +17,7 @@ from syrupy.assertion import SnapshotAssertion
 from syrupy.extensions.json import JSONSnapshotExtension
 
 from agentkv import ANY_TOOL
-from agentkv.exceptions import EngineResponseError, QueueFullError, SSEProtocolError
+from agentkv.exceptions import EngineResponseError, SSEProtocolError
 from agentkv.sse import SSEAssembler, accumulate, encode_event
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -464,16 +464,6 @@ def test_engine_error_chunk_raises() -> None:
     sse.start()
     with pytest.raises(EngineResponseError, match="context overflow"):
         sse.feed({"error": {"code": 500, "message": "context overflow"}}, 0.0)
-
-
-def test_ping_and_error_events() -> None:
-    """ping() and error(exc) produce the Anthropic event shapes."""
-    sse = assembler()
-    assert sse.ping() == {"type": "ping"}
-    assert sse.error(QueueFullError("busy")) == {
-        "type": "error",
-        "error": {"type": "overloaded_error", "message": "busy"},
-    }
 
 
 def test_encode_event() -> None:

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from agentkv import ANY_TOOL
 from agentkv.exceptions import SSEProtocolError
 from agentkv.guard import RepetitionGuard
-from agentkv.repair import extract_tool_calls, validate
+from agentkv.repair import extract_tool_calls
+from agentkv.schema import validate
 from agentkv.sse import ReplyComplete, RetryWithTools, SSEAssembler, StopRequest, accumulate
 from tests.test_sse import (
     assembler,

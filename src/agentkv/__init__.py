@@ -16,8 +16,6 @@ from agentkv._types import (
     Fingerprint,
     ForcedTool,
     Lease,
-    Match,
-    MatchKind,
     SlotView,
     Ticket,
 )
@@ -33,7 +31,7 @@ from agentkv.exceptions import (
     QueueFullError,
     SSEProtocolError,
 )
-from agentkv.fingerprint import PrefixFingerprinter, compare
+from agentkv.fingerprint import PrefixFingerprinter
 from agentkv.guard import Repetition, RepetitionGuard
 from agentkv.scheduler import FairScheduler
 from agentkv.slots import SlotManager, SlotStats
@@ -61,8 +59,6 @@ __all__ = [
     "InvalidRequestError",
     "Lease",
     "LlamaSlotClient",
-    "Match",
-    "MatchKind",
     "MessagesTranslator",
     "PrefixFingerprinter",
     "PromptTooLongError",
@@ -79,7 +75,6 @@ __all__ = [
     "StopRequest",
     "Ticket",
     "Verdict",
-    "compare",
 ]
 
 

@@ -36,7 +36,7 @@ from agentkv._anthropic import (
     UrlImageSource,
 )
 from agentkv.exceptions import InvalidRequestError
-from agentkv.repair import json_type
+from agentkv.schema import json_type
 
 __all__ = ["converter", "structure"]
 

@@ -17,8 +17,6 @@ __all__ = [
     "Fingerprint",
     "ForcedTool",
     "Lease",
-    "Match",
-    "MatchKind",
     "Placement",
     "SlotView",
     "Source",
@@ -41,17 +39,6 @@ ANY_TOOL: Final = AnyTool.ANY_TOOL
 ForcedTool = str | AnyTool
 
 
-class MatchKind(enum.Enum):
-    """How a request relates to what a slot has cached."""
-
-    # The slot holds exactly this prefix: nothing to prefill but the new tail.
-    EXACT = "exact"
-    # The slot's prefix is a prefix of this request: prefill only the extension.
-    PREFIX = "prefix"
-    # Diverges somewhere (``shared_blocks`` may still count common leading blocks).
-    MISS = "miss"
-
-
 @attrs.frozen
 class Fingerprint:
     """A chain of block hashes over the stable prefix of a conversation.
@@ -72,15 +59,6 @@ class Fingerprint:
     def short(self) -> str:
         """A short, human-readable id for logs and the slot table."""
         return self.blocks[-1][:12] if self.blocks else "-"
-
-
-@attrs.frozen
-class Match:
-    """The result of comparing a request's fingerprint with a slot's cached one."""
-
-    kind: MatchKind
-    shared_blocks: int = 0
-    shared_size: int = 0
 
 
 class Source(enum.Enum):

@@ -8,8 +8,8 @@ A fingerprint is a *chain* of block hashes over what reaches the prompt, in prom
 3. each further message, one block each.
 
 ``blocks[i]`` is ``sha256(blocks[i-1] + canonical_json(block_i))``, so two fingerprints agree on
-their first ``k`` entries exactly when the first ``k`` blocks are equal. That lets :func:`compare`
-measure the longest shared prefix instead of asking for equality.
+their first ``k`` entries exactly when the first ``k`` blocks are equal: the longest shared prefix
+can be measured instead of asking for equality.
 
 Why a chain: hashing the whole history into one value changes the fingerprint on every request,
 because every turn appends to the history; measured hit rates fell under 20%. Hashing only
@@ -32,9 +32,9 @@ from typing import Any
 
 import attrs
 
-from agentkv._types import Fingerprint, Match, MatchKind
+from agentkv._types import Fingerprint
 
-__all__ = ["PrefixFingerprinter", "canonical_json", "compare"]
+__all__ = ["PrefixFingerprinter", "canonical_json"]
 
 # The body keys that shape the tools part of the prompt (and the grammar the engine applies).
 _TOOL_KEYS = ("tools", "tool_choice", "response_format")
@@ -45,11 +45,6 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
-    if value is not None and value < 0:
-        raise ValueError(f"{attribute.name} must be None or >= 0, got {value}")
-
-
 @attrs.frozen
 class PrefixFingerprinter:
     """Turns an engine request body into a :class:`Fingerprint` of its stable prefix.
@@ -58,7 +53,9 @@ class PrefixFingerprinter:
     (``None`` = all of them; ``0`` = system and tools only).
     """
 
-    max_turns: int | None = attrs.field(default=None, validator=_non_negative)
+    max_turns: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(0))
+    )
 
     def fingerprint(self, body: Mapping[str, Any]) -> Fingerprint:
         """The chained fingerprint of ``body``, an OpenAI chat body (``EngineRequest.body``)."""
@@ -88,25 +85,3 @@ def _chain(parts: Sequence[str]) -> Fingerprint:
         previous = hashlib.sha256((previous + part).encode()).hexdigest()
         blocks.append(previous)
     return Fingerprint(blocks=tuple(blocks), sizes=tuple(len(part) for part in parts))
-
-
-def compare(request: Fingerprint, cached: Fingerprint | None) -> Match:
-    """How much of ``request`` a slot holding ``cached`` can reuse.
-
-    EXACT when equal; PREFIX when ``cached`` is a non-empty proper prefix of ``request``; MISS
-    otherwise, still counting the common leading blocks (llama-server reuses those tokens too).
-    ``shared_size`` sums the sizes of the shared blocks.
-    """
-    if cached is None:
-        return Match(MatchKind.MISS)
-    shared = 0
-    for mine, theirs in zip(request.blocks, cached.blocks, strict=False):
-        if mine != theirs:
-            break
-        shared += 1
-    size = sum(request.sizes[:shared])
-    if shared == len(request.blocks) == len(cached.blocks):
-        return Match(MatchKind.EXACT, shared, size)
-    if shared == len(cached.blocks) and shared > 0:
-        return Match(MatchKind.PREFIX, shared, size)
-    return Match(MatchKind.MISS, shared, size)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["Repetition", "RepetitionGuard", "periodic_suffix"]
+__all__ = ["Repetition", "RepetitionGuard", "cut_tail", "periodic_suffix"]
 
 
 @attrs.frozen
@@ -165,3 +165,11 @@ class RepetitionGuard:
                 return Repetition(tail[n - length : n - length + period], length)
             limit = found + k - 1
         return None
+
+
+def cut_tail(text: str, drop: int) -> tuple[str, int]:
+    """``text`` less its last ``drop`` characters (at most all), and how many are left to drop."""
+    if drop <= 0:
+        return text, 0
+    kept = max(0, len(text) - drop)
+    return text[:kept], drop - (len(text) - kept)

@@ -43,35 +43,33 @@ NO_IMAGES: Final = "this model does not accept images (text-only)"
 # llama-server reads these as 32-bit integers; a larger value would wrap around silently.
 _INT32_MAX: Final = 2**31 - 1
 
-_positive = attrs.validators.ge(1)
-
 
 @attrs.frozen
 class RequestLimits:
     """Upper bounds on the shape of one Messages request (all counts inclusive)."""
 
     #: Conversation messages. A long Claude Code session holds a few hundred before compaction.
-    max_messages: int = attrs.field(default=10_000, validator=_positive)
+    max_messages: int = attrs.field(default=10_000, validator=attrs.validators.ge(1))
     #: Content blocks in one message, in ``system``, or in one tool_result. Claude Code sends a
     #: handful per message (one per parallel tool call).
-    max_blocks: int = attrs.field(default=1_000, validator=_positive)
+    max_blocks: int = attrs.field(default=1_000, validator=attrs.validators.ge(1))
     #: Characters of text in all of system, messages and tool results together: about two million
     #: tokens, more than any engine's context holds, so refusing it loses nothing.
-    max_text_chars: int = attrs.field(default=8_000_000, validator=_positive)
+    max_text_chars: int = attrs.field(default=8_000_000, validator=attrs.validators.ge(1))
     #: Tools. Claude Code declares 21 of its own; MCP servers add tens more.
-    max_tools: int = attrs.field(default=512, validator=_positive)
+    max_tools: int = attrs.field(default=512, validator=attrs.validators.ge(1))
     #: Characters of one tool name (the Anthropic API allows 64 or 128, depending on the model).
-    max_tool_name_chars: int = attrs.field(default=256, validator=_positive)
+    max_tool_name_chars: int = attrs.field(default=256, validator=attrs.validators.ge(1))
     #: Bytes of one tool's ``input_schema`` as canonical JSON. Claude Code's largest is 2.1 KB.
-    max_tool_schema_bytes: int = attrs.field(default=64 * 1024, validator=_positive)
+    max_tool_schema_bytes: int = attrs.field(default=64 * 1024, validator=attrs.validators.ge(1))
     #: Bytes of all tools (names, descriptions and schemas) as canonical JSON. Claude Code's, with
     #: their long descriptions, come to 60 KB.
-    max_tools_bytes: int = attrs.field(default=1024 * 1024, validator=_positive)
+    max_tools_bytes: int = attrs.field(default=1024 * 1024, validator=attrs.validators.ge(1))
     #: Entries in ``stop_sequences``, and characters in one of them.
-    max_stop_sequences: int = attrs.field(default=64, validator=_positive)
-    max_stop_sequence_chars: int = attrs.field(default=1_000, validator=_positive)
+    max_stop_sequences: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    max_stop_sequence_chars: int = attrs.field(default=1_000, validator=attrs.validators.ge(1))
     #: Image blocks in one request, tool results included (the Anthropic API's own limit is 100).
-    max_images: int = attrs.field(default=100, validator=_positive)
+    max_images: int = attrs.field(default=100, validator=attrs.validators.ge(1))
     #: Whether the engine accepts images at all; False makes any image block a 400.
     images: bool = True
 

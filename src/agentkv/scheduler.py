@@ -22,7 +22,6 @@ ticket (p = 3) is dispatched before it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import attrs
 
@@ -34,23 +33,13 @@ __all__ = ["MAX_PRIORITY", "FairScheduler"]
 MAX_PRIORITY = 3  # priorities are 0 (most urgent) .. 3 (background)
 
 
-def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
-
-
-def _non_negative(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
-
-
 @attrs.define(eq=False)
 class FairScheduler:
     """A capped queue of tickets, popped by aged priority; see the module docs for the bound."""
 
-    aging: float = attrs.field(default=0.1, kw_only=True, validator=_positive)
-    max_queue: int = attrs.field(default=256, kw_only=True, validator=_positive)
-    tie_window: float = attrs.field(default=0.25, kw_only=True, validator=_non_negative)
+    aging: float = attrs.field(default=0.1, kw_only=True, validator=attrs.validators.gt(0))
+    max_queue: int = attrs.field(default=256, kw_only=True, validator=attrs.validators.gt(0))
+    tie_window: float = attrs.field(default=0.25, kw_only=True, validator=attrs.validators.ge(0))
     _queue: dict[int, Ticket] = attrs.field(init=False, factory=dict)
 
     def submit(self, ticket: Ticket, now: float) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
@@ -32,11 +31,6 @@ __all__ = ["SlotManager", "SlotStats", "place"]
 #: Chance that the owner of overwritten content comes back for it: what a destroyed token is
 #: expected to cost later (a restore when it was saved, a prefill when not).
 _RETURN_CHANCE = 0.5
-
-
-def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
 
 
 @attrs.frozen
@@ -143,8 +137,8 @@ class _Slot:
 class SlotManager:
     """The slot table of one engine: content, leases and a watchdog. Never leases a busy slot."""
 
-    n_slots: int = attrs.field(validator=_positive)
-    lease_ttl: float = attrs.field(default=900.0, kw_only=True, validator=_positive)
+    n_slots: int = attrs.field(validator=attrs.validators.gt(0))
+    lease_ttl: float = attrs.field(default=900.0, kw_only=True, validator=attrs.validators.gt(0))
     _slots: list[_Slot] = attrs.field(init=False)
     _leases: dict[int, Lease] = attrs.field(init=False, factory=dict)
     _next_lease: int = attrs.field(init=False, default=1)

@@ -39,18 +39,10 @@ from typing import Any, Literal
 import attrs
 
 from agentkv._types import ANY_TOOL, ForcedTool
-from agentkv.exceptions import AgentKVError, EngineResponseError, SSEProtocolError
-from agentkv.guard import Repetition, RepetitionGuard, periodic_suffix
-from agentkv.repair import (
-    CALL_FENCE_LABELS,
-    TAG_OPEN,
-    CallScanner,
-    RejectedCandidate,
-    extract_tool_calls,
-    fence_label,
-    may_become_fence_line,
-    repair_arguments,
-)
+from agentkv.callscan import HoldGate
+from agentkv.exceptions import EngineResponseError, SSEProtocolError
+from agentkv.guard import Repetition, RepetitionGuard, cut_tail
+from agentkv.repair import RejectedCandidate, extract_tool_calls, repair_arguments
 
 __all__ = [
     "ReplyComplete",
@@ -61,10 +53,6 @@ __all__ = [
     "accumulate",
     "encode_event",
 ]
-
-#: Held text is read in slices of at most this many characters, so that a release found early in
-#: a very large chunk (a non-streaming reply) does not first read the whole chunk.
-_SLICE = 512
 
 
 def encode_event(event: Mapping[str, Any]) -> bytes:
@@ -143,12 +131,9 @@ class SSEAssembler:
     that window raises :class:`SSEProtocolError`.
 
     With ``tool_schemas`` (auto mode, tool-call repair on), text is held back from the point where
-    a call written as text may start: a reply that starts with ``{``, a fence line labelled as
-    JSON (or not labelled), a ``<tool_call>`` tag. Held text that can no longer become a valid
-    call (:class:`~agentkv.repair.CallScanner`) is released as text at once, unless it is a call
-    written wrongly, which is kept for the retry for at most ``hold_chars`` characters or
-    ``hold_seconds`` seconds from where the hold began. The same bound ends a hold that has not yet
-    named a declared tool. Released text streams, and is scanned again for a later call.
+    a call written as text may start, by a :class:`~agentkv.callscan.HoldGate` (which says what
+    is held, and for how long); what it holds at the end of the reply becomes tool_use blocks
+    where it holds valid calls, and text otherwise.
     """
 
     message_id: str = attrs.field(kw_only=True)
@@ -194,17 +179,8 @@ class SSEAssembler:
     _retried: bool = attrs.field(default=False, init=False)
     _stop: StopRequest | None = attrs.field(default=None, init=False)
     _guards: dict[str, RepetitionGuard] = attrs.field(factory=dict, init=False)
-    # Streamed text not yet sent: what may still open a call (a partial tag or fence line).
-    _gate_buf: str = attrs.field(default="", init=False)
-    _line_start: bool = attrs.field(default=True, init=False)  # _gate_buf starts a line
-    _reply_start: bool = attrs.field(default=True, init=False)  # only whitespace so far
-    _fences: int = attrs.field(default=0, init=False)  # fence lines streamed (their parity)
-    _seen_tag: bool = attrs.field(default=False, init=False)  # tags take precedence over fences
-    # The held segment: from where a call may start.
-    _scanner: CallScanner | None = attrs.field(default=None, init=False)
-    _held: list[str] = attrs.field(factory=list, init=False)
-    _held_len: int = attrs.field(default=0, init=False)
-    _held_since: float = attrs.field(default=0.0, init=False)
+    # What holds back text that may be a call (auto mode with tools), made on first use.
+    _gate: HoldGate | None = attrs.field(default=None, init=False)
 
     def start(self) -> list[dict[str, Any]]:
         """``[message_start]``; send it as early as possible (it keeps clients from timing out)."""
@@ -264,7 +240,7 @@ class SSEAssembler:
             if self.forced_tool is not None:
                 self._forced_text += content
             elif self.tool_schemas:
-                self._gate(content, now, out)
+                self._gated(content, now, out)
             else:
                 self._append("text", content, now, out)
             self._watch("text", content)
@@ -282,8 +258,9 @@ class SSEAssembler:
         out: list[dict[str, Any]] = []
         if self._state != "streaming":
             return out
-        if self._scanner is not None and self._stop is None and self._hold_over(now):
-            self._gate(self._release(now, out), now, out)
+        if self._gate is not None and self._stop is None:
+            for piece in self._gate.flush(now):
+                self._append("text", piece, now, out)
         current = self._current
         if (
             isinstance(current, _Streamed)
@@ -303,14 +280,16 @@ class SSEAssembler:
         """What to do now that the engine's reply has ended (or was closed on :attr:`stop`).
 
         :class:`RetryWithTools` when the reply held back text that tried to call a tool and gave
-        no valid call (as :func:`~agentkv.repair.needs_retry` decides), the reply was neither cut
-        off by the token limit nor stopped, and there was no retry yet; else
+        no valid call (:func:`~agentkv.repair.extract_tool_calls` found candidates and rejected
+        them all), the reply was neither cut off by the token limit nor stopped, and there was no
+        retry yet; else
         :class:`ReplyComplete`. It changes nothing: ask as often as you like.
         """
         if self._state != "streaming":
             raise SSEProtocolError("verdict() is only defined between start() and finish()")
         if (
-            self._scanner is None
+            self._gate is None
+            or not self._gate.holding
             or not self.tool_schemas
             or self.forced_tool is not None
             or self._retried
@@ -318,7 +297,7 @@ class SSEAssembler:
             or self._finish_reason == "length"
         ):
             return ReplyComplete()
-        found = extract_tool_calls("".join(self._held), self.tool_schemas)
+        found = extract_tool_calls(self._gate.held, self.tool_schemas)
         if found.calls or not found.rejected:
             return ReplyComplete()
         return RetryWithTools(found.rejected)
@@ -340,8 +319,7 @@ class SSEAssembler:
         )
         self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
         self._delta_chunks = 0
-        self._fallback = "".join(self._held)
-        self._scanner, self._held, self._held_len = None, [], 0
+        self._fallback = self._gate.drop_held() if self._gate is not None else ""
         self._finish_reason = None
         self._guards.pop("text", None)
         self.forced_tool = ANY_TOOL
@@ -397,14 +375,13 @@ class SSEAssembler:
                 f"finish() called {'before start' if self._state == 'new' else 'twice'}"
             )
         out: list[dict[str, Any]] = []
-        if self._gate_buf:
-            self._append("text", self._gate_buf, now, out)
-            self._gate_buf = ""
+        if self._gate is not None:
+            self._append("text", self._gate.take_pending(), now, out)
         self._close(out)
         if self.forced_tool is not None:
             self._emit_forced(out)
-        elif self._scanner is not None:
-            self._emit_held(out)
+        elif self._gate is not None and self._gate.holding:
+            self._emit_held(self._gate.held, out)
         self._state = "done"
         out.append(
             {
@@ -415,14 +392,6 @@ class SSEAssembler:
         )
         out.append({"type": "message_stop"})
         return out
-
-    def ping(self) -> dict[str, Any]:
-        """A keep-alive event; valid anywhere in the stream."""
-        return {"type": "ping"}
-
-    def error(self, exc: AgentKVError) -> dict[str, Any]:
-        """The ``error`` event for a failure after the response has started."""
-        return exc.to_anthropic()
 
     @property
     def usage(self) -> dict[str, int]:
@@ -524,122 +493,26 @@ class SSEAssembler:
         drop = found.length - period
         current = self._current
         if where == "text" and self.forced_tool is not None:
-            self._forced_text, drop = _cut(self._forced_text, drop)
-        elif where == "text" and self._scanner is not None:
-            held = "".join(self._held)
-            drop = max(found.length, periodic_suffix(held, period)) - period
-            kept, drop = _cut(held, drop)
-            self._held, self._held_len = [kept], len(kept)
-        elif where == "text":
-            self._gate_buf, drop = _cut(self._gate_buf, drop)
+            self._forced_text, drop = cut_tail(self._forced_text, drop)
+        elif where == "text" and self._gate is not None:
+            drop = self._gate.trim(found)
         elif where == "tool" and isinstance(current, _ToolDraft):
-            current.arguments, drop = _cut(current.arguments, drop)
+            current.arguments, drop = cut_tail(current.arguments, drop)
             return
         if isinstance(current, _Streamed) and current.kind == where and drop > 0:
-            current.pending, drop = _cut(current.pending, drop)
+            current.pending, drop = cut_tail(current.pending, drop)
 
     # -- holding back what may be a call -------------------------------------------------------
 
-    def _gate(self, text: str, now: float, out: list[dict[str, Any]]) -> None:
-        """Auto mode with tools: stream text, hold it from where a call may start, and release
-        held text that cannot become a call (then scan it again for a later one)."""
-        while text:
-            if self._scanner is None:
-                text = self._scan(text, now, out)
-                if not text:
-                    return
-                self._scanner = CallScanner(self.tool_schemas or {})
-                self._held, self._held_len, self._held_since = [], 0, now
-            piece, text = text[:_SLICE], text[_SLICE:]
-            self._held.append(piece)
-            self._held_len += len(piece)
-            self._scanner.feed(piece)
-            if self._hold_over(now):
-                text = self._release(now, out) + text
+    def _gated(self, text: str, now: float, out: list[dict[str, Any]]) -> None:
+        """Auto mode with tools: stream what cannot be a call, hold the rest (see HoldGate)."""
+        if self._gate is None:
+            self._gate = HoldGate(self.tool_schemas or {}, self.hold_chars, self.hold_seconds)
+        for piece in self._gate.feed(text, now):
+            self._append("text", piece, now, out)
 
-    def _scan(self, text: str, now: float, out: list[dict[str, Any]]) -> str:
-        """Stream ``text`` up to where a call may start; return the text from there on ('' when
-        nothing opens). A partial tag or fence line at the end is kept back until it is whole."""
-        buf, self._gate_buf = self._gate_buf + text, ""
-        if self._reply_start:
-            head = buf.lstrip()
-            if not head:
-                self._gate_buf = buf
-                return ""
-            self._reply_start = False
-            if head.startswith("{"):
-                return buf  # a reply that starts with JSON
-        opening = self._opening(buf)
-        if opening is not None:
-            self._stream(buf[:opening], now, out)
-            return buf[opening:]
-        keep = len(buf)
-        for size in range(min(len(TAG_OPEN) - 1, len(buf)), 0, -1):
-            if TAG_OPEN.startswith(buf[-size:]):
-                keep = len(buf) - size
-                break
-        if not self._seen_tag:
-            newline = buf.rfind("\n")
-            last_line = newline + 1 if newline >= 0 else (0 if self._line_start else None)
-            if last_line is not None and may_become_fence_line(buf[last_line:]):
-                keep = min(keep, last_line)
-        self._stream(buf[:keep], now, out)
-        self._gate_buf = buf[keep:]
-        return ""
-
-    def _opening(self, buf: str) -> int | None:
-        """Where in ``buf`` a call may start: a ``<tool_call>`` tag, or a fence line that opens a
-        block labelled as JSON (fence lines pair in order, as the extractor pairs them; once a tag
-        has appeared, fences are not read, as the extractor then reads only tags)."""
-        tag = buf.find(TAG_OPEN)
-        limit = tag if tag >= 0 else len(buf)
-        if self._line_start:
-            position = 0
-        else:
-            newline = buf.find("\n")
-            position = newline + 1 if newline >= 0 else len(buf) + 1
-        while position < limit:
-            newline = buf.find("\n", position)
-            if newline < 0:
-                break  # the last line is not complete yet
-            label = fence_label(buf[position:newline])
-            if label is not None:
-                self._fences += 1
-                if self._fences % 2 == 1 and label in CALL_FENCE_LABELS and not self._seen_tag:
-                    return position
-            position = newline + 1
-        if tag >= 0:
-            self._seen_tag = True
-            return tag
-        return None
-
-    def _stream(self, text: str, now: float, out: list[dict[str, Any]]) -> None:
-        if text:
-            self._line_start = text.endswith("\n")
-            self._append("text", text, now, out)
-
-    def _hold_over(self, now: float) -> bool:
-        """Whether the held segment should be released now."""
-        assert self._scanner is not None
-        outlook = self._scanner.outlook
-        if outlook.committed:
-            return False  # a call of a declared tool being written: held to its end
-        if not (outlook.can_be_call or outlook.attempt):
-            return True  # it cannot be a call, nor is it one written wrongly
-        return self._held_len > self.hold_chars or now - self._held_since >= self.hold_seconds
-
-    def _release(self, now: float, out: list[dict[str, Any]]) -> str:
-        """Send the held segment's opening as text; return the rest, to be scanned again."""
-        assert self._scanner is not None
-        held = "".join(self._held)
-        skip = min(self._scanner.opening_end, len(held))
-        self._scanner, self._held, self._held_len = None, [], 0
-        self._stream(held[:skip], now, out)
-        return held[skip:]
-
-    def _emit_held(self, out: list[dict[str, Any]]) -> None:
+    def _emit_held(self, held: str, out: list[dict[str, Any]]) -> None:
         assert self.tool_schemas is not None
-        held = "".join(self._held)
         # A reply cut off by the token limit, or stopped, is not repaired: a "fixed" half Write
         # would write half a file.
         found = extract_tool_calls(held, self.tool_schemas, repair=not self._cut())
@@ -748,14 +621,6 @@ class SSEAssembler:
         if self._stop_sequence is not None:
             return "stop_sequence"
         return "end_turn"
-
-
-def _cut(text: str, drop: int) -> tuple[str, int]:
-    """``text`` less its last ``drop`` characters (at most all), and how many are left to drop."""
-    if drop <= 0:
-        return text, 0
-    kept = max(0, len(text) - drop)
-    return text[:kept], drop - (len(text) - kept)
 
 
 def _start_block(kind: Literal["text", "thinking"]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import attrs
 from starlette.requests import Request
 
 from agentkv.exceptions import InvalidRequestError, RequestTooLargeError
-from agentkv.repair import json_type
+from agentkv.schema import json_type
 
 __all__ = ["BodyLimits", "check_json", "parse_json", "read_json"]
 
