@@ -492,13 +492,22 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
         threads=args.threads,
         slot_save_dir=store_dir,
         kv_type=kv_type,
+        # A sliding-window model's restored slots are reused only with a full-size cache; the
+        # context plan already counts every layer at full size.
+        swa_full=store_dir is not None and shape.sliding_window > 0,
     )
+    if config.swa_full:
+        progress(
+            f"sliding-window model (window {shape.sliding_window}): --swa-full, so that a "
+            "restored slot is reused"
+        )
     compat = "|".join(
         [
             f"model={await anyio.to_thread.run_sync(_file_digest, model)}",
             f"build={await anyio.to_thread.run_sync(build_digest, binary)}",
             f"ctx={config.effective_ctx_per_slot}",
             f"kv={config.kv_type}",
+            *(["swa=full"] if config.swa_full else []),
         ]
     )
     async with LlamaServerProcess(config, binary=binary, on_progress=progress) as process:

@@ -28,7 +28,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ import anyio
 import anyio.to_thread
 import attrs
 
-from agentkv.exceptions import AgentKVError, EngineError
+from agentkv.exceptions import AgentKVError, EngineError, EngineUnavailableError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.store import EntryKind, StoreEntry, StoreIndex, entry_id
 from agentkv.tokens import Tokens, digest
@@ -401,6 +401,16 @@ async def _probe_tokens(client: LlamaSlotClient, n: int) -> list[int]:
     return (block * (n // len(block) + 1))[:n]
 
 
+async def _once_more(call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """A slot action, sent again once if the connection dropped: llama-server sometimes closes
+    a kept-alive connection after a streamed reply, and these actions can be repeated."""
+    try:
+        return await call()
+    except EngineUnavailableError:
+        await anyio.sleep(0.2)
+        return await call()
+
+
 async def _run_probe(client: LlamaSlotClient, directory: Path, n: int, slot: int) -> RestoreProbe:
     tokens = await _probe_tokens(client, n)
     filename = f"{_FILE_PREFIX}probe-{secrets.token_hex(8)}.bin"
@@ -408,9 +418,9 @@ async def _run_probe(client: LlamaSlotClient, directory: Path, n: int, slot: int
         async with client.prefill(tokens, slot=slot) as chunks:
             async for _ in chunks:
                 pass
-        await client.save_slot(slot, filename)
-        await client.erase_slot(slot)
-        reply = await client.restore_slot(slot, filename)
+        await _once_more(lambda: client.save_slot(slot, filename))
+        await _once_more(lambda: client.erase_slot(slot))
+        reply = await _once_more(lambda: client.restore_slot(slot, filename))
         restored = int(reply.get("n_restored", -1))
         # What a request that extends the restored tokens takes from the cache.
         payload = {"prompt": [*tokens, *tokens[:8]], "n_predict": 1, "temperature": 0.0}
@@ -425,7 +435,7 @@ async def _run_probe(client: LlamaSlotClient, directory: Path, n: int, slot: int
     finally:
         with anyio.CancelScope(shield=True):
             with contextlib.suppress(AgentKVError):
-                await client.erase_slot(slot)
+                await _once_more(lambda: client.erase_slot(slot))
             await anyio.to_thread.run_sync(_unlink, directory / filename)
 
 
