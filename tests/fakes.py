@@ -51,6 +51,9 @@ class FakeLlama:
     cache: dict[int, list[int]] = attrs.field(factory=dict)
     #: Prompt tokens computed (not reused), summed over every request: /metrics' counter.
     computed: int = 0
+    #: False: a restore reports every token but the next request computes them all again, as
+    #: llama-server does on sliding-window and hybrid models.
+    restore_reuses: bool = True
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -206,7 +209,7 @@ class FakeLlama:
                 return httpx.Response(
                     400, json={"error": {"code": 400, "message": "Unable to restore slot"}}
                 )
-            self.cache[slot] = tokens
+            self.cache[slot] = tokens if self.restore_reuses else []
             return httpx.Response(
                 200,
                 json={

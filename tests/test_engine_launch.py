@@ -117,6 +117,16 @@ def test_args_optional_settings(tmp_path: Path) -> None:
     assert config.base_url == "http://127.0.0.1:9000"
 
 
+def test_a_sliding_window_model_with_a_store_gets_a_full_size_cache(tmp_path: Path) -> None:
+    """--swa-full only when asked (a sliding-window model with a store); an older build that
+    does not know the flag runs without it."""
+    assert "--swa-full" not in EngineConfig(model=tmp_path / "m.gguf").args()
+    args = EngineConfig(model=tmp_path / "m.gguf", swa_full=True).args()
+    assert "--swa-full" in args
+    assert "--swa-full" not in drop_unsupported(args, "--no-webui --no-kv-unified")
+    assert "--swa-full" in drop_unsupported(args, "-swa-full, --swa-full  use full-size SWA cache")
+
+
 def test_drop_unsupported_removes_only_unknown_optional_flags(tmp_path: Path) -> None:
     """Optional flags missing from --help are dropped; required flags always stay."""
     args = EngineConfig(model=tmp_path / "m.gguf").args()

@@ -22,6 +22,7 @@ import attrs
 import uvicorn
 
 from agentkv import LlamaSlotClient
+from agentkv.runtime.build import build_digest
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, free_port
 from agentkv.runtime.lifecycle import Runtime
@@ -118,10 +119,10 @@ async def serve_app(app: Any) -> AsyncIterator[str]:
 
 def _compat(setup: EngineSetup) -> str:
     """What the prefix store's entries are bound to (same model file, build and context)."""
-    model, binary = setup.model.stat(), setup.binary.stat()
+    model = setup.model.stat()
     return (
         f"model={setup.model.name}:{model.st_size}:{model.st_mtime_ns}|"
-        f"binary={setup.binary.name}:{binary.st_size}:{binary.st_mtime_ns}|ctx={setup.ctx}|kv=f16"
+        f"build={build_digest(setup.binary)}|ctx={setup.ctx}|kv=f16"
     )
 
 
@@ -155,7 +156,8 @@ async def agentkv_engine(
                 # As Claude Code is run here (API_TIMEOUT_MS=1800000): a cold prefill takes minutes.
                 client_timeout=1800.0,
             )
-            runtime = Runtime(client, runtime_config, store_compat=_compat(setup))
+            compat = await anyio.to_thread.run_sync(_compat, setup)
+            runtime = Runtime(client, runtime_config, store_compat=compat)
             async with serve_app(create_app(runtime)) as url:
                 flags = f"agentkv (store {'on' if store_dir else 'off'}"
                 flags += f", preempt-from {preempt_from})" if preempt_from is not None else ")"

@@ -32,6 +32,7 @@ from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.status import EngineStatus
+from agentkv.runtime.store import probe_length, probe_restore
 from agentkv.runtime.supervisor import EngineSupervisor
 from agentkv_server import logs
 from agentkv_server.app import create_app
@@ -201,10 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default=None,
         help="memory the KV cache of all slots may take, in bytes or with a unit (8GiB, "
-        "512MiB); sets the default --ctx-per-slot (default: a quarter of the machine's memory)",
+        "512MiB); sets the default --ctx-per-slot (default: the GPU's free memory less the "
+        "model when it runs there, else a quarter of the machine's memory)",
     )
     engine.add_argument(
-        "--gpu-layers", type=int, default=0, help="layers to offload to the GPU, -ngl (default 0)"
+        "--gpu-layers",
+        type=int,
+        default=None,
+        help="layers to offload to the GPU, -ngl (default: all when llama-server has a GPU "
+        "backend and finds a device with room for the model, else 0)",
     )
     engine.add_argument("--threads", type=int, default=None, help="CPU threads for llama-server")
     engine.add_argument(
@@ -384,6 +390,12 @@ class _Engine:
     supervisor: EngineSupervisor | None = None
     #: KV-cache bytes per token of context (None: unknown, with --upstream).
     kv_bytes_per_token: int | None = None
+    #: Where the model runs, for the banner (None: unknown, with --upstream).
+    device: str | None = None
+    #: Lines the banner must show (a GPU left unused, a store that cannot work).
+    warnings: tuple[str, ...] = ()
+    #: Tokens for the check that a restore gives reuse (see agentkv.runtime.store).
+    probe_tokens: int = 0
 
 
 def _file_digest(path: Path) -> str:
@@ -422,10 +434,16 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
     if args.upstream:
         store = None if args.no_store else args.store_dir
         yield _Engine(
-            args.upstream.rstrip("/"), args.ctx_per_slot, store, f"upstream:{args.upstream}"
+            args.upstream.rstrip("/"),
+            args.ctx_per_slot,
+            store,
+            f"upstream:{args.upstream}",
+            probe_tokens=probe_length(None),
         )
         return
+    from agentkv.runtime.build import build_digest, choose_offload
     from agentkv.runtime.engine import (
+        CTX_FLOOR,
         DEFAULT_KV_TYPE,
         EngineConfig,
         LlamaServerProcess,
@@ -443,10 +461,23 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
     store_dir = None if args.no_store else (args.store_dir or default_cache_dir() / "store")
     shape = await anyio.to_thread.run_sync(read_model_shape, model)
     kv_type = DEFAULT_KV_TYPE
+    offload = await anyio.to_thread.run_sync(
+        lambda: choose_offload(
+            binary,
+            model_bytes=model.stat().st_size,
+            min_kv_bytes=args.slots * CTX_FLOOR * shape.kv_bytes_per_token(kv_type),
+            requested=args.gpu_layers,
+        )
+    )
+    progress(f"device: {offload.describe()}")
+    if offload.warning:
+        log.warning("%s", offload.warning)
     plan = plan_context(
         shape,
         slots=args.slots,
-        kv_budget=args.kv_budget if args.kv_budget is not None else default_kv_budget(),
+        kv_budget=args.kv_budget
+        if args.kv_budget is not None
+        else (offload.kv_budget if offload.kv_budget is not None else default_kv_budget()),
         kv_type=kv_type,
         requested=args.ctx_per_slot,
     )
@@ -456,18 +487,27 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
         slots=args.slots,
         ctx_per_slot=plan.ctx_per_slot,
         n_ctx_train=shape.n_ctx_train,
-        gpu_layers=args.gpu_layers,
+        gpu_layers=offload.gpu_layers,
         port=args.engine_port,
         threads=args.threads,
         slot_save_dir=store_dir,
         kv_type=kv_type,
+        # A sliding-window model's restored slots are reused only with a full-size cache; the
+        # context plan already counts every layer at full size.
+        swa_full=store_dir is not None and shape.sliding_window > 0,
     )
+    if config.swa_full:
+        progress(
+            f"sliding-window model (window {shape.sliding_window}): --swa-full, so that a "
+            "restored slot is reused"
+        )
     compat = "|".join(
         [
             f"model={await anyio.to_thread.run_sync(_file_digest, model)}",
-            f"binary={binary.name}:{binary.stat().st_size}:{binary.stat().st_mtime_ns}",
+            f"build={await anyio.to_thread.run_sync(build_digest, binary)}",
             f"ctx={config.effective_ctx_per_slot}",
             f"kv={config.kv_type}",
+            *(["swa=full"] if config.swa_full else []),
         ]
     )
     async with LlamaServerProcess(config, binary=binary, on_progress=progress) as process:
@@ -488,6 +528,9 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
                         supervisor=supervisor,
                         kv_bytes_per_token=plan.bytes_per_token,
                         model=model,
+                        device=offload.describe(),
+                        warnings=(offload.warning,) if offload.warning else (),
+                        probe_tokens=probe_length(shape.sliding_window, batch=config.batch or 512),
                     )
                 finally:
                     supervisor.stand_down()
@@ -515,6 +558,27 @@ async def _engine_shape(
     if isinstance(n_ctx, int) and n_ctx > 0:
         ctx_per_slot = n_ctx
     return slots, ctx_per_slot
+
+
+async def _check_store(
+    client: LlamaSlotClient, engine: _Engine, ctx_per_slot: int | None
+) -> tuple[Path | None, str | None]:
+    """The store directory to use, and a line for the banner: off when a restore gives no
+    reuse on this engine (contexts then stay resident in their slots)."""
+    if engine.store_dir is None:
+        return None, None
+    n_tokens = engine.probe_tokens
+    if ctx_per_slot is not None:
+        n_tokens = min(n_tokens, ctx_per_slot - 16)
+    probe = await probe_restore(client, engine.store_dir, compat=engine.compat, n_tokens=n_tokens)
+    if probe is None or probe.reuses:
+        return engine.store_dir, None
+    note = (
+        f"prefix store off: restoring a saved slot gives no reuse with this model and engine "
+        f"({probe.describe()}); contexts stay in their slots instead of being parked"
+    )
+    log.warning("%s", note)
+    return None, note
 
 
 def _connection_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -608,13 +672,14 @@ async def _serve(args: argparse.Namespace) -> None:
                 logs.say(f"waiting for llama-server at {engine.base_url}")
             await client.wait_ready(600.0)
             n_slots, ctx_per_slot = await _engine_shape(client, args.slots, engine.ctx_per_slot)
+            store_dir, store_note = await _check_store(client, engine, ctx_per_slot)
             server_config = _server_config(args)
             runtime_config = _from_args(
                 RuntimeConfig,
                 args,
                 n_slots=n_slots,
                 ctx_per_slot=ctx_per_slot,
-                store_dir=engine.store_dir,
+                store_dir=store_dir,
             )
             runtime = Runtime(client, runtime_config, store_compat=engine.compat)
             if engine.kv_bytes_per_token:
@@ -644,7 +709,7 @@ async def _serve(args: argparse.Namespace) -> None:
                 model=str(engine.model) if engine.model is not None else None,
                 slots=n_slots,
                 ctx_per_slot=ctx_per_slot,
-                store=str(engine.store_dir) if engine.store_dir is not None else None,
+                store=str(store_dir) if store_dir is not None else None,
                 store_budget=runtime_config.store_budget,
                 url=url,
                 api_key=bool(server_config.api_key),
@@ -655,6 +720,8 @@ async def _serve(args: argparse.Namespace) -> None:
                     ctx_per_slot=ctx_per_slot,
                     timeout=runtime_config.client_timeout,
                 ),
+                device=engine.device,
+                warnings=[*engine.warnings, *([store_note] if store_note else [])],
             )
             server.on_started = lambda: logs.announce(fields)
             await server.serve()

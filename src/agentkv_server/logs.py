@@ -15,7 +15,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -109,10 +109,14 @@ def startup_fields(
     url: str,
     api_key: bool,
     claude_code: str,
+    device: str | None = None,
+    warnings: Sequence[str] = (),
 ) -> dict[str, Any]:
     """What a user needs once the server is up, as data."""
     return {
         "engine": engine,
+        "device": device,
+        "warnings": list(warnings),
         "launched": launched,
         "model": model,
         "slots": slots,
@@ -138,6 +142,7 @@ def startup_block(fields: Mapping[str, Any]) -> str:
     rows = [
         ("engine", f"llama-server at {engine}"),
         ("model", fields["model"] or "the one llama-server loaded"),
+        *([("device", fields["device"])] if fields.get("device") else []),
         ("slots", f"{fields['slots']} × {ctx if ctx is not None else '?'} tokens"),
         ("store", store or "off"),
         ("API", fields["api"] + (" (x-api-key required)" if fields["api_key_required"] else "")),
@@ -148,6 +153,7 @@ def startup_block(fields: Mapping[str, Any]) -> str:
     width = max(len(name) for name, _ in rows)
     lines = ["agentkv-server is ready", ""]
     lines += [f"  {name:<{width}}  {value}" for name, value in rows]
+    lines += [f"\n  warning: {text}" for text in fields.get("warnings") or ()]
     lines += ["", "Point Claude Code at it:", "", fields["claude_code"], ""]
     return "\n".join(lines)
 

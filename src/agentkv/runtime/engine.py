@@ -332,6 +332,10 @@ class EngineConfig:
 
     #: KV cache element type (-ctk/-ctv); part of what a saved slot state depends on.
     kv_type: str = DEFAULT_KV_TYPE
+    #: ``--swa-full``: a full-size KV cache for a sliding-window model's windowed layers. Without
+    #: it llama-server keeps only the window and recomputes a restored slot from scratch (it
+    #: does not save the checkpoints that would let it resume); see docs/prefix-store.md.
+    swa_full: bool = False
 
     @property
     def effective_ctx_per_slot(self) -> int:
@@ -380,6 +384,8 @@ class EngineConfig:
             args += ["--slot-save-path", str(self.slot_save_dir)]
         if self.alias is not None:
             args += ["-a", self.alias]
+        if self.swa_full:
+            args.append("--swa-full")
         if not self.webui:
             args.append("--no-webui")
         args += self.extra_args
@@ -414,7 +420,7 @@ class ExactArgs:
 
 
 # Flags added for convenience only: dropped when an older llama-server does not know them.
-_OPTIONAL_FLAGS = frozenset({"--no-webui", "--no-kv-unified"})
+_OPTIONAL_FLAGS = frozenset({"--no-webui", "--no-kv-unified", "--swa-full"})
 
 
 def drop_unsupported(args: list[str], help_text: str) -> list[str]:

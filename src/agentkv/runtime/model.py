@@ -209,7 +209,8 @@ class ModelShape:
     """What sizing the engine needs from a model: its training context and its KV geometry.
 
     ``kv_heads`` holds the KV head count of each layer (GGUF allows a per-layer array);
-    ``key_length`` and ``value_length`` are the sizes of one head's key and value vectors.
+    ``key_length`` and ``value_length`` are the sizes of one head's key and value vectors;
+    ``sliding_window`` is the attention window of a sliding-window model (0: none).
     """
 
     architecture: str
@@ -218,6 +219,7 @@ class ModelShape:
     kv_heads: tuple[int, ...]
     key_length: int
     value_length: int
+    sliding_window: int = 0
 
     def kv_bytes_per_token(self, kv_type: str = "f16") -> int:
         """KV-cache bytes one token of context costs, over all layers (keys and values).
@@ -275,6 +277,7 @@ def _shape_from_gguf(path: Path) -> ModelShape:
         kv_heads=kv_heads,
         key_length=int(number(keys.Attention.KEY_LENGTH, head_dim)),
         value_length=int(number(keys.Attention.VALUE_LENGTH, head_dim)),
+        sliding_window=int(_field(fields, keys.Attention.SLIDING_WINDOW.format(arch=arch)) or 0),
     )
 
 
@@ -299,7 +302,8 @@ def read_model_shape(path: Path, *, cache_dir: Path | None = None) -> ModelShape
     except (OSError, ValueError):
         known = {}
     entry = known.get(key)
-    if isinstance(entry, dict):
+    # An entry written before sliding_window was read is read again.
+    if isinstance(entry, dict) and "sliding_window" in entry:
         try:
             return ModelShape(**{**entry, "kv_heads": tuple(entry["kv_heads"])})
         except (TypeError, KeyError):

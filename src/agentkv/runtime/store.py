@@ -13,6 +13,10 @@
   slot, KV cache type): entries made under another are refused and deleted, never restored.
 - files and the directory are readable by their owner only: a saved KV state is as sensitive as
   the transcript it encodes. Files in the directory that no index knows are deleted at startup.
+
+:func:`probe_restore` checks once per engine configuration that a restore gives reuse at all:
+on sliding-window and hybrid models llama-server restores the tokens but may recompute them all
+on the next request, and then a store only costs time.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import os
 import secrets
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +36,19 @@ import anyio
 import anyio.to_thread
 import attrs
 
-from agentkv.exceptions import AgentKVError, EngineError
+from agentkv.exceptions import AgentKVError, EngineError, EngineUnavailableError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.store import EntryKind, StoreEntry, StoreIndex, entry_id
 from agentkv.tokens import Tokens, digest
 
-__all__ = ["PrefixStore", "read_state_tokens"]
+__all__ = [
+    "PROBE_FILE",
+    "PrefixStore",
+    "RestoreProbe",
+    "probe_length",
+    "probe_restore",
+    "read_state_tokens",
+]
 
 log = logging.getLogger("agentkv.store")
 
@@ -334,3 +345,154 @@ def _publish(temp: Path, final: Path) -> None:
     with contextlib.suppress(OSError):
         os.chmod(temp, 0o600)
     os.replace(temp, final)
+
+
+# -- does a restore give reuse on this engine? ------------------------------------------------
+
+PROBE_FILE = "restore-probe.json"
+#: Below this share of the saved tokens taken from the cache after a restore, the store is off.
+_REUSE_SHARE = 0.9
+_PROBE_SECONDS = 300.0
+_PROBE_TEXT = "".join(
+    f"Step {n}: read the file, run the tests, and write down what changed and why.\n"
+    for n in range(40)
+)
+
+
+@attrs.frozen
+class RestoreProbe:
+    """One save and restore of a slot: ``tokens`` computed and saved, ``restored`` as
+    llama-server reports it, and ``reused``: the next request's ``cache_n`` (it extends the
+    same tokens)."""
+
+    tokens: int
+    restored: int
+    reused: int
+
+    @property
+    def reuses(self) -> bool:
+        """Whether a restore gives reuse: every token came back, and the next request took at
+        least 90 % of them from the cache instead of computing them again."""
+        return (
+            self.tokens > 0
+            and self.restored == self.tokens
+            and self.reused >= _REUSE_SHARE * self.tokens
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.tokens} tokens saved, {self.restored} restored, "
+            f"{self.reused} reused by the next request"
+        )
+
+
+def probe_length(sliding_window: int | None, *, batch: int = 512) -> int:
+    """Tokens for the probe: a few for a plain model; more than the attention window and one
+    batch for a sliding-window model, whose restored window otherwise starts at 0 and hides
+    the problem; ``None`` (the model is unknown) assumes a window of 1024."""
+    window = 1024 if sliding_window is None else sliding_window
+    return 64 if window <= 0 else window + batch + 64
+
+
+async def _probe_tokens(client: LlamaSlotClient, n: int) -> list[int]:
+    block = await client.tokenize(_PROBE_TEXT)
+    if not block:
+        raise EngineError("llama-server tokenized the probe text to nothing")
+    return (block * (n // len(block) + 1))[:n]
+
+
+async def _once_more(call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    """A slot action, sent again once if the connection dropped: llama-server sometimes closes
+    a kept-alive connection after a streamed reply, and these actions can be repeated."""
+    try:
+        return await call()
+    except EngineUnavailableError:
+        await anyio.sleep(0.2)
+        return await call()
+
+
+async def _run_probe(client: LlamaSlotClient, directory: Path, n: int, slot: int) -> RestoreProbe:
+    tokens = await _probe_tokens(client, n)
+    filename = f"{_FILE_PREFIX}probe-{secrets.token_hex(8)}.bin"
+    try:
+        async with client.prefill(tokens, slot=slot) as chunks:
+            async for _ in chunks:
+                pass
+        await _once_more(lambda: client.save_slot(slot, filename))
+        await _once_more(lambda: client.erase_slot(slot))
+        reply = await _once_more(lambda: client.restore_slot(slot, filename))
+        restored = int(reply.get("n_restored", -1))
+        # What a request that extends the restored tokens takes from the cache.
+        payload = {"prompt": [*tokens, *tokens[:8]], "n_predict": 1, "temperature": 0.0}
+        reused = -1
+        async with client.complete(payload, slot=slot) as chunks:
+            async for chunk in chunks:
+                timings = chunk.get("timings")
+                if isinstance(timings, dict) and "cache_n" in timings:
+                    reused = int(timings["cache_n"])
+        # llama-server's saved state may include the token the prefill sampled.
+        return RestoreProbe(len(tokens), min(restored, len(tokens)), reused)
+    finally:
+        with anyio.CancelScope(shield=True):
+            with contextlib.suppress(AgentKVError):
+                await _once_more(lambda: client.erase_slot(slot))
+            await anyio.to_thread.run_sync(_unlink, directory / filename)
+
+
+async def probe_restore(
+    client: LlamaSlotClient,
+    directory: Path,
+    *,
+    compat: str,
+    n_tokens: int,
+    slot: int = 0,
+) -> RestoreProbe | None:
+    """Whether restoring a saved slot gives reuse on this engine: compute ``n_tokens`` into
+    ``slot``, save it into ``directory`` (llama-server's ``--slot-save-path``), erase the slot,
+    restore it, and send a request that extends the same tokens.
+
+    The result is kept in ``directory/restore-probe.json`` for the engine configuration
+    ``compat`` (the store index's), so the probe runs once per configuration. None when the
+    engine cannot tell (no slot saving, an error, or ``timeout`` seconds passed): the store then
+    stays on, and every restore is still checked on its own.
+
+    Gives up after 300 s (a large model prefilling on a slow CPU): the answer is then None.
+    """
+    record_path = directory / PROBE_FILE
+    known = await anyio.to_thread.run_sync(_read_probe, record_path, compat, n_tokens)
+    if known is not None:
+        return known
+    probe: RestoreProbe | None = None
+    with anyio.move_on_after(_PROBE_SECONDS):
+        try:
+            probe = await _run_probe(client, directory, n_tokens, slot)
+        except EngineError as exc:
+            log.warning("prefix store: could not check that a restore gives reuse (%s)", exc)
+            return None
+    if probe is None:
+        log.warning(
+            "prefix store: checking that a restore gives reuse took over %.0f s", _PROBE_SECONDS
+        )
+        return None
+    record = {"compat": compat, "n_tokens": n_tokens, **attrs.asdict(probe)}
+    await anyio.to_thread.run_sync(_write_probe, record_path, record)
+    return probe
+
+
+def _read_probe(path: Path, compat: str, n_tokens: int) -> RestoreProbe | None:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("compat") != compat or data.get("n_tokens") != n_tokens:
+            return None
+        return RestoreProbe(int(data["tokens"]), int(data["restored"]), int(data["reused"]))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _write_probe(path: Path, record: dict[str, Any]) -> None:
+    _private_dir(path.parent)
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(temp, path)
