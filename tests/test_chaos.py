@@ -29,7 +29,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.fakes import FakeLlama, served
+from tests.fakes import FakeLlama, served, wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -425,3 +425,47 @@ async def test_a_reply_cut_mid_stream_is_continued_whole(tmp_path: Path) -> None
     assert continued["role"] == "assistant" and REPLY.startswith(continued["content"])
     # Computed again: the one token every call evaluates, and the reply's few words so far.
     assert fake.computed - clean.computed <= 2 * (len(REPLY) // 4 + 2)
+
+
+async def test_a_tcp_link_dropping_reused_connections_loses_no_call() -> None:
+    """Over real TCP: the fake engine served by uvicorn behind the proxy that drops half of the
+    requests arriving on reused connections. A pooling client loses none of 40 calls (each drop
+    is sent once more on a new connection); agentkv's own client reuses no connection at all."""
+    import uvicorn
+
+    from agentkv.runtime.client import LlamaSlotClient
+    from agentkv.runtime.engine import free_port
+    from tests._link_proxy import DropReused
+
+    fake = FakeLlama()
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            fake.asgi, host="127.0.0.1", port=port, log_level="warning", interface="asgi3"
+        )
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve)
+        await wait_for(lambda: server.started, timeout=10)
+        async with DropReused.running("127.0.0.1", port, seed=3) as proxy:
+            pooled = httpx.AsyncClient()
+            async with LlamaSlotClient(proxy.url, http=pooled) as client:
+                for i in range(40):
+                    assert await client.tokenize(f"call {i}")
+                await pooled.aclose()
+            assert proxy.dropped >= 5 and client.link.resent == proxy.dropped
+            dropped = proxy.dropped
+            async with LlamaSlotClient(proxy.url) as own:
+                for i in range(20):
+                    assert await own.tokenize(f"call {i}")
+                    await _drain_chat(own)
+            assert proxy.dropped == dropped and own.link.resent == 0
+        server.should_exit = True
+    print(f"\nproxy: {proxy.requests} requests, {proxy.reused} reused, {dropped} dropped")
+
+
+async def _drain_chat(client: Any) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with client.stream(body, slot=0) as chunks:
+        async for _ in chunks:
+            pass
