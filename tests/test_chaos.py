@@ -299,6 +299,8 @@ async def test_faults_with_agents_at_once(seed: int, tmp_path: Path) -> None:
     assert texts == [REPLY] * 8
     assert_idle(table)
     assert link is not None and sum(link.injected.values()) >= 5
+    faults = sum(link.injected.values())
+    print(f"\nchaos together seed {seed}: {faults} faults {dict(link.injected)}; 8/8 whole")
 
 
 async def test_every_kind_of_call_and_fault_is_met(tmp_path: Path) -> None:
