@@ -47,6 +47,9 @@ class FakeLlama:
     max_per_slot: int = 0
     #: Where slot saves are written (llama-server's --slot-save-path); None: saving fails.
     save_dir: Path | None = None
+    #: What /props says of images: None answers 404 (an older server), False refuses any
+    #: image as llama-server does for a model without vision (HTTP 500).
+    vision: bool | None = None
     #: What each slot's KV cache holds, in tokens, as a real server would track it.
     cache: dict[int, list[int]] = attrs.field(factory=dict)
     #: Prompt tokens computed (not reused), summed over every request: /metrics' counter.
@@ -101,6 +104,15 @@ class FakeLlama:
             if self.healthy:
                 return httpx.Response(200, json={"status": "ok"})
             return httpx.Response(503, json={"error": {"message": "Loading model", "code": 503}})
+        if path == "/props" and self.vision is not None:
+            return httpx.Response(200, json={"modalities": {"vision": self.vision}})
+        if path in ("/v1/chat/completions", "/apply-template") and self._refuses_images(request):
+            # As llama-server without a multimodal projector answers (measured, b11434).
+            message = (
+                "image input is not supported - hint: if this is unexpected, "
+                "you may need to provide the mmproj"
+            )
+            return httpx.Response(500, json={"error": {"code": 500, "message": message}})
         if path == "/v1/chat/completions":
             return self._chat(json.loads(request.content))
         if path == "/apply-template":
@@ -122,6 +134,17 @@ class FakeLlama:
                 200, json=[{"id": i, "is_processing": bool(self.active.get(i))} for i in range(4)]
             )
         return httpx.Response(404, json={"error": {"message": "not found", "code": 404}})
+
+    def _refuses_images(self, request: httpx.Request) -> bool:
+        if self.vision is not False:
+            return False
+        messages = json.loads(request.content).get("messages") or []
+        return any(
+            isinstance(part, dict) and part.get("type") == "image_url"
+            for m in messages
+            if isinstance(m.get("content"), list)
+            for part in m["content"]
+        )
 
     def _run_prompt(self, slot: int, tokens: list[int]) -> tuple[int, int]:
         """Reuse the slot's cache for the common prefix, as llama-server does: (cache, computed)."""
@@ -335,19 +358,30 @@ def split_config(config: dict[str, Any]) -> tuple[Any, Any]:
 
 
 @contextlib.asynccontextmanager
-async def served(fake: FakeLlama, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
+async def served(
+    fake: FakeLlama,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    connect_retries: int = 0,
+    **config: Any,
+) -> AsyncIterator[httpx.AsyncClient]:
     """The app over ``fake``, its runtime running, and an HTTP client for it (in-process).
 
     ``config`` mixes ServerConfig and RuntimeConfig settings. ``http.app`` is the app and
-    ``http.runtime`` the runtime, for tests that look inside.
+    ``http.runtime`` the runtime, for tests that look inside. ``transport`` replaces the fake's
+    own between the runtime and the fake (to inject faults); ``connect_retries`` is the client's.
     """
     from agentkv.runtime.client import LlamaSlotClient
     from agentkv.runtime.lifecycle import Runtime
     from agentkv_server.app import create_app
 
     server_config, runtime_config = split_config(config)
-    engine_http = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
-    client = LlamaSlotClient("http://engine", http=engine_http, connect_retries=0)
+    engine_http = httpx.AsyncClient(
+        transport=transport or fake.transport(), base_url="http://engine"
+    )
+    client = LlamaSlotClient(
+        "http://engine", http=engine_http, connect_retries=connect_retries, retry_backoff=0.01
+    )
     runtime = Runtime(client, runtime_config)
     app = create_app(runtime, server_config)
     async with runtime, engine_http:

@@ -14,6 +14,7 @@ from agentkv.exceptions import (
     EngineError,
     EngineResponseError,
     EngineRestartingError,
+    EngineStreamBrokenError,
     EngineTimeoutError,
     EngineUnavailableError,
 )
@@ -567,8 +568,8 @@ async def test_httpx_exception_from_the_transport_is_mapped(kind: type[Exception
     ("kind", "expected"),
     [
         (httpx.ReadTimeout, EngineTimeoutError),
-        (httpx.ReadError, EngineResponseError),
-        (httpx.RemoteProtocolError, EngineResponseError),
+        (httpx.ReadError, EngineStreamBrokenError),
+        (httpx.RemoteProtocolError, EngineStreamBrokenError),
         (httpx.DecodingError, EngineResponseError),
     ],
 )
@@ -579,7 +580,7 @@ async def test_httpx_exception_mid_stream(kind: type[Exception], expected: type[
     with pytest.raises(EngineError) as info:
         await collect(client)
     assert type(info.value) is expected
-    if expected is EngineResponseError and kind is not httpx.DecodingError:
+    if expected is EngineStreamBrokenError:
         assert "truncated" in info.value.message
 
 
@@ -829,3 +830,265 @@ async def test_wait_until_ready_runs_the_check_each_time() -> None:
     with anyio.fail_after(5), pytest.raises(RuntimeError, match="process exited"):
         await wait_until_ready(http, BASE, timeout=10, check=check, interval=0.01)
     assert checks == 3
+
+
+# -- the engine link: stale connections, drops and safe retries -----------------------------------
+
+#: Every kind of engine call, as (name, call). Each is safe to send once more when its connection
+#: closed before any byte of the reply arrived; all but chat are safe to repeat outright.
+CALLS: dict[str, Callable[[LlamaSlotClient], Any]] = {
+    "tokenize": lambda c: c.tokenize("hello"),
+    "detokenize": lambda c: c.detokenize([1, 2]),
+    "apply-template": lambda c: c.apply_template(BODY),
+    "slots": lambda c: c.slots(),
+    "props": lambda c: c.props(),
+    "metrics": lambda c: c.metrics(),
+    "save": lambda c: c.save_slot(0, "a.bin"),
+    "restore": lambda c: c.restore_slot(0, "a.bin"),
+    "erase": lambda c: c.erase_slot(0),
+    "chat": lambda c: c.chat(BODY, slot=0),
+    "stream": lambda c: collect(c),
+    "prefill": lambda c: _drain(c.prefill([1, 2, 3], slot=0)),
+    "completion": lambda c: _drain(c.complete({"prompt": [1, 2]}, slot=0)),
+}
+SAFE_CALLS = [name for name in CALLS if name not in ("chat", "stream", "completion")]
+
+
+async def _drain(stream: Any) -> list[dict[str, Any]]:
+    async with stream as chunks:
+        return [c async for c in chunks]
+
+
+def engine_reply(request: httpx.Request) -> httpx.Response:
+    """A well-behaved llama-server for each kind of call."""
+    path = request.url.path
+    if path == "/health":
+        return httpx.Response(200, json={"status": "ok"})
+    if path == "/tokenize":
+        return httpx.Response(200, json={"tokens": [1, 2]})
+    if path == "/detokenize":
+        return httpx.Response(200, json={"content": "hi"})
+    if path == "/apply-template":
+        return httpx.Response(200, json={"prompt": "<user>hi"})
+    if path == "/slots":
+        return httpx.Response(200, json=[{"id": 0}])
+    if path == "/props":
+        return httpx.Response(200, json={"modalities": {"vision": False}})
+    if path == "/metrics":
+        return httpx.Response(200, text="llamacpp:prompt_tokens_total 7\n")
+    if path.startswith("/slots/"):
+        return httpx.Response(200, json={"id_slot": 0, "n_saved": 2, "n_restored": 2})
+    if path == "/v1/chat/completions":
+        if json.loads(request.content).get("stream"):
+            return httpx.Response(200, content=sse(chunk("a"), chunk("", finish="stop")))
+        return httpx.Response(200, json=COMPLETION)
+    if path == "/completion":
+        last = {"content": "x", "stop": True, "timings": {"prompt_n": 3}}
+        return httpx.Response(200, content=sse({"content": "", "stop": False}, last))
+    return httpx.Response(404)
+
+
+def dropped_before_reply(request: httpx.Request, kind: str) -> Exception:
+    """What httpx raises when the connection closes before the reply: a pooled connection the
+    server had closed (reused), or a new one reset."""
+    if kind == "reused":
+        return httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    return httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+
+
+class Faulty:
+    """A transport handler that fails the first ``times`` requests with ``fault``, then answers
+    as llama-server would; it records every request it saw."""
+
+    def __init__(self, fault: Callable[[httpx.Request], httpx.Response], times: int = 1) -> None:
+        self.fault = fault
+        self.times = times
+        self.seen: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        if len(self.seen) <= self.times:
+            return self.fault(request)
+        return engine_reply(request)
+
+
+@pytest.mark.parametrize("kind", ["reused", "fresh"])
+@pytest.mark.parametrize("call", list(CALLS))
+async def test_a_drop_before_the_reply_is_sent_once_more(call: str, kind: str) -> None:
+    """Every kind of call whose connection closed before any reply byte is sent once more, on a
+    new connection, and succeeds: the caller never hears of it."""
+
+    def fault(request: httpx.Request) -> httpx.Response:
+        raise dropped_before_reply(request, kind)
+
+    handler = Faulty(fault)
+    client = make_client(handler, connect_retries=0)
+    await CALLS[call](client)
+    assert len(handler.seen) == 2
+    assert handler.seen[0].content == handler.seen[1].content
+    assert client.link.resent == 1
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+async def test_a_second_drop_is_reported_not_retried_forever(call: str) -> None:
+    """Dropped twice in a row: the caller gets EngineUnavailableError after exactly two tries."""
+
+    def fault(request: httpx.Request) -> httpx.Response:
+        raise dropped_before_reply(request, "reused")
+
+    handler = Faulty(fault, times=10)
+    client = make_client(handler, connect_retries=3)
+    with pytest.raises(EngineUnavailableError, match="also when sent again"):
+        await CALLS[call](client)
+    assert len(handler.seen) == 2
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+async def test_refused_then_up_for_every_call(call: str) -> None:
+    """A refused connection (engine starting) is retried with backoff for every kind of call."""
+
+    def fault(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    handler = Faulty(fault, times=2)
+    await CALLS[call](make_client(handler, connect_retries=3))
+    assert len(handler.seen) == 3
+
+
+@pytest.mark.parametrize("status", [502, 504])
+@pytest.mark.parametrize("call", SAFE_CALLS)
+async def test_a_gateway_error_on_a_safe_call_is_asked_once_more(call: str, status: int) -> None:
+    """A 502/504 from something between agentkv and the engine: a safe call is sent again."""
+    handler = Faulty(lambda _: httpx.Response(status, text="bad gateway"))
+    await CALLS[call](make_client(handler, connect_retries=0))
+    assert len(handler.seen) == 2
+
+
+async def test_a_gateway_error_on_a_chat_is_not_repeated() -> None:
+    """A chat completion may have run behind a 502: it is not sent again."""
+    handler = Faulty(lambda _: httpx.Response(502, text="bad gateway"))
+    with pytest.raises(EngineResponseError):
+        await make_client(handler, connect_retries=0).chat(BODY, slot=0)
+    assert len(handler.seen) == 1
+
+
+@pytest.mark.parametrize("call", SAFE_CALLS)
+async def test_a_safe_reply_broken_while_read_is_asked_once_more(call: str) -> None:
+    """A safe call whose reply broke off half-way is asked for again and succeeds."""
+
+    def fault(request: httpx.Request) -> httpx.Response:
+        broken = StallingStream(b'{"tok', httpx.ReadError("[Errno 104] Connection reset"))
+        return httpx.Response(200, stream=broken)
+
+    handler = Faulty(fault)
+    await CALLS[call](make_client(handler, connect_retries=0))
+    assert len(handler.seen) == 2
+
+
+async def test_a_chat_reply_broken_while_read_is_not_repeated() -> None:
+    """A non-streamed chat whose reply broke off was computed: it is reported, not sent again."""
+
+    def fault(request: httpx.Request) -> httpx.Response:
+        broken = StallingStream(b'{"choi', httpx.ReadError("[Errno 104] Connection reset"))
+        return httpx.Response(200, stream=broken)
+
+    handler = Faulty(fault)
+    with pytest.raises(EngineStreamBrokenError, match="truncated"):
+        await make_client(handler, connect_retries=0).chat(BODY, slot=0)
+    assert len(handler.seen) == 1
+
+
+async def test_a_prefill_broken_mid_stream_is_computed_once_more() -> None:
+    """A prefill is safe to repeat (the slot keeps what it computed): a stream broken part-way
+    is asked for once more, and the caller sees the second stream's end."""
+
+    def fault(request: httpx.Request) -> httpx.Response:
+        first = sse({"content": "", "stop": False, "prompt_progress": {"processed": 1}}, done=False)
+        return httpx.Response(200, stream=StallingStream(first, httpx.ReadError("reset")))
+
+    handler = Faulty(fault)
+    client = make_client(handler, connect_retries=0)
+    chunks = await _drain(client.prefill([1, 2, 3], slot=0))
+    assert chunks[-1]["stop"] is True
+    assert len(handler.seen) == 2
+    assert client.link.resent == 1
+
+
+@pytest.mark.parametrize("call", ["stream", "completion"])
+async def test_a_generation_broken_mid_stream_is_the_callers_to_continue(call: str) -> None:
+    """A chat or completion stream cut after its first chunk is not sent again here (the caller
+    has part of the reply): EngineStreamBrokenError, which the request lifecycle continues."""
+
+    def fault(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=StallingStream(sse(chunk("a"), done=False), reset()))
+
+    handler = Faulty(fault)
+    with pytest.raises(EngineStreamBrokenError):
+        await CALLS[call](make_client(handler, connect_retries=0))
+    assert len(handler.seen) == 1
+
+
+def reset() -> httpx.ReadError:
+    return httpx.ReadError("[Errno 104] Connection reset by peer")
+
+
+async def test_streams_ask_for_their_connection_to_be_closed() -> None:
+    """A streamed request carries Connection: close, so that even a pooling client never sends
+    another request on a connection llama-server may close after the stream; others do not."""
+    handler = Faulty(lambda r: engine_reply(r), times=0)
+    client = make_client(handler)
+    await collect(client)
+    await _drain(client.prefill([1], slot=0))
+    await client.tokenize("x")
+    closes = [r.headers.get("connection") for r in handler.seen]
+    assert closes[:2] == ["close", "close"]
+    assert closes[2] != "close"
+
+
+async def test_the_clients_own_http_client_never_keeps_a_connection() -> None:
+    """The client agentkv creates keeps no idle connections: every call opens its own, so no
+    call can meet a connection llama-server closed after a stream."""
+    client = LlamaSlotClient(BASE)
+    pool = client._http._transport._pool  # type: ignore[attr-defined]
+    assert pool._max_keepalive_connections == 0
+    await client.aclose()
+
+
+async def test_a_slow_engine_is_waited_for_not_retried() -> None:
+    """An engine slower than usual (but within the read timeout) is simply waited for."""
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await anyio.sleep(0.2)
+        return engine_reply(request)
+
+    seen = 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal seen
+        seen += 1
+        return await slow(request)
+
+    client = LlamaSlotClient(BASE, http=httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    for call in CALLS.values():
+        await call(client)
+    assert seen == len(CALLS)
+    assert client.link.resent == 0
+
+
+async def test_health_probe_survives_one_dropped_connection() -> None:
+    """/health asked on a connection the server had closed is asked once more: still 'ready'."""
+    handler = Faulty(lambda r: (_ for _ in ()).throw(dropped_before_reply(r, "reused")))
+    client = make_client(handler)
+    assert await client.health()
+    assert len(handler.seen) == 2
+
+
+async def test_accepts_images_asks_props_once() -> None:
+    """accepts_images reads /props' modalities once; a server without /props is assumed to see."""
+    handler = Faulty(lambda r: engine_reply(r), times=0)
+    client = make_client(handler)
+    assert await client.accepts_images() is False
+    assert await client.accepts_images() is False
+    assert [r.url.path for r in handler.seen] == ["/props"]
+    old = make_client(lambda _: httpx.Response(404, json={"error": {"message": "not found"}}))
+    assert await old.accepts_images() is True

@@ -32,6 +32,7 @@ from agentkv.runtime.engine import (
     find_llama_server,
     parse_size,
     plan_context,
+    private_file,
 )
 from agentkv.runtime.model import (
     ModelNotFoundError,
@@ -586,6 +587,34 @@ async def test_launched_engine_runs_with_umask_077(fake: Fake) -> None:
     async with LlamaServerProcess(config, binary=fake.binary, log_dir=fake.logs):
         assert fake.starts()[0]["umask"] == 0o077
     assert stat.S_IMODE((fake.logs / "slots").stat().st_mode) == 0o700
+
+
+@pytest.mark.anyio
+async def test_engine_logs_are_owner_only(fake: Fake) -> None:
+    """The engine's log directory is 0700 and its log 0600 (at higher verbosity llama-server
+    writes request content there), also where they existed before with wider modes."""
+    logs = fake.logs / "engine-logs"
+    logs.mkdir(mode=0o755, parents=True)
+    config = EngineConfig(model=fake.model, port=0)
+    process = LlamaServerProcess(config, binary=fake.binary, log_dir=logs, log_name="e.log")
+    (logs / "e.log").write_text("old")
+    (logs / "e.log").chmod(0o644)
+    async with process:
+        assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+        assert stat.S_IMODE((logs / "e.log").stat().st_mode) == 0o600
+
+
+def test_private_file_keeps_a_shared_directory(tmp_path: Path) -> None:
+    """private_file(private_dir=False): the file is 0600, its directory keeps its mode (the
+    cache directory holding model-hashes.txt also holds the model, which is not secret)."""
+    tmp_path.chmod(0o755)
+    path = tmp_path / "model-hashes.txt"
+    path.write_text("k v\n")
+    path.chmod(0o644)
+    private_file(path, private_dir=False)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
+    assert path.read_text() == "k v\n"
 
 
 @pytest.mark.anyio

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentkv import LlamaSlotClient
-from agentkv.limits import RequestLimits
+from agentkv.limits import IMAGE_NOTE
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
 from agentkv_server import create_app
@@ -44,6 +44,20 @@ JSONValue = Any
 
 short_text = st.text(max_size=20)
 names = st.text(alphabet="abcdefghijklmnopqrstuvwxyz_-0123456789", min_size=1, max_size=12)
+#: Image data of every kind: a valid 1x1 PNG, short valid base64, data that is not base64
+#: (bad padding, foreign characters, a data URL pasted in), none, and a large blob.
+image_data = st.sampled_from(
+    [
+        "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9"
+        "awAAAABJRU5ErkJggg==",
+        "iVBORw0KGgo=",
+        "AAA",
+        "not base64 at all!",
+        "data:image/png;base64,iVBORw0KGgo=",
+        "",
+        "QUFB" * 2_000,
+    ]
+)
 image = st.fixed_dictionaries(
     {
         "type": st.just("image"),
@@ -51,8 +65,8 @@ image = st.fixed_dictionaries(
             st.fixed_dictionaries(
                 {
                     "type": st.just("base64"),
-                    "media_type": st.just("image/png"),
-                    "data": st.just("iVBORw0KGgo="),
+                    "media_type": st.sampled_from(["image/png", "image/jpeg", "text/plain"]),
+                    "data": image_data,
                 }
             ),
             st.fixed_dictionaries(
@@ -129,7 +143,8 @@ def valid_bodies(draw: st.DrawFn) -> dict[str, Any]:
         )
     optional = {
         "stream": st.booleans(),
-        "system": st.one_of(short_text, st.lists(text_block, max_size=2)),
+        # An image where only text fits is a mistake a client can make too.
+        "system": st.one_of(short_text, st.lists(st.one_of(text_block, image), max_size=2)),
         "temperature": st.floats(0, 1),
         "top_p": st.floats(0, 1),
         "top_k": st.integers(0, 100),
@@ -142,6 +157,24 @@ def valid_bodies(draw: st.DrawFn) -> dict[str, Any]:
     for key, strategy in optional.items():
         if draw(st.booleans()):
             body[key] = draw(strategy)
+    if draw(st.integers(0, 3)) == 0:
+        # A tool's answer holding an image, as Claude Code's Read tool sends for an image file.
+        body["messages"] += [
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [*draw(st.lists(text_block, max_size=2)), draw(image)],
+                    }
+                ],
+            },
+        ]
     return body
 
 
@@ -378,14 +411,19 @@ def check_response(response: httpx.Response, reasons: Counter[str]) -> None:
 def test_fuzz_both_message_routes() -> None:
     """Hostile bodies on both routes: no 500, Anthropic-shaped errors, an idle gateway after."""
     # A reply that is a valid call of any tool whose schema accepts an object, so forced tool
-    # choices succeed too; images allowed here, refused in a second app that is text-only.
-    fake = FakeLlama(reply='{"name": "x", "arguments": {}}')
-    engine = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
-    client = LlamaSlotClient("http://engine", http=engine, connect_retries=0)
-    runtimes = [
-        Runtime(client, RuntimeConfig(ctx_per_slot=8192)),
-        Runtime(client, RuntimeConfig(ctx_per_slot=8192, limits=RequestLimits(images=False))),
+    # choices succeed too. The first engine sees images; the second is text-only as the default
+    # model is: its /props says so, and it refuses an image with a 500, as llama-server does.
+    reply = '{"name": "x", "arguments": {}}'
+    fakes = [FakeLlama(reply=reply, vision=True), FakeLlama(reply=reply, vision=False)]
+    clients = [
+        LlamaSlotClient(
+            "http://engine",
+            http=httpx.AsyncClient(transport=fake.transport(), base_url="http://engine"),
+            connect_retries=0,
+        )
+        for fake in fakes
     ]
+    runtimes = [Runtime(client, RuntimeConfig(ctx_per_slot=8192)) for client in clients]
     apps = [create_app(runtime) for runtime in runtimes]
     statuses: Counter[int] = Counter()
     reasons: Counter[str] = Counter()
@@ -421,7 +459,8 @@ def test_fuzz_both_message_routes() -> None:
             portal.call(send, app_index, case)
 
         one()
-        portal.call(client.aclose)
+        for client in clients:
+            portal.call(client.aclose)
 
     elapsed = time.monotonic() - started
     leaked = 0
@@ -430,11 +469,15 @@ def test_fuzz_both_message_routes() -> None:
         leaked += sum(slot["busy"] + len(slot["leases"]) for slot in table["slots"])
         assert table["queue"] == [] and table["background"] == [], table
     assert leaked == 0
-    assert all(count == 0 for count in fake.active.values()), fake.active
+    for fake in fakes:
+        assert all(count == 0 for count in fake.active.values()), fake.active
+    # Images inside tool results reached the text-only engine as notes, and were answered.
+    noted = sum(1 for r in fakes[1].requests if IMAGE_NOTE in json.dumps(r))
+    assert noted > 0
     total = sum(statuses.values())
     print(
         f"\nfuzz: {total} requests in {elapsed:.1f} s, statuses {dict(sorted(statuses.items()))}, "
-        f"500s {statuses[500]}, leaked leases {leaked}"
+        f"500s {statuses[500]}, leaked leases {leaked}, tool images sent as notes {noted}"
     )
     for text, count in reasons.most_common(40):
         print(f"{count:6d}  {text}")

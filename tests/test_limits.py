@@ -12,7 +12,7 @@ import pytest
 
 from agentkv import InvalidRequestError, MessagesTranslator
 from agentkv.fingerprint import canonical_json
-from agentkv.limits import NO_IMAGES, RequestLimits, check_body, check_limits
+from agentkv.limits import IMAGE_NOTE, NO_IMAGES, RequestLimits, check_body, check_limits
 
 FIXTURE = Path(__file__).parent / "fixtures" / "claude_code_request.json"
 BODY: dict[str, Any] = {
@@ -181,8 +181,9 @@ def test_each_limit_names_its_field(change: Any, limits: RequestLimits, needle: 
         MessagesTranslator().parse(body)
 
 
-def test_images_are_refused_on_a_text_only_engine() -> None:
-    """limits.images=False: an image block anywhere, tool results included, is a 400."""
+def test_images_on_a_text_only_engine() -> None:
+    """limits.images=False: an image in a user's turn is a 400 naming it; one inside a
+    tool_result passes the limits (the translator puts a note in its place)."""
     text_only = RequestLimits(images=False)
     direct = {
         **BODY,
@@ -204,7 +205,7 @@ def test_images_are_refused_on_a_text_only_engine() -> None:
             }
         ],
     }
-    assert refused(in_result, text_only) == f"messages[0].content[0].content[1]: {NO_IMAGES}"
+    MessagesTranslator(limits=text_only).parse(in_result)
     # With images allowed (the default) both pass.
     MessagesTranslator().parse(direct)
     MessagesTranslator().parse(in_result)
@@ -244,3 +245,40 @@ def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_tools"):
         RequestLimits(max_tools=0)
     assert attrs.evolve(RequestLimits(), images=False).images is False
+
+
+def test_a_tool_result_image_becomes_a_note_on_a_text_only_engine() -> None:
+    """The translator of a text-only engine puts a short note where a tool's image was, in the
+    tool message itself, and sends no image part; with vision the image goes to the engine."""
+    body = {
+        **BODY,
+        "messages": [
+            {"role": "user", "content": "read it"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": [IMAGE]},
+                    {"type": "text", "text": "what is in it?"},
+                ],
+            },
+        ],
+    }
+    engine = MessagesTranslator().text_only().translate(body).body
+    tool = next(m for m in engine["messages"] if m["role"] == "tool")
+    assert tool["content"] == IMAGE_NOTE
+    assert "image_url" not in json.dumps(engine)
+    assert engine["messages"][-1] == {"role": "user", "content": "what is in it?"}
+    seeing = MessagesTranslator().translate(body).body
+    assert "image_url" in json.dumps(seeing)
+
+
+@pytest.mark.parametrize("data", ["not base64!", "AAA", ""])
+def test_image_data_that_is_not_base64_is_refused(data: str) -> None:
+    """On an engine that sees images, image data that is not base64 is a 400 naming the field."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    body = {**BODY, "messages": [{"role": "user", "content": [image]}]}
+    assert refused(body).startswith("messages[0].content[0].source.data: ")

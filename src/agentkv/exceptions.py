@@ -14,6 +14,7 @@ __all__ = [
     "EngineError",
     "EngineResponseError",
     "EngineRestartingError",
+    "EngineStreamBrokenError",
     "EngineTimeoutError",
     "EngineUnavailableError",
     "InvalidRequestError",
@@ -139,3 +140,8 @@ class EngineResponseError(EngineError):
                 return
             self.status = 400  # type: ignore[misc]
             self.error_type = "invalid_request_error"  # type: ignore[misc]
+
+
+class EngineStreamBrokenError(EngineResponseError):
+    """A streamed reply from llama-server stopped before its end: the connection broke or closed
+    mid-stream. The engine itself may be fine; what it had computed stays in its slot."""

@@ -19,12 +19,14 @@ structuring itself stays cheap); :func:`check_limits` checks the structured requ
 
 from __future__ import annotations
 
+import binascii
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import attrs
 
 from agentkv._anthropic import (
+    Base64ImageSource,
     ContentBlock,
     ImageBlock,
     MessagesRequest,
@@ -35,10 +37,16 @@ from agentkv._anthropic import (
 from agentkv.exceptions import InvalidRequestError
 from agentkv.fingerprint import canonical_json
 
-__all__ = ["NO_IMAGES", "RequestLimits", "check_body", "check_limits"]
+__all__ = ["IMAGE_NOTE", "NO_IMAGES", "RequestLimits", "check_body", "check_limits"]
 
-#: What a text-only engine answers to an image block.
-NO_IMAGES: Final = "this model does not accept images (text-only)"
+#: What a text-only engine answers to an image block in a user's own turn.
+NO_IMAGES: Final = (
+    "this model does not accept images (text-only); send the image's content as text instead"
+)
+
+#: What replaces an image inside a tool_result on a text-only engine, so that the agent goes on
+#: (Claude Code's Read tool returns any image file, a screenshot, as such a block).
+IMAGE_NOTE: Final = "[An image was here. This model cannot see images, so it was left out.]"
 
 # llama-server reads these as 32-bit integers; a larger value would wrap around silently.
 _INT32_MAX: Final = 2**31 - 1
@@ -70,7 +78,8 @@ class RequestLimits:
     max_stop_sequence_chars: int = attrs.field(default=1_000, validator=attrs.validators.ge(1))
     #: Image blocks in one request, tool results included (the Anthropic API's own limit is 100).
     max_images: int = attrs.field(default=100, validator=attrs.validators.ge(1))
-    #: Whether the engine accepts images at all; False makes any image block a 400.
+    #: Whether the engine accepts images at all. False makes an image in a user's turn a 400,
+    #: and an image inside a tool_result a short note (:data:`IMAGE_NOTE`) in its place.
     images: bool = True
 
 
@@ -211,6 +220,7 @@ def _block(block: ContentBlock, path: str, limits: RequestLimits) -> tuple[int, 
     if isinstance(block, ImageBlock):
         if not limits.images:
             raise InvalidRequestError(NO_IMAGES, path)
+        _check_image(block, path)
         return 0, 1
     if isinstance(block, ToolResultBlock):
         content = block.content
@@ -222,10 +232,24 @@ def _block(block: ContentBlock, path: str, limits: RequestLimits) -> tuple[int, 
         text = images = 0
         for k, item in enumerate(content):
             if isinstance(item, ImageBlock):
-                if not limits.images:
-                    raise InvalidRequestError(NO_IMAGES, f"{path}.content[{k}]")
+                if limits.images:  # else it becomes a note, whatever it holds
+                    _check_image(item, f"{path}.content[{k}]")
                 images += 1
             else:
                 text += len(item.text)
         return text, images
     return 0, 0
+
+
+def _check_image(block: ImageBlock, path: str) -> None:
+    """An image the engine will decode: its base64 data must be base64 (the engine would answer
+    anything else with an error of its own, or a 500)."""
+    source = block.source
+    if not isinstance(source, Base64ImageSource):
+        return
+    if not source.data:
+        raise InvalidRequestError("is empty; expected base64 image data", f"{path}.source.data")
+    try:
+        binascii.a2b_base64(source.data, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:
+        raise InvalidRequestError(f"is not valid base64 ({exc})", f"{path}.source.data") from None

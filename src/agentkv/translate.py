@@ -30,15 +30,16 @@ from agentkv._anthropic import (
     ToolChoiceNone,
     ToolChoiceTool,
     ToolResultBlock,
+    ToolResultContent,
     ToolUseBlock,
 )
 from agentkv._convert import structure
 from agentkv._types import ANY_TOOL, ForcedTool
 from agentkv.exceptions import InvalidRequestError
 from agentkv.fingerprint import canonical_json
-from agentkv.limits import RequestLimits, check_body, check_limits
+from agentkv.limits import IMAGE_NOTE, RequestLimits, check_body, check_limits
 
-__all__ = ["BILLING_HEADER_PREFIX", "EngineRequest", "MessagesTranslator"]
+__all__ = ["BILLING_HEADER_PREFIX", "EngineRequest", "MessagesTranslator", "has_images"]
 
 #: Claude Code's first system block. It carries a ``cch=`` value that changes between requests in
 #: some versions; it means nothing to a local model, and since it sits at the very start of the
@@ -121,6 +122,8 @@ class MessagesTranslator:
 
     def to_engine(self, request: MessagesRequest) -> EngineRequest:
         """The llama-server body for a parsed request (no ``id_slot``: the client adds it)."""
+        if not self.limits.images:
+            request = _images_as_notes(request)
         tools = list(request.tools or ())
         tool_names = tuple(tool.name for tool in tools)
         choice = request.tool_choice
@@ -197,6 +200,11 @@ class MessagesTranslator:
         """``parse`` then ``to_engine``."""
         return self.to_engine(self.parse(body))
 
+    def text_only(self) -> MessagesTranslator:
+        """This translator for an engine that cannot see images: an image in a user's turn is a
+        400 naming it; one inside a tool_result becomes :data:`~agentkv.limits.IMAGE_NOTE`."""
+        return attrs.evolve(self, limits=attrs.evolve(self.limits, images=False))
+
     def force_any_tool(self, request: EngineRequest, body: Mapping[str, Any]) -> dict[str, Any]:
         """``body`` (an auto-mode engine body for ``request``) constrained to call one tool.
 
@@ -215,6 +223,45 @@ class MessagesTranslator:
         _append_user_note(messages, _forced_note(tools, single=False))
         forced["messages"] = messages
         return forced
+
+
+def has_images(body: Mapping[str, Any]) -> bool:
+    """Whether a raw Messages body holds an image block anywhere a block can be (a cheap scan
+    before parsing, to learn whether the engine's vision matters)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        for block in content if isinstance(content, list) else ():
+            if not isinstance(block, Mapping):
+                continue
+            inner = block.get("content")
+            if block.get("type") == "image" or (
+                isinstance(inner, list)
+                and any(isinstance(b, Mapping) and b.get("type") == "image" for b in inner)
+            ):
+                return True
+    return False
+
+
+def _images_as_notes(request: MessagesRequest) -> MessagesRequest:
+    """``request`` with every image inside a tool_result replaced by a short note (the limits
+    have refused images anywhere else)."""
+
+    def content(blocks: list[ToolResultContent]) -> list[ToolResultContent]:
+        return [TextBlock(text=IMAGE_NOTE) if isinstance(b, ImageBlock) else b for b in blocks]
+
+    def block(b: ContentBlock) -> ContentBlock:
+        if isinstance(b, ToolResultBlock) and isinstance(b.content, list):
+            return attrs.evolve(b, content=content(b.content))
+        return b
+
+    messages = [
+        m if isinstance(m.content, str) else attrs.evolve(m, content=[block(b) for b in m.content])
+        for m in request.messages
+    ]
+    return attrs.evolve(request, messages=messages)
 
 
 def _system_messages(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:

@@ -400,6 +400,7 @@ class _Engine:
 
 def _file_digest(path: Path) -> str:
     """sha256 of a model file, cached by path, size and modification time."""
+    from agentkv.runtime.engine import private_file
     from agentkv.runtime.model import default_cache_dir
 
     stat = path.stat()
@@ -416,7 +417,7 @@ def _file_digest(path: Path) -> str:
             digest.update(chunk)
     value = digest.hexdigest()
     with contextlib.suppress(OSError):
-        cache.parent.mkdir(parents=True, exist_ok=True)
+        private_file(cache, private_dir=False)  # owner-only, like the engine's logs
         with cache.open("a") as f:
             f.write(f"{key} {value}\n")
     return value

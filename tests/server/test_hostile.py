@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv.limits import NO_IMAGES, RequestLimits
+from agentkv.limits import IMAGE_NOTE, NO_IMAGES, RequestLimits
 from tests.fakes import FakeLlama
 from tests.server.conftest import Serve
 
@@ -190,29 +190,94 @@ async def test_ten_thousand_tools_cost_the_engine_nothing(serve: Serve, route: s
     assert_idle(http)
 
 
-@pytest.mark.parametrize("route", ROUTES)
-async def test_images_on_a_text_only_engine(serve: Serve, route: str) -> None:
-    """With limits.images off, an image (in a message or a tool result) is a 400 that says so."""
-    fake = FakeLlama()
-    http = await serve(fake, ctx_per_slot=4096, limits=RequestLimits(images=False))
-    direct = {**BODY, "messages": [{"role": "user", "content": [IMAGE]}]}
-    assert_400(await http.post(route, json=direct), f"messages[0].content[0]: {NO_IMAGES}")
-    result = {
+def with_tool_image(image: dict[str, Any]) -> dict[str, Any]:
+    """A turn answering a Read call whose tool_result holds text and ``image``."""
+    return {
         **BODY,
         "messages": [
+            {"role": "user", "content": "look at the screenshot"},
+            {
+                "role": "assistant",
+                "content": [{"type": "tool_use", "id": "t", "name": "Read", "input": {}}],
+            },
             {
                 "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": "t", "content": [IMAGE]}],
-            }
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t",
+                        "content": [{"type": "text", "text": "shot.png"}, image],
+                    }
+                ],
+            },
         ],
     }
-    assert_400(
-        await http.post(route, json=result), f"messages[0].content[0].content[0]: {NO_IMAGES}"
-    )
-    assert fake.paths == []
+
+
+#: Image data of every kind: a valid 1x1 PNG, data that is not base64, none at all.
+PNG_1X1 = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9"
+    "awAAAABJRU5ErkJggg=="
+)
+IMAGE_DATA = [PNG_1X1, "AAAA", "not base64 at all!", ""]
+
+
+def image_of(data: str) -> dict[str, Any]:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+
+
+@pytest.mark.parametrize("data", IMAGE_DATA)
+@pytest.mark.parametrize("how", ["limits", "props"])
+@pytest.mark.parametrize("route", ROUTES)
+async def test_images_on_a_text_only_engine(serve: Serve, route: str, how: str, data: str) -> None:
+    """On an engine without vision (set in the limits, or learned from its /props), whatever the
+    image holds: an image in a user's own turn is a 400 naming it; an image inside a tool_result
+    becomes a short note in its place and the request goes on (200)."""
+    if how == "limits":
+        fake = FakeLlama()
+        http = await serve(fake, ctx_per_slot=4096, limits=RequestLimits(images=False))
+    else:
+        fake = FakeLlama(vision=False)  # refuses images with a 500, as llama-server does
+        http = await serve(fake, ctx_per_slot=4096)
+    direct = {**BODY, "messages": [{"role": "user", "content": [image_of(data)]}]}
+    assert_400(await http.post(route, json=direct), f"messages[0].content[0]: {NO_IMAGES}")
+    assert not {"/apply-template", "/v1/chat/completions"} & set(fake.paths)
+    response = await http.post(route, json=with_tool_image(image_of(data)))
+    assert response.status_code == 200, response.text
+    templated = [r for r in fake.requests if "messages" in r] or []
+    if route == "/v1/messages":
+        tool = next(m for m in fake.requests[-1]["messages"] if m["role"] == "tool")
+        assert tool["content"] == f"shot.png\n\n{IMAGE_NOTE}"
+        assert "image_url" not in json.dumps(templated)
     assert_idle(http)
-    # The same engine with images allowed (the default) takes them.
-    assert (await (await serve(FakeLlama())).post(route, json=direct)).status_code == 200
+
+
+async def test_images_on_an_engine_that_sees(serve: Serve) -> None:
+    """An engine with vision gets the images; data that is not base64 is a 400 naming it
+    before the engine sees anything."""
+    fake = FakeLlama(vision=True)
+    http = await serve(fake)
+    good = {**BODY, "messages": [{"role": "user", "content": [image_of(PNG_1X1)]}]}
+    assert (await http.post("/v1/messages", json=good)).status_code == 200
+    assert "image_url" in json.dumps(fake.requests[-1])
+    for data in ("not base64 at all!", ""):
+        bad = with_tool_image(image_of(data))
+        path = "messages[2].content[0].content[1].source.data"
+        response = await http.post("/v1/messages", json=bad)
+        assert response.status_code == 400 and path in response.json()["error"]["message"]
+
+
+async def test_an_engine_refusing_images_is_a_400_not_a_500(serve: Serve) -> None:
+    """An engine that refuses an image although /props did not say so (an older server):
+    the client gets a 400 that says images are not accepted, never a 500."""
+    fake = FakeLlama(vision=False)
+    http = await serve(fake)
+    http.runtime.client._vision = True  # type: ignore[attr-defined]
+    direct = {**BODY, "messages": [{"role": "user", "content": [image_of(PNG_1X1)]}]}
+    response = await http.post("/v1/messages", json=direct)
+    assert response.status_code == 400, response.text
+    assert "does not accept images" in response.json()["error"]["message"]
+    assert_idle(http)
 
 
 async def test_oversized_agent_id_is_bounded(serve: Serve) -> None:

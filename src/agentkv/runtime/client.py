@@ -4,9 +4,25 @@ Every request to the engine goes through here, so every upstream failure is mapp
 boundary, onto the agentkv exception tree: unreachable → :class:`EngineUnavailableError`, stalled →
 :class:`EngineTimeoutError`, error status or unparseable body → :class:`EngineResponseError`.
 
-Requests are retried only where a retry cannot repeat work: the connection was refused or could not
-be opened, or llama-server answered 503 because it is still loading the model. Nothing is retried
-once a response body has started to reach the caller.
+Connections cannot go stale. llama-server advertises keep-alive after a streamed reply but
+sometimes closes the socket right after the stream ends; a pooled connection then fails the next
+request sent on it. So the client agentkv creates opens a new connection for every engine call
+(loopback connections cost well under a millisecond, and an idle keep-alive connection would hold
+one of llama-server's few HTTP threads), and a streamed request always asks for its connection to
+be closed afterwards, also on an injected, pooling client.
+
+Requests are retried only where a retry cannot repeat work or costs nothing:
+
+- the connection was refused or could not be opened, or llama-server answered 503 because it is
+  still loading the model: retried with backoff (``connect_retries``, ``retry_seconds``);
+- the connection closed before any byte of the response arrived: sent once more, at once, on a
+  new connection. That holds for every call, a chat completion included: llama-server had sent
+  nothing, so the client has seen nothing of it;
+- a call that is safe to repeat (health, metrics, slots, apply-template, tokenize, detokenize,
+  slot save, restore and erase) whose reply broke while it was being read, or that got a 502 or
+  504 from something between agentkv and the engine: once more as well.
+
+Nothing is retried once a response body has started to reach the caller.
 
 Low-level httpx errors are mapped by one table, :data:`HTTPX_ERROR_MAP`, in one place. Streams are
 parsed with httpx-sse. When agentkv supervises the engine (``status``), a request made while it
@@ -17,11 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import anyio
+import attrs
 import httpx
 
 # httpx-sse's decoders: its EventSource would drop the `error:` field older llama-servers use.
@@ -37,12 +55,22 @@ from tenacity import (
 from agentkv.exceptions import (
     EngineError,
     EngineResponseError,
+    EngineStreamBrokenError,
     EngineTimeoutError,
     EngineUnavailableError,
 )
 from agentkv.runtime.status import EngineStatus
 
-__all__ = ["HTTPX_ERROR_MAP", "LlamaSlotClient", "probe", "wait_until_ready"]
+__all__ = [
+    "HTTPX_ERROR_MAP",
+    "LinkStats",
+    "LlamaSlotClient",
+    "new_http_client",
+    "probe",
+    "wait_until_ready",
+]
+
+log = logging.getLogger("agentkv.client")
 
 _CHAT_PATH = "/v1/chat/completions"
 # Opening a TCP connection to a local server never legitimately takes long; a slow connect means
@@ -59,6 +87,19 @@ class _NotReadyError(EngineUnavailableError):
     """Raised for the retryable cases only: refused/failed connection or 503 while loading."""
 
 
+class _DroppedError(EngineUnavailableError):
+    """The connection closed before any byte of the response arrived (or, for a call that is
+    safe to repeat, while its reply was read): sent once more on a new connection."""
+
+
+#: Statuses from something between agentkv and llama-server (a proxy) that say nothing about the
+#: request itself; a call that is safe to repeat is sent once more.
+_GATEWAY_STATUSES = frozenset({502, 504})
+
+#: How llama-server refuses an image for a model without a multimodal projector.
+_NO_IMAGES_WORDS = "image input is not supported"
+
+
 #: Every httpx failure, most specific first, and the agentkv error it becomes, with words for the
 #: message. The first entry the exception is an instance of wins (like httpx's own
 #: ``HTTPCORE_EXC_MAP``). ``_NotReadyError`` is retried: nothing reached llama-server.
@@ -69,8 +110,12 @@ HTTPX_ERROR_MAP: tuple[tuple[type[Exception], type[EngineError], str], ...] = (
     (httpx.PoolTimeout, EngineUnavailableError, "no free connection to llama-server"),
     # Read or write timeout: llama-server accepted the request and then went silent.
     (httpx.TimeoutException, EngineTimeoutError, "llama-server timed out"),
-    (httpx.RemoteProtocolError, EngineUnavailableError, "llama-server dropped the connection"),
+    # The connection closed or was reset before the response: on a pooled connection, llama-server
+    # had closed it after a stream; sent once more on a new connection.
+    (httpx.RemoteProtocolError, _DroppedError, "llama-server dropped the connection"),
     (httpx.LocalProtocolError, EngineError, "agentkv sent llama-server an invalid request"),
+    (httpx.ReadError, _DroppedError, "the connection to llama-server broke"),
+    (httpx.WriteError, _DroppedError, "the connection to llama-server broke"),
     (httpx.NetworkError, EngineUnavailableError, "the connection to llama-server broke"),
     (httpx.ProxyError, EngineUnavailableError, "a proxy refused the way to llama-server"),
     (httpx.UnsupportedProtocol, EngineUnavailableError, "the llama-server URL is not http(s)"),
@@ -97,7 +142,7 @@ def map_httpx_error(exc: Exception, what: str, base_url: str, *, started: bool) 
     )
     message = f"{words} ({what} at {base_url}): {exc!r}"
     if started and issubclass(error, EngineUnavailableError):
-        return EngineResponseError(f"{message}; the reply is truncated")
+        return EngineStreamBrokenError(f"{message}; the reply is truncated")
     return error(message)
 
 
@@ -125,6 +170,10 @@ def _status_error(response: httpx.Response, what: str) -> EngineError:
     if response.status_code == 503:
         # llama-server answers 503 while it loads the model; the request was not processed.
         return _NotReadyError(message)
+    if _NO_IMAGES_WORDS in message:
+        # llama-server answers an image for a model without vision with a 500; it is the
+        # request that cannot be served (reached only where /props did not say so first).
+        return EngineResponseError(f"this model does not accept images: {message}", 400)
     return EngineResponseError(message, upstream_status=response.status_code)
 
 
@@ -246,6 +295,26 @@ class _ChunkStream:
         raise StopAsyncIteration
 
 
+def new_http_client(timeout: httpx.Timeout | float = 600.0) -> httpx.AsyncClient:
+    """The HTTP client for llama-server: a new connection for every call, never a pooled one.
+
+    llama-server sometimes closes a connection right after a streamed reply although it said
+    keep-alive; a pooled connection is then dead when the next call takes it. Each idle
+    keep-alive connection would also hold one of llama-server's HTTP threads for 5 s.
+    """
+    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+@attrs.define
+class LinkStats:
+    """Counters of the engine link (for the operator and the tests)."""
+
+    #: Requests sent to llama-server (each attempt counts).
+    requests: int = 0
+    #: Requests sent once more on a new connection after the first was dropped.
+    resent: int = 0
+
+
 class LlamaSlotClient:
     """Async client for llama-server that pins chat requests to a slot and maps every failure.
 
@@ -277,7 +346,7 @@ class LlamaSlotClient:
         self.base_url = base_url.rstrip("/")
         self._owns_http = http is None
         self._timeout = httpx.Timeout(read_timeout, connect=_CONNECT_TIMEOUT)
-        self._http = http if http is not None else httpx.AsyncClient(timeout=self._timeout)
+        self._http = http if http is not None else new_http_client(self._timeout)
         self._connect_retries = max(0, connect_retries)
         self._retry_seconds = retry_seconds
         self._retry_backoff = retry_backoff
@@ -285,6 +354,9 @@ class LlamaSlotClient:
         #: The supervisor's view of the engine (None: not supervised by this process).
         self.status = status
         self._templating = anyio.CapacityLimiter(max(1, templating_limit))
+        #: What the engine link has seen: requests sent, and those sent again after a drop.
+        self.link = LinkStats()
+        self._vision: bool | None = None
 
     # -- chat ---------------------------------------------------------------------------------
 
@@ -303,7 +375,9 @@ class LlamaSlotClient:
         """Non-streaming chat completion on ``slot`` (None: any idle slot); the JSON reply with
         ``timings``."""
         payload = self._chat_body(body, slot, stream=False)
-        data = await self._request_json("POST", _CHAT_PATH, "chat completion", json_body=payload)
+        data = await self._request_json(
+            "POST", _CHAT_PATH, "chat completion", json_body=payload, safe=False
+        )
         if not isinstance(data, dict):
             raise EngineResponseError(f"llama-server chat completion returned {data!r:.200}")
         return data
@@ -388,12 +462,33 @@ class LlamaSlotClient:
             "return_progress": True,
             "temperature": 0.0,
         }
-        response = await self._send("POST", "/completion", "prefill", payload, stream=True)
+
+        async def chunks() -> AsyncGenerator[dict[str, Any], None]:
+            # Computing tokens into a slot is safe to repeat, and the second time llama-server
+            # reuses what the first computed: a stream that broke is asked for once more.
+            for attempt in (1, 2):
+                response = await self._send(
+                    "POST", "/completion", "prefill", payload, stream=True, safe=True
+                )
+                try:
+                    async for chunk in _ChunkStream(self, response, "prefill"):
+                        yield chunk
+                    return
+                except EngineStreamBrokenError as exc:
+                    if attempt == 2:
+                        raise
+                    self.link.resent += 1
+                    log.info("%s; computing the rest once more", exc.message)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await response.aclose()
+
+        stream = chunks()
         try:
-            yield _ChunkStream(self, response, "prefill")
+            yield stream
         finally:
             with anyio.CancelScope(shield=True):
-                await response.aclose()
+                await stream.aclose()
 
     @contextlib.asynccontextmanager
     async def complete(
@@ -420,6 +515,31 @@ class LlamaSlotClient:
         if not isinstance(content, str):
             raise EngineResponseError(f"llama-server /detokenize returned {data!r:.200}")
         return content
+
+    async def props(self) -> dict[str, Any]:
+        """``GET /props``: the server's settings (``modalities``, ``default_generation_settings``,
+        …)."""
+        data = await self._request_json("GET", "/props", "props")
+        if not isinstance(data, dict):
+            raise EngineResponseError(f"llama-server /props returned {data!r:.200}")
+        return data
+
+    async def accepts_images(self) -> bool:
+        """Whether the engine's model can see images (``/props`` ``modalities.vision``), asked
+        once. A server too old to say is assumed to: it then refuses images itself."""
+        if self._vision is None:
+            try:
+                modalities = (await self.props()).get("modalities")
+            except EngineResponseError:  # no /props: an older server, or not llama-server
+                modalities = None
+            vision = modalities.get("vision") if isinstance(modalities, Mapping) else None
+            self._vision = vision if isinstance(vision, bool) else True
+        return self._vision
+
+    async def metrics(self) -> str:
+        """``GET /metrics`` (llama-server started with ``--metrics``): Prometheus text."""
+        response = await self._send("GET", "/metrics", "metrics", safe=True)
+        return response.text
 
     # -- slots --------------------------------------------------------------------------------
 
@@ -500,8 +620,11 @@ class LlamaSlotClient:
         *,
         json_body: Any = None,
         params: Mapping[str, str] | None = None,
+        safe: bool = True,
     ) -> Any:
-        response = await self._send(method, path, what, json_body, params=params)
+        """One call with a JSON reply. ``safe``: the call may be repeated (everything but a chat
+        completion), so a reply that breaks while it is read is asked for once more."""
+        response = await self._send(method, path, what, json_body, params=params, safe=safe)
         return _parse_json(response.text, what)
 
     async def _engine_error(
@@ -513,7 +636,7 @@ class LlamaSlotClient:
         A broken stream waits a moment for the supervisor to notice a dead engine first.
         """
         if exc is None:
-            error: EngineError = EngineResponseError(
+            error: EngineError = EngineStreamBrokenError(
                 f"llama-server {what} stream ended before the completion finished (truncated)"
             )
         else:
@@ -537,24 +660,60 @@ class LlamaSlotClient:
         *,
         params: Mapping[str, str] | None = None,
         stream: bool = False,
+        safe: bool = False,
     ) -> httpx.Response:
         """Send one request, retrying only the safe cases; a 2xx response or an agentkv error.
 
-        With ``stream=True`` the returned response body is unread and the caller must close it.
+        With ``stream=True`` the returned response body is unread and the caller must close it;
+        otherwise the body is read here (and, when ``safe``, asked for again if it broke).
         """
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self._connect_retries + 1)
-            | stop_after_delay(self._retry_seconds),
-            wait=wait_exponential(multiplier=self._retry_backoff, max=2.0),
-            retry=retry_if_exception_type(_NotReadyError),
-            sleep=anyio.sleep,
-            reraise=True,
+        dropped: _DroppedError | None = None
+        while True:
+            retrying = AsyncRetrying(
+                stop=stop_after_attempt(self._connect_retries + 1)
+                | stop_after_delay(self._retry_seconds),
+                wait=wait_exponential(multiplier=self._retry_backoff, max=2.0),
+                retry=retry_if_exception_type(_NotReadyError),
+                sleep=anyio.sleep,
+                reraise=True,
+            )
+            try:
+                return await retrying(
+                    self._send_once, method, path, what, json_body, params, stream, safe
+                )
+            except _NotReadyError as exc:
+                # Callers see the public type; the private subclass only steers the retries.
+                raise EngineUnavailableError(exc.message) from exc.__cause__
+            except _DroppedError as exc:
+                if dropped is not None:
+                    raise EngineUnavailableError(
+                        f"{exc.message} (also when sent again on a new connection)"
+                    ) from exc.__cause__
+                dropped = exc
+                self.link.resent += 1
+                log.info("%s; sending it once more on a new connection", exc.message)
+
+    def _build(
+        self,
+        method: str,
+        path: str,
+        json_body: Any,
+        params: Mapping[str, str] | None,
+        stream: bool,
+    ) -> httpx.Request:
+        headers = dict(self._headers)
+        if stream:
+            # A stream's connection is never used again: llama-server may close it once the
+            # stream ends, though it advertised keep-alive, and a pool would hand it out dead.
+            headers["connection"] = "close"
+        return self._http.build_request(
+            method,
+            self.base_url + path,
+            json=json_body,
+            params=params,
+            headers=headers,
+            timeout=self._timeout,
         )
-        try:
-            return await retrying(self._send_once, method, path, what, json_body, params, stream)
-        except _NotReadyError as exc:
-            # Callers see the public type; the private subclass only steers the retries.
-            raise EngineUnavailableError(exc.message) from exc.__cause__
 
     async def _send_once(
         self,
@@ -564,30 +723,33 @@ class LlamaSlotClient:
         json_body: Any,
         params: Mapping[str, str] | None,
         stream: bool,
+        safe: bool,
     ) -> httpx.Response:
         if self.status is not None and (refused := self.status.error()) is not None:
             raise refused
+        self.link.requests += 1
         try:
-            request = self._http.build_request(
-                method,
-                self.base_url + path,
-                json=json_body,
-                params=params,
-                headers=self._headers,
-                timeout=self._timeout,
-            )
-            response = await self._http.send(request, stream=stream)
+            request = self._build(method, path, json_body, params, stream)
+            # Always sent as a stream: what failed before the reply's first byte (safe to send
+            # again) is then told apart from what failed while reading it.
+            response = await self._http.send(request, stream=True)
         except _HTTPX_ERRORS as exc:
             raise await self._engine_error(exc, what, started=False) from exc
-        if response.is_success:
+        if response.is_success and stream:
             return response
         try:
             await response.aread()
-        except httpx.HTTPError:
-            pass
+        except _HTTPX_ERRORS as exc:
+            error = await self._engine_error(exc, what, started=not safe)
+            raise error from exc
         finally:
             await response.aclose()
-        raise _status_error(response, what)
+        if response.is_success:
+            return response
+        error = _status_error(response, what)
+        if safe and response.status_code in _GATEWAY_STATUSES:
+            raise _DroppedError(error.message) from error
+        raise error
 
 
 async def probe(
@@ -600,8 +762,13 @@ async def probe(
 
     ``/health`` needs no API key on llama-server.
     """
+    url = f"{base_url.rstrip('/')}/health"
     try:
-        response = await http.get(f"{base_url.rstrip('/')}/health", timeout=timeout)
+        try:
+            response = await http.get(url, timeout=timeout)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+            # Closed before the answer (a pooled connection llama-server had closed): once more.
+            response = await http.get(url, timeout=timeout)
     except httpx.ConnectError:
         return "down", "not accepting connections yet"
     except httpx.HTTPError as exc:

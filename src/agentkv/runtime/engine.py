@@ -52,6 +52,7 @@ __all__ = [
     "free_port",
     "parse_size",
     "plan_context",
+    "private_file",
 ]
 
 ENV_LLAMA_SERVER = "AGENTKV_LLAMA_SERVER"
@@ -454,6 +455,20 @@ def _tail(path: Path, lines: int) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
+def private_file(path: Path, *, truncate: bool = False, private_dir: bool = True) -> None:
+    """Make ``path`` an owner-only file (0600), creating it and its directory as needed;
+    ``private_dir``: the directory is owner-only too (0700). ``truncate`` empties the file.
+    Engine logs may hold prompts."""
+    if private_dir:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o700)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
+    os.close(os.open(path, flags, 0o600))
+    os.chmod(path, 0o600)
+
+
 def _new_api_key() -> str:
     return secrets.token_urlsafe(32)
 
@@ -579,9 +594,9 @@ class LlamaServerProcess:
             args = drop_unsupported(args, await anyio.to_thread.run_sync(_help_text, binary))
         self._resolved = config
         log_dir = self.log_dir if self.log_dir is not None else default_cache_dir() / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = log_dir / (self.log_name or f"llama-server-{config.port}.log")
-        self._log_path.write_bytes(b"")
+        # At higher verbosity llama-server logs request content: owner-only, like the store.
+        private_file(self._log_path, truncate=True)
         self._command = [str(binary), *args]
         await self._launch()
 

@@ -217,9 +217,11 @@ class Gateway:
         self._lease_seq.pop(lease.id, None)
         self._running.pop(lease.id, None)
         checkpoint = self._lease_checkpoint.pop(lease.id, None)
-        if checkpoint is not None and not checkpoint.done:
-            self.end_checkpoint(checkpoint)  # the request ended before saving it
         self._slots.release(lease, self.clock(), holds=holds, sections=sections)
+        if checkpoint is not None and not checkpoint.done:
+            # Not saved: requests waiting for it go now, and find the head in this slot if the
+            # request ended well (its save failed) — so the slot is given back first.
+            self.end_checkpoint(checkpoint)
         self._dispatch()
 
     @asynccontextmanager

@@ -46,6 +46,8 @@ from agentkv.exceptions import (
     AgentKVError,
     EngineError,
     EngineResponseError,
+    EngineRestartingError,
+    EngineStreamBrokenError,
     EngineTimeoutError,
     EngineUnavailableError,
     PromptTooLongError,
@@ -61,7 +63,7 @@ from agentkv.runtime.store import PrefixStore
 from agentkv.sse import RetryWithTools, SSEAssembler, accumulate
 from agentkv.store import EntryKind, StoreIndex
 from agentkv.tokens import Tokens, common_prefix
-from agentkv.translate import EngineRequest, MessagesTranslator, first_difference
+from agentkv.translate import EngineRequest, MessagesTranslator, first_difference, has_images
 
 __all__ = [
     "Emitted",
@@ -464,21 +466,30 @@ class Exchange:
                         done = int(progress.get("cache", 0)) + int(progress.get("processed", 0))
                         gateway.checkpoint_progress(checkpoint, done)
                     runtime.observe_timings(chunk.get("timings"))
-            entry = await runtime.guard_store(
-                store.save(
-                    lease.slot,
-                    EntryKind.PREFIX,
-                    agent=None,
-                    sections=self.prepared.engine.sections,
+            entry = None
+            for _ in range(2):  # a save that failed is tried once more: others wait for it
+                entry = await runtime.guard_store(
+                    store.save(
+                        lease.slot,
+                        EntryKind.PREFIX,
+                        agent=None,
+                        sections=self.prepared.engine.sections,
+                    )
                 )
-            )
+                if entry is not None or runtime.store is None:
+                    break
             if entry is not None:
                 gateway.slots.set_content(
                     lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
                 )
                 self.record.checkpoint_tokens = entry.n_tokens
-        finally:
+        except BaseException:
             gateway.end_checkpoint(checkpoint)
+            raise
+        if entry is not None:
+            gateway.end_checkpoint(checkpoint)
+        # Else the save failed, but this slot holds the head: whoever waits for it keeps waiting
+        # until this request gives the slot back, and then reuses it there (Gateway.release).
 
     def _engine_body(self) -> dict[str, Any]:
         """The chat body for the engine, with generation bounded by the client's patience.
@@ -517,7 +528,16 @@ class Exchange:
         if not resumed:
             # llama-server streams a continued reply's given beginning back first, then
             # generates the last, cut-off word again: the client has both already, so skip them.
-            await self._relay(body, lease, echo=so_far)
+            try:
+                await self._relay(body, lease, echo=so_far)
+            except EngineStreamBrokenError as exc:
+                if asm.generated_text and not asm.continuable:
+                    raise
+                # The link broke mid-reply, not the engine: what it computed is in the slot, so
+                # the same call again (continuing any text the client has) costs a few tokens.
+                log.info("continuing a reply after the engine link broke: %s", exc.message)
+                so_far = asm.generated_text
+                await self._relay(self._engine_body(), lease, echo=so_far)
         if isinstance(asm.verdict(), RetryWithTools):
             # The reply tried to call a tool and got it wrong: ask once more, with decoding
             # constrained to a valid call of a declared tool.
@@ -806,8 +826,15 @@ class Runtime:
     async def prepare(self, body: Mapping[str, Any], *, agent: str, priority: int) -> Prepared:
         """Validate and fit a Messages request; raises a 4xx :class:`AgentKVError` before any
         response starts (a prompt that cannot fit gets ``prompt is too long``)."""
-        engine = self.translator.translate(body)
+        engine = await self._translate(body)
         return await self._fit(agent, priority, engine, _request_key(agent, body))
+
+    async def _translate(self, body: Mapping[str, Any]) -> EngineRequest:
+        """Translate for this engine: one that cannot see images gets notes or a 400 for them."""
+        translator = self.translator
+        if translator.limits.images and has_images(body) and not await self.client.accepts_images():
+            translator = translator.text_only()
+        return translator.translate(body)
 
     async def _fit(self, agent: str, priority: int, engine: EngineRequest, key: str) -> Prepared:
         config = self.config
@@ -923,7 +950,7 @@ class Runtime:
         """``count_tokens``: the prompt size of a Messages request, as the engine counts it."""
         body = dict(body)
         body.setdefault("max_tokens", 1)  # count_tokens takes none; the prompt does not change
-        engine = self.translator.translate(body)
+        engine = await self._translate(body)
         return len(await self.client.prompt_tokens(engine.body))
 
     # -- bookkeeping ------------------------------------------------------------------------------
@@ -946,14 +973,21 @@ class Runtime:
             self.costs.decode.observe(predicted, predicted_ms / 1000)
 
     async def guard_store(self, work: Any) -> Any:
-        """Run a store operation; a store the engine cannot serve is switched off, not fatal.
+        """Run a store operation; None when it failed. Never fatal to the request, unless the
+        engine is restarting (its slots are gone).
 
-        An engine that is down or restarting says nothing about the store: the error goes to
-        the request as it is, and the store stays on."""
+        A store the engine cannot serve (an error status) is switched off. A link that failed
+        says nothing about the store: the store stays on."""
         try:
             return await work
-        except (EngineUnavailableError, EngineTimeoutError):
-            raise
+        except EngineRestartingError:
+            raise  # the slots are lost with the engine; the request is retried by the client
+        except (EngineUnavailableError, EngineTimeoutError) as exc:
+            # The link failed twice (the client already sent it once more): the request goes on
+            # without the store this time — a failed restore prefills, a failed save keeps the
+            # state in its slot.
+            log.warning("a prefix store operation failed; going on without it: %s", exc.message)
+            return None
         except EngineError as exc:
             if not self._store_off:
                 log.warning("prefix store is off: llama-server cannot save slots (%s)", exc.message)

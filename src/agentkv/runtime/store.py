@@ -36,7 +36,12 @@ import anyio
 import anyio.to_thread
 import attrs
 
-from agentkv.exceptions import AgentKVError, EngineError, EngineUnavailableError
+from agentkv.exceptions import (
+    AgentKVError,
+    EngineError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+)
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.store import EntryKind, StoreEntry, StoreIndex, entry_id
 from agentkv.tokens import Tokens, digest
@@ -227,6 +232,10 @@ class PrefixStore:
             started = time.monotonic()
             try:
                 reply = await self.client.restore_slot(slot, f"{entry.id}.bin")
+            except (EngineUnavailableError, EngineTimeoutError) as exc:
+                # The link failed, not the entry: it stays, and the caller prefills this time.
+                log.warning("prefix store: restoring %s failed (%s); prefilling", entry.id, exc)
+                return None
             except EngineError as exc:
                 log.warning("prefix store: restoring %s failed (%s); deleted", entry.id, exc)
                 await self._erase(slot)
