@@ -11,6 +11,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 
 PURE_MODULES = (
     "agentkv.translate",
+    "agentkv.layout",
     "agentkv.sse",
     "agentkv.fingerprint",
     "agentkv.slots",
