@@ -17,7 +17,7 @@ FILES = sorted(FIXTURES.glob("*.json"))
 # Paths of the machine the captures ran on must not be in them: only the neutral project
 # directories and the neutral HOME.
 MACHINE_PATH = re.compile(
-    r"/work/|/root/|/tmp/(?!agentkv-(?:demo|other|notes|sub-demo|sub-other)\b)"
+    r"/work/|/root/|/tmp/(?!agentkv-(?:demo|other|notes|sub-demo|sub-other|tty-demo|tty-other)\b)"
 )
 
 
@@ -111,7 +111,7 @@ def project_strings(record: dict[str, Any]) -> list[str]:
     return strings
 
 
-def test_the_captures_cover_other_directories_users_shells_and_sub_agents() -> None:
+def test_the_captures_cover_directories_users_shells_sub_agents_and_the_interactive_cli() -> None:
     records = {p.stem: json.loads(p.read_text()) for p in CAPTURES}
     assert set(records) == {
         "git_demo",
@@ -121,6 +121,8 @@ def test_the_captures_cover_other_directories_users_shells_and_sub_agents() -> N
         "other_shell",
         "subagent_git_demo",
         "subagent_git_other",
+        "interactive_git_demo",
+        "interactive_git_other",
     }
     for name, record in records.items():
         assert record["claude_code"] == "2.1.328"
@@ -129,7 +131,12 @@ def test_the_captures_cover_other_directories_users_shells_and_sub_agents() -> N
         assert ("cc_is_subagent=true" in first) == name.startswith("subagent_"), name
 
 
-@pytest.mark.parametrize("kind", ["agent", "subagent"])
+def kind_of(path: Path) -> str:
+    """``-p`` agent, sub-agent or interactive CLI: each has a system prompt of its own."""
+    return path.stem.split("_")[0] if path.stem.startswith(("subagent_", "interactive_")) else "p"
+
+
+@pytest.mark.parametrize("kind", ["p", "subagent", "interactive"])
 def test_no_project_string_before_the_session_facts(kind: str) -> None:
     """Every capture, in every directory, sends the same head up to its session facts, and no
     string of its project, user or machine appears in it.
@@ -139,11 +146,8 @@ def test_no_project_string_before_the_session_facts(kind: str) -> None:
     tests.claude.capture``) and teach agentkv.layout the new string, or the head is no longer
     shared between projects.
     """
-    records = [
-        json.loads(p.read_text())
-        for p in CAPTURES
-        if p.stem.startswith("subagent_") == (kind == "subagent")
-    ]
+    records = [json.loads(p.read_text()) for p in CAPTURES if kind_of(p) == kind]
+    assert len(records) >= 2
     heads = {project_independent_head(r["body"]) for r in records}
     assert len(heads) == 1
     (head,) = heads

@@ -248,6 +248,58 @@ def capture(
     return server.messages()[before:]
 
 
+def capture_interactive(
+    server: CannedServer,
+    prompt: str,
+    *,
+    project: Path,
+    home: Path,
+    claude: Path | None = None,
+    timeout: float = 60.0,
+) -> list[Captured]:
+    """Type ``prompt`` into the interactive CLI (under tmux) in ``project``; the messages it sent.
+
+    ``home``'s ``.claude.json`` is set up the way a user's would be after the first start
+    (onboarding done, the project trusted, the API key approved), so no dialog stands between.
+    """
+    binary = claude or find_claude()
+    config_path = home / ".claude.json"
+    home.mkdir(parents=True, exist_ok=True)
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config["hasCompletedOnboarding"] = True
+    config.setdefault("projects", {})[str(project)] = {"hasTrustDialogAccepted": True}
+    key = CLIENT_ENV["ANTHROPIC_API_KEY"]
+    config["customApiKeyResponses"] = {"approved": [key[-20:]], "rejected": []}
+    config_path.write_text(json.dumps(config))
+    env = client_env(server.url, home)
+    session = "agentkv-capture-" + secrets.token_hex(4)
+    before = len(server.messages())
+    tmux = ["tmux", "-L", session]
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", session, "-x", "200", "-y", "50", str(binary)],
+        cwd=project,
+        env=env,
+        check=True,
+        timeout=30,
+    )
+    try:
+        deadline = time.monotonic() + timeout
+        typed = False
+        while time.monotonic() < deadline and len(server.messages()) == before:
+            time.sleep(0.5)
+            screen = subprocess.run(
+                [*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True
+            ).stdout
+            if not typed and "❯" in screen:  # the input prompt is up
+                subprocess.run([*tmux, "send-keys", "-t", session, "-l", prompt], check=True)
+                time.sleep(0.5)
+                subprocess.run([*tmux, "send-keys", "-t", session, "Enter"], check=True)
+                typed = True
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, check=False)
+    return server.messages()[before:]
+
+
 #: The cases ``main`` captures: name -> (project directory, or None for the first git project
 #: without a commit of its own; git or not; HOME's user name; extra environment).
 CASES: dict[str, tuple[str, bool, str, dict[str, str]]] = {
@@ -257,6 +309,8 @@ CASES: dict[str, tuple[str, bool, str, dict[str, str]]] = {
     "other_user": ("demo", True, "alice", {"USER": "alice", "LOGNAME": "alice"}),
     "other_shell": ("demo", True, "demo", {"SHELL": "/bin/zsh"}),
 }
+#: The cases run again in the interactive CLI (with ``--interactive``; it needs tmux).
+INTERACTIVE_CASES = ("git_demo", "git_other")
 #: The cases run again with a sub-agent (the first request a sub-agent sends).
 SUBAGENT_CASES = ("git_demo", "git_other")
 #: The sub-agent they ask for.
@@ -303,31 +357,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="directory for <case>.json")
     parser.add_argument("--prompt", default="Reply with the single word: alpha")
+    parser.add_argument(
+        "--interactive", action="store_true", help="also capture the interactive CLI (tmux)"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     claude = find_claude()
     with tempfile.TemporaryDirectory(prefix="agentkv-capture-") as name:
         root = Path(name)
-        for agent in (False, True):
+        for mode in ("p", "subagent", "interactive"):
+            if mode == "interactive" and not args.interactive:
+                continue
+            agent = mode == "subagent"
             with CannedServer(agent_call=AGENT_CALL if agent else None) as server:
                 for case, (dirname, git, user, env) in CASES.items():
-                    if agent and case not in SUBAGENT_CASES:
+                    if mode != "p" and case not in (SUBAGENT_CASES if agent else INTERACTIVE_CASES):
                         continue
-                    project = _project(root, ("sub-" if agent else "") + dirname, git)
+                    prefix = "" if mode == "p" else "sub-" if agent else "tty-"
+                    project = _project(root, prefix + dirname, git)
                     home = root / "home" / user
                     start = time.monotonic()
-                    sent = capture(
-                        server, args.prompt, project=project, home=home, claude=claude, **env
-                    )
+                    if mode == "interactive":
+                        sent = capture_interactive(
+                            server, args.prompt, project=project, home=home, claude=claude
+                        )
+                    else:
+                        sent = capture(
+                            server, args.prompt, project=project, home=home, claude=claude, **env
+                        )
                     wanted = [c for c in sent if c.is_subagent] if agent else sent[:1]
-                    label = f"subagent_{case}" if agent else case
+                    label = case if mode == "p" else f"{'subagent' if agent else mode}_{case}"
                     if not wanted:
                         print(f"{label}: nothing captured", file=sys.stderr)
                         continue
                     headers = {k: v for k, v in wanted[0].headers.items() if k not in _UNRECORDED}
                     record = {
                         "claude_code": CLAUDE_CODE_VERSION,
-                        "command": f"claude -p {args.prompt!r}",
+                        "command": (
+                            f"claude, then typed: {args.prompt}"
+                            if mode == "interactive"
+                            else f"claude -p {args.prompt!r}"
+                        ),
                         "cwd": str(project),
                         "home": str(home),
                         "env": env,

@@ -28,12 +28,24 @@ from agentkv.runtime.model import default_model_path
 from agentkv.tokens import common_prefix
 from tests.claude._cli import temporary_root
 
-CAPTURES = Path(__file__).resolve().parent.parent / "fixtures" / "claude_code" / "projects"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "claude_code"
+CAPTURES = FIXTURES / "projects"
 REFERENCE = "git_demo"
+#: Pairs of the first captures (fixtures README): same project, a file task, another directory.
+EARLIER_PAIRS = (
+    ("a_one_word", "c_same_project_1"),
+    ("a_one_word", "b_file_task_1"),
+    ("a_one_word", "d_other_project"),
+)
 
 
 def _captures() -> dict[str, dict[str, Any]]:
     return {p.stem: json.loads(p.read_text())["body"] for p in sorted(CAPTURES.glob("*.json"))}
+
+
+def _earlier() -> dict[str, dict[str, Any]]:
+    names = {name for pair in EARLIER_PAIRS for name in pair}
+    return {n: json.loads((FIXTURES / f"{n}.json").read_text())["body"] for n in sorted(names)}
 
 
 async def _measure(engine_runs: bool) -> dict[str, Any]:
@@ -53,14 +65,18 @@ async def _measure(engine_runs: bool) -> dict[str, Any]:
             client = process.client(read_timeout=1800)
             try:
                 tokens: dict[tuple[str, bool], list[int]] = {}
+                everything = {**captures, **_earlier()}
                 for layout in (True, False):
                     translator = MessagesTranslator(session_layout=layout)
-                    for name, body in captures.items():
+                    for name, body in everything.items():
                         engine = translator.translate(body)
                         tokens[name, layout] = await client.prompt_tokens(engine.body)
-                for a, b in itertools.combinations(captures, 2):
-                    if a.startswith("subagent_") != b.startswith("subagent_"):
-                        continue
+                pairs = [
+                    (a, b)
+                    for a, b in itertools.combinations(captures, 2)
+                    if a.startswith("subagent_") == b.startswith("subagent_")
+                ]
+                for a, b in [*pairs, *EARLIER_PAIRS]:
                     row: dict[str, Any] = {"a": a, "b": b}
                     for layout, key in ((True, "layout"), (False, "as_sent")):
                         ta, tb = tokens[a, layout], tokens[b, layout]
@@ -68,7 +84,9 @@ async def _measure(engine_runs: bool) -> dict[str, Any]:
                     out["pairs"].append(row)
                     print(json.dumps(row), flush=True)
                 if engine_runs:
-                    async with httpx.AsyncClient(base_url=process.base_url, timeout=1800) as http:
+                    async with httpx.AsyncClient(
+                        base_url=process.base_url, headers=process.headers, timeout=1800
+                    ) as http:
                         out["engine"] = await _engine_runs(http, captures)
             finally:
                 await client.aclose()
