@@ -59,7 +59,7 @@ def _sse(event: str, data: Mapping[str, Any]) -> bytes:
 
 def canned_reply(model: str, *, text: str = "ok", call: Mapping[str, Any] | None = None) -> bytes:
     """A complete Messages SSE stream: one text block, or one ``tool_use`` block for ``call``."""
-    message = {
+    message: dict[str, Any] = {
         "id": "msg_" + secrets.token_hex(12),
         "type": "message",
         "role": "assistant",
@@ -231,7 +231,7 @@ def capture(
     home: Path,
     claude: Path | None = None,
     timeout: float = 120.0,
-    **env: str,
+    env: Mapping[str, str] | None = None,
 ) -> list[Captured]:
     """Run ``claude -p PROMPT`` in ``project`` against ``server``; the messages it sent."""
     before = len(server.messages())
@@ -239,7 +239,7 @@ def capture(
     subprocess.run(
         [str(binary), "-p", prompt],
         cwd=project,
-        env=client_env(server.url, home, **env),
+        env=client_env(server.url, home, **(env or {})),
         stdin=subprocess.DEVNULL,
         capture_output=True,
         timeout=timeout,
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     else:
                         sent = capture(
-                            server, args.prompt, project=project, home=home, claude=claude, **env
+                            server, args.prompt, project=project, home=home, claude=claude, env=env
                         )
                     wanted = [c for c in sent if c.is_subagent] if agent else sent[:1]
                     label = case if mode == "p" else f"{'subagent' if agent else mode}_{case}"

@@ -34,7 +34,7 @@ def _agent(server: AgentKVServer, name: str, word: str, root: Path, claude: Path
         f"Reply with the single word: {word}",
         project=make_project(root / "projects" / name),
         home=root / "home",
-        timeout=900,
+        timeout=3600,
         claude=claude,
     )
     recent = [r for r in server.table().get("recent", []) if r.get("slot") is not None]

@@ -3,10 +3,11 @@
 ``python -m tests.claude.shared_prefix`` starts llama-server with the default model (one slot of
 32,768 tokens, no host prompt cache) and translates the captured first requests in
 ``tests/fixtures/claude_code/projects`` (``python -m tests.claude.capture`` writes them): for
-every pair it prints the tokens the two prompts share, with the session layout and without it
-(``--no-session-layout``). Then it sends the reference capture to the slot and, after it, each
-other capture (the reference again in between), and prints llama-server's ``cache_n`` and
-``prompt_n`` for each: what the engine itself reused.
+every pair of one kind (``-p`` agents, sub-agents, the interactive CLI) it prints the tokens the
+two prompts share, with the session layout and without it (``--no-session-layout``). Then it
+sends the reference capture (``git_demo``) to the slot and, after it, each other ``-p`` capture
+(the reference again in between), and prints llama-server's ``cache_n`` and ``prompt_n`` for
+each: what the engine itself reused.
 
 The figures in docs/claude-code.md and docs/scheduling.md come from this script.
 """
@@ -31,6 +32,7 @@ from tests.claude._cli import temporary_root
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "claude_code"
 CAPTURES = FIXTURES / "projects"
 REFERENCE = "git_demo"
+_OTHER = ("subagent_", "interactive_")
 #: Pairs of the first captures (fixtures README): same project, a file task, another directory.
 EARLIER_PAIRS = (
     ("a_one_word", "c_same_project_1"),
@@ -41,6 +43,10 @@ EARLIER_PAIRS = (
 
 def _captures() -> dict[str, dict[str, Any]]:
     return {p.stem: json.loads(p.read_text())["body"] for p in sorted(CAPTURES.glob("*.json"))}
+
+
+def _kind(name: str) -> str:
+    return next((k for k in _OTHER if name.startswith(k)), "p")
 
 
 def _earlier() -> dict[str, dict[str, Any]]:
@@ -72,9 +78,7 @@ async def _measure(engine_runs: bool) -> dict[str, Any]:
                         engine = translator.translate(body)
                         tokens[name, layout] = await client.prompt_tokens(engine.body)
                 pairs = [
-                    (a, b)
-                    for a, b in itertools.combinations(captures, 2)
-                    if a.startswith("subagent_") == b.startswith("subagent_")
+                    (a, b) for a, b in itertools.combinations(captures, 2) if _kind(a) == _kind(b)
                 ]
                 for a, b in [*pairs, *EARLIER_PAIRS]:
                     row: dict[str, Any] = {"a": a, "b": b}
@@ -101,7 +105,10 @@ async def _engine_runs(
     translator = MessagesTranslator()
     rows = []
     reference = captures[REFERENCE]
-    for name in [REFERENCE, *(n for n in captures if n != REFERENCE)]:
+    # The ``-p`` agents' captures only: a sub-agent's or the interactive CLI's prompt is another
+    # prompt, which would cost a cold prefill of its own each time.
+    others = [n for n in captures if n != REFERENCE and _kind(n) == "p"]
+    for name in [REFERENCE, *others]:
         if name != REFERENCE:
             await _complete(http, translator.translate(reference).body)
         timings = await _complete(http, translator.translate(captures[name]).body)

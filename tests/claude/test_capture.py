@@ -37,7 +37,7 @@ def test_fresh_captures_share_everything_before_the_session_facts(
     records = []
     with CannedServer(agent_call=AGENT_CALL if subagent else None) as server:
         for project, home, env in cases:
-            sent = capture(server, PROMPT, project=project, home=home, claude=claude_bin, **env)
+            sent = capture(server, PROMPT, project=project, home=home, claude=claude_bin, env=env)
             wanted = [c for c in sent if c.is_subagent] if subagent else sent[:1]
             assert wanted, f"no request from the CLI in {project}"
             assert CLAUDE_CODE_VERSION in wanted[0].headers.get("user-agent", "")
