@@ -587,28 +587,30 @@ def test_project_layout_keeps_every_fact() -> None:
     for line in note.split("\n"):
         assert line in first  # every line of the note, facts included, is still there
     for block in body["messages"][0]["content"]:
-        assert block["text"] in first
+        for line in block["text"].split("\n"):
+            assert line in first  # the reminders' lines too (the git status one is reordered)
     assert first.endswith("\n\nReply with the single word: alpha")
     assert len(out) == 2
 
 
 def test_project_layout_order_in_the_first_turn() -> None:
-    """Notes, then shared reminders, session facts, git status, project facts, the words."""
+    """Notes, then shared reminders, session facts, git status (its values last), project
+    facts, the words."""
     first = translator.translate(captured("a_one_word.json")).body["messages"][1]["content"]
     marks = [
         "# Environment\nYou have been invoked",
         "Attribution for git commits",
         SESSION_HEADER + "\n - Platform: linux\n - Shell: bash\n - OS Version:",
+        "the following context:\nClaude Code attached this context automatically;",
         "# gitStatus",
-        PROJECT_HEADER + "\n - Is a git repository: true\n - Memory directory:",
+        "Recent commits:\n21d7d7d init\n</system-reminder>",
+        PROJECT_HEADER + "\n - Memory directory:",
         "Reply with the single word: alpha",
     ]
     positions = [first.index(mark) for mark in marks]
     assert positions == sorted(positions)
-    assert "Today's date is 2026-11-30.\n - Is a git" not in first
-    assert "OS Version: Linux 6.18.44-fc-v769\nToday's date is 2026-11-30.\n</system-reminder>" in (
-        first
-    )
+    session = "OS Version: Linux 6.18.44-fc-v769\n - Is a git repository: true\n"
+    assert session + "Today's date is 2026-11-30.\n</system-reminder>" in first
     assert first.count("Primary working directory: /tmp/agentkv-demo") == 1
 
 
@@ -743,3 +745,25 @@ def test_growing_claude_code_conversation_only_appends(
     text = json.dumps(whole)
     # Nothing is lost: the path is in the prompt exactly when the client sent it.
     assert ("/home/u/.claude/projects/-p/memory/" in text) == (system == MEMORY)
+
+
+GIT_STATUS = (
+    "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n"
+    "# gitStatus\nThe status.\n\nCurrent branch: main\n\n"
+    "Claude Code attached this context automatically; it isn't part of the user's message.\n"
+    "</system-reminder>\n"
+)
+
+
+def test_git_status_reminder_values_last() -> None:
+    """The user-context reminder keeps its lines; its closing paragraph moves up, before the
+    project's values; a reminder of another shape is sent as written."""
+    out = translator.translate(_cc_request("S", first=[{"type": "text", "text": GIT_STATUS}]))
+    assert out.body["messages"][1]["content"] == (
+        "<system-reminder>\nAs you answer the user's questions, you can use the following "
+        "context:\nClaude Code attached this context automatically; it isn't part of the "
+        "user's message.\n# gitStatus\nThe status.\n\nCurrent branch: main\n</system-reminder>\n"
+    )
+    other = GIT_STATUS.replace("Claude Code attached", "Someone attached")
+    out = translator.translate(_cc_request("S", first=[{"type": "text", "text": other}]))
+    assert out.body["messages"][1]["content"] == other

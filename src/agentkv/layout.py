@@ -27,6 +27,7 @@ __all__ = [
     "SessionFacts",
     "facts_blocks",
     "is_project_reminder",
+    "project_reminder_layout",
     "split_memory_dir",
     "split_note",
 ]
@@ -45,10 +46,9 @@ PROJECT_HEADER = "# Environment (this project)"
 
 #: Each block's lines in order. ``date`` and ``memory`` stand for the date line and the memory
 #: directory; the rest are the environment note's bullets of that name. The machine's facts are
-#: the same for every project on it; the project's come last of all.
-_SESSION_ORDER = ("Platform", "Shell", "OS Version", "date")
+#: the same for every project on it, ``Is a git repository`` for most; the paths come last.
+_SESSION_ORDER = ("Platform", "Shell", "OS Version", "Is a git repository", "date")
 _PROJECT_ORDER = (
-    "Is a git repository",
     "memory",
     "Primary working directory",
     "Additional working directories",
@@ -62,6 +62,7 @@ _NOTE_LEAD = "You have been invoked in the following environment:"
 #: The lead line of Claude Code's user-context reminder: git status (and a project's CLAUDE.md),
 #: all of it the project's own.
 _PROJECT_REMINDER_LEAD = "As you answer the user's questions, you can use the following context:"
+_PROJECT_REMINDER_CLOSE = "Claude Code attached this context automatically;"
 
 
 @attrs.frozen
@@ -135,6 +136,31 @@ def split_note(text: str) -> tuple[str, SessionFacts] | None:
     while kept and not kept[-1].strip():
         kept.pop()  # the date line ended the note; drop the blank line before it
     return "\n".join(kept), SessionFacts(lines=tuple(facts), date=date)
+
+
+def project_reminder_layout(text: str) -> str | None:
+    """Claude Code's user-context reminder with its closing paragraph right after its first line.
+
+    The reminder opens with a line and closes with a paragraph that are the same in every project
+    (``Claude Code attached this context automatically; …``); between them is the git status.
+    With the closing paragraph moved up, the reminder's own words come first and the project's
+    values last, so projects share the reminder up to their first value. None for any other text.
+    """
+    if not is_project_reminder(text):
+        return None
+    opening = text[: len(text) - len(text.lstrip())] + "<system-reminder>\n"
+    closing = "\n</system-reminder>"
+    end = text.rstrip()
+    if not (text.startswith(opening) and end.endswith(closing)):
+        return None
+    trailing = text[len(end) :]
+    body = end[len(opening) : -len(closing)]
+    lead, _, rest = body.partition("\n")
+    paragraphs = rest.split("\n\n")
+    if len(paragraphs) < 2 or not paragraphs[-1].startswith(_PROJECT_REMINDER_CLOSE):
+        return None
+    moved = "\n".join([lead, paragraphs[-1], "\n\n".join(paragraphs[:-1])])
+    return opening + moved + closing + trailing
 
 
 def is_project_reminder(text: str) -> bool:

@@ -40,6 +40,7 @@ from agentkv.layout import (
     SessionFacts,
     facts_blocks,
     is_project_reminder,
+    project_reminder_layout,
     split_memory_dir,
     split_note,
 )
@@ -321,7 +322,11 @@ def _lay_out(request: MessagesRequest, layout: bool) -> tuple[list[tuple[str, st
             j += 1
         reminders = [(label, b) for label, b in numbered if _is_reminder(b)]
         shared = [(label, _text_of(b)) for label, b in reminders if not _is_project(b)]
-        own = [(label, _text_of(b)) for label, b in reminders if _is_project(b)]
+        own = [
+            (label, project_reminder_layout(_text_of(b)) or _text_of(b))
+            for label, b in reminders
+            if _is_project(b)
+        ]
         session, project = facts_blocks(facts)
         context = [*notes, *shared]
         if session is not None:
