@@ -6,8 +6,9 @@ directory, platform and date in its environment note, and the git status reminde
 layout moves these out of the way and keeps their words: the system prompt names the memory
 directory instead of spelling out its path, and the path joins the note's facts in two small
 blocks (:func:`facts_blocks`, the session's and the project's) that sit after everything
-projects share and before the user's words. Two fresh agents in two projects then differ only
-in their last hundred or so tokens.
+projects share and before the user's words; the git status reminder puts its values last
+(:func:`project_reminder_layout`). Two fresh agents in two projects then differ only in their
+last hundred or so tokens.
 
 Pure text functions. Each recognises the shape Claude Code 2.1.328 sends and returns ``None``
 for anything else, so a prompt it does not recognise is sent as the client wrote it.
@@ -172,8 +173,9 @@ def is_project_reminder(text: str) -> bool:
 
 
 def facts_blocks(facts: SessionFacts) -> tuple[str | None, str | None]:
-    """The facts as two ``<system-reminder>`` blocks: the session's (machine, date), shared by
-    every project on one machine, and the project's; None for a block with nothing to say."""
+    """The facts as two ``<system-reminder>`` blocks: the session's (machine, whether it is a
+    git repository, date), shared by most projects on one machine, and the project's (its paths);
+    None for a block with nothing to say."""
     ranked: list[tuple[str, str]] = []
     for line in facts.lines:
         match = _FACT_LINE.match(line)
