@@ -15,7 +15,14 @@ from syrupy.extensions.json import JSONSnapshotExtension
 
 from agentkv import ANY_TOOL
 from agentkv.exceptions import InvalidRequestError
-from agentkv.translate import BILLING_HEADER_PREFIX, EngineRequest, MessagesTranslator
+from agentkv.fingerprint import canonical_json
+from agentkv.layout import MEMORY_REFERENCE, PROJECT_HEADER, SESSION_HEADER
+from agentkv.translate import (
+    BILLING_HEADER_PREFIX,
+    EngineRequest,
+    MessagesTranslator,
+    first_difference,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 translator = MessagesTranslator()
@@ -518,3 +525,245 @@ def test_growing_conversation_only_appends(
     for message in whole:
         if isinstance(message["content"], list):
             assert all(part.get("text", "image") for part in message["content"])
+
+
+# -- the project layout: Claude Code in several projects -------------------------------------
+
+CAPTURED = FIXTURES / "claude_code"
+
+
+def captured(name: str) -> dict[str, Any]:
+    body: dict[str, Any] = json.loads((CAPTURED / name).read_text())["body"]
+    return body
+
+
+def prompt_text(body: dict[str, Any]) -> str:
+    """An engine body in the order it reaches the prompt: system, tools, then the turns."""
+    messages = body["messages"]
+    parts = [canonical_json(messages[0]), canonical_json(body.get("tools", []))]
+    parts.extend(canonical_json(message) for message in messages[1:])
+    return "\n".join(parts)
+
+
+def shared_chars(a: str, b: str) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+def test_two_projects_share_all_but_the_projects_own_lines() -> None:
+    """Two fresh agents in two directories differ only from the project's facts block on."""
+    a = translator.translate(captured("a_one_word.json"))
+    d = translator.translate(captured("d_other_project.json"))
+    assert a.body["messages"][0] == d.body["messages"][0]  # the system prompt
+    assert a.body["tools"] == d.body["tools"]
+    first_a, first_d = a.body["messages"][1]["content"], d.body["messages"][1]["content"]
+    assert first_a.split(PROJECT_HEADER)[0] == first_d.split(PROJECT_HEADER)[0]
+    assert first_difference(a.sections, d.sections) == "message 0 (project facts)"
+    text_a, text_d = prompt_text(a.body), prompt_text(d.body)
+    shared = shared_chars(text_a, text_d)
+    assert shared / len(text_d) > 0.99
+    # Without the layout they part inside the system prompt, 4 KB in.
+    plain = MessagesTranslator(session_layout=False)
+    text_a = prompt_text(plain.translate(captured("a_one_word.json")).body)
+    text_d = prompt_text(plain.translate(captured("d_other_project.json")).body)
+    assert shared_chars(text_a, text_d) < 5000
+
+
+def test_project_layout_keeps_every_fact() -> None:
+    """What moves keeps its words: the memory directory, each fact line and the date."""
+    body = captured("a_one_word.json")
+    system = body["system"][2]["text"]
+    note = body["messages"][1]["content"][0]["text"]
+    memory_dir = "/home/demo/.claude/projects/-tmp-agentkv-demo/memory/"
+    assert f"`{memory_dir}`" in system
+    out = translator.translate(body).body["messages"]
+    head, first = out[0]["content"], out[1]["content"]
+    assert memory_dir not in head and MEMORY_REFERENCE in head
+    assert head == "\n\n".join(
+        b["text"].replace(f"`{memory_dir}`", MEMORY_REFERENCE) for b in body["system"][1:]
+    )
+    assert f" - Memory directory: `{memory_dir}`" in first
+    for line in note.split("\n"):
+        assert line in first  # every line of the note, facts included, is still there
+    for block in body["messages"][0]["content"]:
+        for line in block["text"].split("\n"):
+            assert line in first  # the reminders' lines too (the git status one is reordered)
+    assert first.endswith("\n\nReply with the single word: alpha")
+    assert len(out) == 2
+
+
+def test_project_layout_order_in_the_first_turn() -> None:
+    """Notes, then shared reminders, session facts, git status (its values last), project
+    facts, the words."""
+    first = translator.translate(captured("a_one_word.json")).body["messages"][1]["content"]
+    marks = [
+        "# Environment\nYou have been invoked",
+        "Attribution for git commits",
+        SESSION_HEADER + "\n - Platform: linux\n - Shell: bash\n - OS Version:",
+        "the following context:\nClaude Code attached this context automatically;",
+        "# gitStatus",
+        "Recent commits:\n21d7d7d init\n</system-reminder>",
+        PROJECT_HEADER + "\n - Memory directory:",
+        "Reply with the single word: alpha",
+    ]
+    positions = [first.index(mark) for mark in marks]
+    assert positions == sorted(positions)
+    session = "OS Version: Linux 6.18.44-fc-v769\n - Is a git repository: true\n"
+    assert session + "Today's date is 2026-11-30.\n</system-reminder>" in first
+    assert first.count("Primary working directory: /tmp/agentkv-demo") == 1
+
+
+def test_project_layout_off_sends_the_prompt_as_written() -> None:
+    """--no-session-layout: the memory directory stays in the system prompt, the note after the
+    user's words, untouched."""
+    body = captured("a_one_word.json")
+    out = MessagesTranslator(session_layout=False).translate(body).body["messages"]
+    assert out[0]["content"] == "\n\n".join(b["text"] for b in body["system"][1:])
+    assert out[-1]["content"].startswith("<system-reminder>\n# Environment\n")
+    assert PROJECT_HEADER not in json.dumps(out)
+
+
+def test_stem_of_a_first_request_ends_before_the_words() -> None:
+    """The shareable head of a first request is all of it but the user's words."""
+    engine = translator.translate(captured("a_one_word.json"))
+    assert engine.stem_body is not None
+    stem, whole = engine.stem_body["messages"], engine.body["messages"]
+    assert stem[:-1] == whole[:-1]
+    assert whole[-1]["content"] == stem[-1]["content"] + "\n\nReply with the single word: alpha"
+    assert stem[-1]["content"].rstrip().endswith("</system-reminder>")
+
+
+def _cc_request(system: str, note: str | None = None, first: Any = "go") -> dict[str, Any]:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": first}]
+    if note is not None:
+        messages.append({"role": "system", "content": note})
+    return base(system=[{"type": "text", "text": system}], messages=messages)
+
+
+MEMORY = "You have a persistent file-based memory at `/home/u/.claude/projects/-p/memory/`."
+NOTE = (
+    "# Environment\nYou have been invoked in the following environment: \n"
+    " - Primary working directory: /p\n - Platform: linux\n - Be careful.\n\n"
+    "Today's date is 2026-01-02."
+)
+
+
+@pytest.mark.parametrize(
+    ("request_body", "why"),
+    [
+        (
+            _cc_request(MEMORY + " Or `/home/u/.claude/projects/-q/memory/`."),
+            "two memory directories",
+        ),
+        (
+            _cc_request(
+                MEMORY,
+                first=[{"type": "tool_result", "tool_use_id": "toolu_x", "content": "ok"}],
+            ),
+            "no human turn to take the path",
+        ),
+        (_cc_request("No memory here."), "no memory directory"),
+    ],
+)
+def test_system_prompt_not_recognised_is_sent_as_written(
+    request_body: dict[str, Any], why: str
+) -> None:
+    """A system prompt the rewrite does not recognise reaches the engine unchanged."""
+    out = translator.translate(request_body).body["messages"]
+    assert out[0]["content"] == request_body["system"][0]["text"], why
+    assert PROJECT_HEADER not in json.dumps(out), why
+
+
+@pytest.mark.parametrize(
+    "note",
+    [
+        NOTE.replace("You have been invoked in the following environment: \n", ""),
+        NOTE.replace("# Environment\n", "# Context\n"),
+        "Some other note.\n - Platform: linux",
+    ],
+)
+def test_note_not_recognised_is_sent_as_written(note: str) -> None:
+    """A system note without the environment note's heading and lead line keeps its lines."""
+    out = translator.translate(_cc_request("S", note)).body["messages"]
+    assert out[1]["content"] == f"<system-reminder>\n{note}\n</system-reminder>\n\ngo"
+
+
+def test_recognised_note_and_memory_directory_move() -> None:
+    """The small recognised shapes: facts out of the note, the path out of the system text."""
+    out = translator.translate(_cc_request(MEMORY, NOTE)).body["messages"]
+    assert out[0]["content"] == f"You have a persistent file-based memory at {MEMORY_REFERENCE}."
+    assert out[1]["content"] == (
+        "<system-reminder>\n# Environment\nYou have been invoked in the following environment: \n"
+        " - Be careful.\n</system-reminder>\n\n"
+        f"<system-reminder>\n{SESSION_HEADER}\n - Platform: linux\nToday's date is 2026-01-02.\n"
+        "</system-reminder>\n\n"
+        f"<system-reminder>\n{PROJECT_HEADER}\n - Memory directory: "
+        "`/home/u/.claude/projects/-p/memory/`\n - Primary working directory: /p\n"
+        "</system-reminder>\n\ngo"
+    )
+
+
+_cc_system = st.sampled_from(["S", MEMORY])
+_cc_note = st.sampled_from([NOTE, "plain note", NOTE.replace("/p", "/q")])
+_reminder = st.sampled_from(
+    [
+        "<system-reminder>\nAttribution\n</system-reminder>",
+        "<system-reminder>\nAs you answer the user's questions, you can use the following "
+        "context:\n# gitStatus\nmain\n</system-reminder>",
+    ]
+)
+_cc_user = st.lists(
+    st.one_of(_user_block, _reminder.map(lambda t: {"type": "text", "text": t})), max_size=4
+)
+_cc_message = st.one_of(
+    _message,
+    st.builds(lambda c: {"role": "user", "content": c}, _cc_user),
+    st.builds(lambda c: {"role": "system", "content": c}, _cc_note),
+)
+
+
+@given(
+    st.lists(_cc_message, min_size=1, max_size=6),
+    st.integers(min_value=0, max_value=6),
+    st.booleans(),
+    _cc_system,
+)
+def test_growing_claude_code_conversation_only_appends(
+    messages: list[dict[str, Any]], cut: int, layout: bool, system: str
+) -> None:
+    """With Claude Code's shapes (memory directory, environment notes, reminders) too, the
+    engine messages for a conversation's first k turns prefix those for the whole."""
+    cut = max(1, min(cut, len(messages)))
+    if layout and (_is_human(messages[cut - 1]) or messages[cut - 1]["role"] == "system"):
+        while cut < len(messages) and messages[cut]["role"] == "system":
+            cut += 1
+    translate = MessagesTranslator(session_layout=layout).translate
+    whole = translate(base(messages=messages, system=system)).body["messages"]
+    head = translate(base(messages=messages[:cut], system=system)).body["messages"]
+    assert whole[: len(head)] == head
+    text = json.dumps(whole)
+    # Nothing is lost: the path is in the prompt exactly when the client sent it.
+    assert ("/home/u/.claude/projects/-p/memory/" in text) == (system == MEMORY)
+
+
+GIT_STATUS = (
+    "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n"
+    "# gitStatus\nThe status.\n\nCurrent branch: main\n\n"
+    "Claude Code attached this context automatically; it isn't part of the user's message.\n"
+    "</system-reminder>\n"
+)
+
+
+def test_git_status_reminder_values_last() -> None:
+    """The user-context reminder keeps its lines; its closing paragraph moves up, before the
+    project's values; a reminder of another shape is sent as written."""
+    out = translator.translate(_cc_request("S", first=[{"type": "text", "text": GIT_STATUS}]))
+    assert out.body["messages"][1]["content"] == (
+        "<system-reminder>\nAs you answer the user's questions, you can use the following "
+        "context:\nClaude Code attached this context automatically; it isn't part of the "
+        "user's message.\n# gitStatus\nThe status.\n\nCurrent branch: main\n</system-reminder>\n"
+    )
+    other = GIT_STATUS.replace("Claude Code attached", "Someone attached")
+    out = translator.translate(_cc_request("S", first=[{"type": "text", "text": other}]))
+    assert out.body["messages"][1]["content"] == other

@@ -37,6 +37,14 @@ from agentkv._convert import structure
 from agentkv._types import ANY_TOOL, ForcedTool
 from agentkv.exceptions import InvalidRequestError
 from agentkv.fingerprint import canonical_json
+from agentkv.layout import (
+    SessionFacts,
+    facts_blocks,
+    is_project_reminder,
+    project_reminder_layout,
+    split_memory_dir,
+    split_note,
+)
 from agentkv.limits import IMAGE_NOTE, RequestLimits, check_body, check_limits
 
 __all__ = ["BILLING_HEADER_PREFIX", "EngineRequest", "MessagesTranslator", "has_images"]
@@ -139,12 +147,12 @@ class MessagesTranslator:
             else:
                 forced_tool = ANY_TOOL
 
-        head = _system_messages(request.system)
-        turns = _turns(request.messages, self.session_layout)
+        system, turns = _lay_out(request, self.session_layout)
+        head = _system_messages([text for _, text in system])
         messages = list(head)
-        for message, notes in turns:
-            messages.extend(_translate_message(message, notes, self.session_layout))
-        stem = _stem(head, turns, self.session_layout)
+        for turn in turns:
+            messages.extend(_translate_turn(turn))
+        stem = _stem(head, turns)
 
         body: dict[str, Any] = {"messages": messages}
         if forced_tool is not None:
@@ -193,7 +201,7 @@ class MessagesTranslator:
             thinking=request.thinking is not None and request.thinking.wanted,
             request=request,
             stem_body=stem_body,
-            sections=prompt_sections(request, self.session_layout),
+            sections=_sections(system, tools, turns),
         )
 
     def translate(self, body: Mapping[str, Any]) -> EngineRequest:
@@ -264,13 +272,20 @@ def _images_as_notes(request: MessagesRequest) -> MessagesRequest:
     return attrs.evolve(request, messages=messages)
 
 
-def _system_messages(system: str | list[TextBlock] | None) -> list[dict[str, Any]]:
+def _system_texts(system: str | list[TextBlock] | None) -> list[tuple[str, str]]:
+    """The system text as (label, text) parts, without Claude Code's billing line."""
     if system is None:
         return []
     if isinstance(system, str):
-        texts = [system]
-    else:
-        texts = [block.text for block in system if not block.text.startswith(BILLING_HEADER_PREFIX)]
+        return [("system", system)]
+    return [
+        (f"system block {k}", block.text)
+        for k, block in enumerate(system)
+        if not block.text.startswith(BILLING_HEADER_PREFIX)
+    ]
+
+
+def _system_messages(texts: Sequence[str]) -> list[dict[str, Any]]:
     text = _TEXT_JOIN.join(t for t in texts if t)
     return [{"role": "system", "content": text}] if text else []
 
@@ -279,7 +294,18 @@ def _blocks(content: str | Sequence[ContentBlock]) -> Sequence[ContentBlock]:
     return [TextBlock(text=content)] if isinstance(content, str) else content
 
 
-_Turn = tuple[Message, list[str]]
+@attrs.frozen
+class _Turn:
+    """A message as it reaches the prompt, with the session context laid out before it."""
+
+    message: Message
+    #: The message's own blocks, as (label, block); in session layout a human turn's reminders
+    #: are in ``context`` instead.
+    blocks: tuple[tuple[str, ContentBlock], ...]
+    #: Session layout, human turns: the context that goes before the words, as (label, text):
+    #: the system notes sent after the turn, its reminders, its session facts.
+    context: tuple[tuple[str, str], ...] = ()
+    laid_out: bool = False
 
 
 def _digest(value: Any) -> str:
@@ -298,45 +324,87 @@ def _block_label(index: int, number: int, block: ContentBlock) -> str:
     return label
 
 
-def prompt_sections(request: MessagesRequest, layout: bool = True) -> tuple[tuple[str, str], ...]:
-    """The parts of ``request``'s prompt in prompt order, as (label, digest) pairs.
+def _lay_out(request: MessagesRequest, layout: bool) -> tuple[list[tuple[str, str]], list[_Turn]]:
+    """The system text and the turns, in the order they reach the prompt.
 
-    Order as the translator lays them out: system text, tools, then each turn (with session
-    layout a human turn's system notes and reminders before its words). Two prompts that part
-    ways do so in the first section whose digest differs.
+    Session layout: a human turn's context — the system notes sent right after it, its
+    ``<system-reminder>`` blocks — goes before its words. Within it, what more agents share
+    comes first: the notes without their session facts, the other reminders, the session's
+    facts (machine, date), the reminder with the project's git status, then the project's facts
+    (working directory, and for the first turn the memory directory from the system prompt).
+    See :mod:`agentkv.layout`.
     """
-    sections: list[tuple[str, str]] = []
-    system = request.system
-    if isinstance(system, str):
-        sections.append(("system", _digest(system)))
-    elif system:
-        for k, block in enumerate(system):
-            if not block.text.startswith(BILLING_HEADER_PREFIX):
-                sections.append((f"system block {k}", _digest(block)))
-    for i, tool in enumerate(request.tools or ()):
-        sections.append((f"tool {i} ({tool.name})", _digest(tool)))
+    system = _system_texts(request.system)
     messages = request.messages
+    memory_dir = None
+    if layout and messages and _is_human_turn(messages[0]):
+        # The memory directory leaves the system prompt only when the first turn can take it.
+        split = split_memory_dir([text for _, text in system])
+        if split is not None:
+            texts, memory_dir = split
+            system = [(label, text) for (label, _), text in zip(system, texts, strict=True)]
+    turns: list[_Turn] = []
     i = 0
     while i < len(messages):
         message = messages[i]
-        blocks = list(_blocks(message.content))
-        notes: list[int] = []
-        if layout and _is_human_turn(message):
-            j = i + 1
-            while j < len(messages) and messages[j].role == "system":
-                notes.append(j)
-                j += 1
-        for j in notes:
-            sections.append((f"message {j} (system)", _digest(messages[j])))
-        numbered = list(enumerate(blocks))
-        if layout and _is_human_turn(message):
-            numbered = [p for p in numbered if _is_reminder(p[1])] + [
-                p for p in numbered if not _is_reminder(p[1])
-            ]
-        for number, part in numbered:
-            sections.append((_block_label(i, number, part), _digest(part)))
-        i += 1 + len(notes)
+        numbered = [
+            (_block_label(i, k, block), block) for k, block in enumerate(_blocks(message.content))
+        ]
+        if not (layout and _is_human_turn(message)):
+            turns.append(_Turn(message, tuple(numbered)))
+            i += 1
+            continue
+        facts = SessionFacts(memory_dir=memory_dir if i == 0 else None)
+        notes: list[tuple[str, str]] = []
+        j = i + 1
+        while j < len(messages) and messages[j].role == "system":
+            text = _TEXT_JOIN.join(_texts(_blocks(messages[j].content)))
+            split_facts = split_note(text)
+            if split_facts is not None:
+                text, found = split_facts
+                facts = facts.merge(found)
+            text = _wrap_note(text)
+            if text:
+                notes.append((f"message {j} (system)", text))
+            j += 1
+        reminders = [(label, b) for label, b in numbered if _is_reminder(b)]
+        shared = [(label, _text_of(b)) for label, b in reminders if not _is_project(b)]
+        own = [
+            (label, project_reminder_layout(_text_of(b)) or _text_of(b))
+            for label, b in reminders
+            if _is_project(b)
+        ]
+        session, project = facts_blocks(facts)
+        context = [*notes, *shared]
+        if session is not None:
+            context.append((f"message {i} (session facts)", session))
+        context.extend(own)
+        if project is not None:
+            context.append((f"message {i} (project facts)", project))
+        words = tuple((label, b) for label, b in numbered if not _is_reminder(b))
+        turns.append(_Turn(message, words, tuple(context), laid_out=True))
+        i = j
+    return system, turns
+
+
+def _sections(
+    system: list[tuple[str, str]], tools: Sequence[Tool], turns: list[_Turn]
+) -> tuple[tuple[str, str], ...]:
+    """The prompt's parts in prompt order, as (label, digest) pairs: system text, tools, then
+    each turn (in session layout a human turn's context before its words). Two prompts that
+    part ways do so in the first section whose digest differs."""
+    sections = [(label, _digest(text)) for label, text in system]
+    sections.extend((f"tool {i} ({tool.name})", _digest(tool)) for i, tool in enumerate(tools))
+    for turn in turns:
+        sections.extend((label, _digest(text)) for label, text in turn.context)
+        sections.extend((label, _digest(block)) for label, block in turn.blocks)
     return tuple(sections)
+
+
+def prompt_sections(request: MessagesRequest, layout: bool = True) -> tuple[tuple[str, str], ...]:
+    """The parts of ``request``'s prompt in prompt order, as (label, digest) pairs."""
+    system, turns = _lay_out(request, layout)
+    return _sections(system, request.tools or (), turns)
 
 
 def first_difference(
@@ -353,12 +421,24 @@ def _is_reminder(block: ContentBlock) -> bool:
     return isinstance(block, TextBlock) and block.text.lstrip().startswith(REMINDER_PREFIX)
 
 
-def _note(message: Message) -> str:
-    """A mid-conversation system message as text, wrapped the way Claude Code marks such notes."""
-    text = _TEXT_JOIN.join(_texts(_blocks(message.content)))
+def _is_project(block: ContentBlock) -> bool:
+    return isinstance(block, TextBlock) and is_project_reminder(block.text)
+
+
+def _text_of(block: ContentBlock) -> str:
+    return block.text if isinstance(block, TextBlock) else ""
+
+
+def _wrap_note(text: str) -> str:
+    """A mid-conversation system note's text, wrapped the way Claude Code marks such notes."""
     if text and not text.lstrip().startswith(REMINDER_PREFIX):
         text = f"{REMINDER_PREFIX}\n{text}\n</system-reminder>"
     return text
+
+
+def _note(message: Message) -> str:
+    """A mid-conversation system message as text, wrapped the way Claude Code marks such notes."""
+    return _wrap_note(_TEXT_JOIN.join(_texts(_blocks(message.content))))
 
 
 def _is_human_turn(message: Message) -> bool:
@@ -367,49 +447,34 @@ def _is_human_turn(message: Message) -> bool:
     )
 
 
-def _turns(messages: Sequence[Message], layout: bool) -> list[_Turn]:
-    """Messages with the system notes that belong before their words (session layout)."""
-    turns: list[_Turn] = []
-    i = 0
-    while i < len(messages):
-        message = messages[i]
-        i += 1
-        notes: list[str] = []
-        if layout and _is_human_turn(message):
-            while i < len(messages) and messages[i].role == "system":
-                note = _note(messages[i])
-                if note:
-                    notes.append(note)
-                i += 1
-        turns.append((message, notes))
-    return turns
-
-
-def _stem(
-    head: list[dict[str, Any]], turns: list[_Turn], layout: bool
-) -> list[dict[str, Any]] | None:
+def _stem(head: list[dict[str, Any]], turns: list[_Turn]) -> list[dict[str, Any]] | None:
     """The engine messages of ``turns`` without the last human turn's own words, if it has any."""
-    if not turns:
+    if not turns or not _is_human_turn(turns[-1].message):
         return None
-    message, notes = turns[-1]
-    if not _is_human_turn(message):
-        return None
-    blocks = _blocks(message.content)
-    context = [b for b in blocks if _is_reminder(b)]
-    if len(context) == len([b for b in blocks if not (isinstance(b, TextBlock) and not b.text)]):
+    last = turns[-1]
+    if last.laid_out:
+        context = [text for _, text in last.context]
+        words = [b for _, b in last.blocks if not (isinstance(b, TextBlock) and not b.text)]
+    else:
+        context = [_text_of(b) for _, b in last.blocks if _is_reminder(b)]
+        words = [
+            b
+            for _, b in last.blocks
+            if not _is_reminder(b) and not (isinstance(b, TextBlock) and not b.text)
+        ]
+    if not words:
         return None  # nothing but session context: no words to leave out
     stem = list(head)
-    for earlier, earlier_notes in turns[:-1]:
-        stem.extend(_translate_message(earlier, earlier_notes, layout))
-    if notes or context:
-        stem.extend(_user_turn(context, notes))
+    for earlier in turns[:-1]:
+        stem.extend(_translate_turn(earlier))
+    if context:
+        stem.extend(_user([TextBlock(text=text) for text in context]))
     return stem
 
 
-def _translate_message(
-    message: Message, notes: Sequence[str] = (), layout: bool = True
-) -> list[dict[str, Any]]:
-    blocks = _blocks(message.content)
+def _translate_turn(turn: _Turn) -> list[dict[str, Any]]:
+    message = turn.message
+    blocks = [block for _, block in turn.blocks]
     if message.role == "assistant":
         return [_assistant(blocks)]
     if message.role == "system":
@@ -418,16 +483,7 @@ def _translate_message(
         # into the head system prompt would rewrite text that is already cached.
         text = _note(message)
         return [{"role": "user", "content": text}] if text else []
-    if layout and (notes or any(_is_reminder(b) for b in blocks)):
-        return _user_turn(blocks, notes)
-    return _user(blocks)
-
-
-def _user_turn(blocks: Sequence[ContentBlock], notes: Sequence[str]) -> list[dict[str, Any]]:
-    """A human turn in session layout: system notes, then reminders, then the user's words."""
-    context: list[ContentBlock] = [TextBlock(text=note) for note in notes]
-    context += [b for b in blocks if _is_reminder(b)]
-    return _user([*context, *(b for b in blocks if not _is_reminder(b))])
+    return _user([*(TextBlock(text=text) for _, text in turn.context), *blocks])
 
 
 def _texts(blocks: Sequence[ContentBlock]) -> list[str]:

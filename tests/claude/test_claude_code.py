@@ -1,15 +1,18 @@
 """The real Claude Code CLI (``claude -p``) against ``agentkv-server`` with the default model.
 
-Each test runs the CLI with exactly the lines the server printed, in a fresh git project. They share
-one server, in this order: the first answer warms the engine with Claude Code's shared prompt, and
-the later tests reuse it. On 2 CPU cores the module takes several minutes.
+Each test runs the CLI with exactly the lines the server printed, in a fresh git project of its
+own. They share one server, in this order: the first answer (project A, ``cold_answer``) warms the
+engine with Claude Code's shared prompt, and the later tests, each in another project, reuse it.
+On 2 CPU cores the module takes several minutes.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 
 from tests.claude._cli import (
@@ -46,24 +49,85 @@ def assert_clean_answer(run: ClaudeRun, word: str) -> None:
     assert run.warnings() == [], run.describe()
 
 
+@attrs.frozen
+class FirstAnswer:
+    """An agent's run and what the slot table says about its (only) request."""
+
+    run: ClaudeRun
+    record: dict[str, Any]
+
+    @property
+    def computed(self) -> int:
+        """Prompt tokens the engine computed for it, a checkpointed head included."""
+        return int(self.record.get("checkpoint_tokens") or 0) + int(self.record["computed_tokens"])
+
+
+def first_answer(
+    server: AgentKVServer, word: str, *, project: Path, home: Path, claude: Path
+) -> FirstAnswer:
+    """The first agent in ``project``: ``claude -p`` with a one-word task, and its request."""
+    run = run_claude(
+        server.env_lines,
+        one_word(word),
+        project=make_project(project),
+        home=home,
+        timeout=ANSWER_BOUND_S,
+        claude=claude,
+    )
+    assert_clean_answer(run, word)
+    recent = [r for r in server.table().get("recent", []) if r.get("slot") is not None]
+    return FirstAnswer(run, recent[-1])
+
+
+@pytest.fixture(scope="module")
+def cold_answer(
+    agentkv_server: AgentKVServer,
+    claude_home: Path,
+    claude_bin: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> FirstAnswer:
+    """The run's first agent, in project A, on an engine that holds nothing yet."""
+    project = tmp_path_factory.mktemp("project-a") / "demo"
+    return first_answer(
+        agentkv_server, "alpha", project=project, home=claude_home, claude=claude_bin
+    )
+
+
 @pytest.mark.timeout(ANSWER_BOUND_S + 120)
 def test_printed_lines_give_a_clean_one_word_answer(
-    agentkv_server: AgentKVServer, claude_home: Path, claude_bin: Path, tmp_path: Path
+    agentkv_server: AgentKVServer, cold_answer: FirstAnswer
 ) -> None:
     env = exported(agentkv_server.env_lines)
     # The window Claude Code is told is the slot's real one, so it compacts before a slot
     # overflows; the model id is one it does not know, so that window applies.
     assert int(env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"]) >= 32768, agentkv_server.env_lines
     assert env["ANTHROPIC_MODEL"] and not env["ANTHROPIC_MODEL"].startswith("claude-")
-    run = run_claude(
-        agentkv_server.env_lines,
-        one_word("alpha"),
-        project=make_project(tmp_path / "demo"),
-        home=claude_home,
-        timeout=ANSWER_BOUND_S,
-        claude=claude_bin,
+    assert_clean_answer(cold_answer.run, "alpha")
+
+
+@pytest.mark.timeout(2 * ANSWER_BOUND_S + 120)
+def test_first_agent_in_another_project_starts_warm(
+    agentkv_server: AgentKVServer,
+    cold_answer: FirstAnswer,
+    claude_home: Path,
+    claude_bin: Path,
+    tmp_path: Path,
+) -> None:
+    """After one agent in project A, the first agent in project B reuses all but the project's
+    own lines of Claude Code's prompt (the session layout) and answers in a fifth of the time."""
+    cold = cold_answer
+    assert cold.computed >= 0.9 * cold.record["prompt_tokens"], cold.record  # it was cold
+    warm = first_answer(
+        agentkv_server, "beta", project=tmp_path / "other", home=claude_home, claude=claude_bin
     )
-    assert_clean_answer(run, "alpha")
+    shared = warm.record["cached_tokens"] / warm.record["prompt_tokens"]
+    print(
+        f"project A: {cold.run.elapsed:.1f} s, computed {cold.computed}; project B: "
+        f"{warm.run.elapsed:.1f} s ({warm.run.elapsed / cold.run.elapsed:.3f}x), cached "
+        f"{warm.record['cached_tokens']} of {warm.record['prompt_tokens']} ({shared:.2%})"
+    )
+    assert warm.run.elapsed <= 0.2 * cold.run.elapsed, (cold.record, warm.record)
+    assert shared >= 0.98, warm.record
 
 
 @pytest.mark.timeout(2 * ANSWER_BOUND_S + 120)

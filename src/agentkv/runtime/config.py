@@ -125,7 +125,8 @@ class RuntimeConfig:
     session_layout: bool = setting(
         True,
         "put a client's session context (Claude Code's environment note and reminders) before "
-        "the user's words, so that fresh agents share it",
+        "the user's words, and Claude Code's project-specific lines after what every project "
+        "shares, so that fresh agents share it",
         flag="--no-session-layout",
         group="prompts",
     )
