@@ -22,6 +22,8 @@ PURE_MODULES = (
     "agentkv.store",
     "agentkv.limits",
     "agentkv.guard",
+    "agentkv.openai_translate",
+    "agentkv.openai_sse",
 )
 IO_LIBRARIES = ("httpx", "starlette", "anyio", "uvicorn", "tenacity")
 
