@@ -109,6 +109,7 @@ def startup_fields(
     url: str,
     api_key: bool,
     claude_code: str,
+    codex: str | None = None,
 ) -> dict[str, Any]:
     """What a user needs once the server is up, as data."""
     return {
@@ -125,6 +126,7 @@ def startup_fields(
         "metrics": f"{url}/metrics",
         "slot_table": f"{url}/agentkv/slots",
         "claude_code": claude_code,
+        "codex": codex,
     }
 
 
@@ -149,6 +151,13 @@ def startup_block(fields: Mapping[str, Any]) -> str:
     lines = ["agentkv-server is ready", ""]
     lines += [f"  {name:<{width}}  {value}" for name, value in rows]
     lines += ["", "Point Claude Code at it:", "", fields["claude_code"], ""]
+    if fields.get("codex"):
+        lines += [
+            "Point Codex at it ($CODEX_HOME/config.toml, by default ~/.codex/config.toml):",
+            "",
+            fields["codex"],
+            "",
+        ]
     return "\n".join(lines)
 
 
