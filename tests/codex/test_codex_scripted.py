@@ -1,0 +1,88 @@
+"""The real Codex CLI through ``agentkv-server`` in front of a scripted engine (seconds, no model).
+
+The default model rarely calls a tool, so the engine's replies are scripted here, in the test
+harness: the first asks (as the model would write it, as text) to run ``cat secret.txt``; the second
+repeats what the tool message it received says. Codex must take agentkv's ``function_call``, run
+the command, and send its output back; agentkv must deliver that output to the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from tests.claude._cli import AgentKVServer, free_port
+from tests.codex._cli import codex_config, run_codex
+from tests.fakes import FakeLlama
+
+pytestmark = pytest.mark.codex
+
+CALL = '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "cat secret.txt"}}\n</tool_call>'
+
+
+def repeat_tool_output(body: dict[str, Any]) -> str:
+    results = [m["content"] for m in body["messages"] if m["role"] == "tool"]
+    return "The file says: " + (results[-1] if results else "(no tool output arrived)")
+
+
+@contextlib.contextmanager
+def engine_over_http(fake: FakeLlama) -> Iterator[str]:
+    """The fake engine on a loopback port, for an ``agentkv-server --upstream``."""
+    port = free_port()
+    config = uvicorn.Config(
+        fake.asgi, host="127.0.0.1", port=port, log_level="warning", interface="asgi3"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the scripted engine did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.mark.timeout(300)
+def test_codex_runs_a_call_and_its_output_reaches_the_engine(
+    codex_bin: Path, tmp_path: Path
+) -> None:
+    """A scripted call of ``exec_command`` goes through Codex and back within one session."""
+    fake = FakeLlama(script=[CALL, repeat_tool_output])
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "secret.txt").write_text("kiwi-42\n")
+    with engine_over_http(fake) as engine:
+        args = ["--upstream", engine, "--ctx-per-slot", "32768", "--slots", "2", "--no-store"]
+        with AgentKVServer(tmp_path / "server", extra_args=args) as server:
+            config, env = codex_config(server.log())
+            run = run_codex(
+                config,
+                env,
+                "What does secret.txt say?",
+                project=project,
+                home=tmp_path / "codex-home",
+                timeout=180,
+                codex=codex_bin,
+            )
+            recent = server.table()["recent"]
+    assert not run.timed_out and run.returncode == 0, run.describe()
+    assert run.warnings() == [], run.describe()
+    assert "kiwi-42" in run.stdout, run.describe()
+    assert len(fake.requests) == 2
+    tool_messages = [m for m in fake.requests[1]["messages"] if m["role"] == "tool"]
+    assert "kiwi-42" in tool_messages[-1]["content"]
+    # One Codex session is one agent; its second turn reused the first one's prompt.
+    first, second = recent[-2:]
+    assert first["agent"] == second["agent"] != "anonymous"
+    assert second["cached_tokens"] >= first["prompt_tokens"] - 1
