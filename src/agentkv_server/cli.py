@@ -387,6 +387,8 @@ def codex_config(
         f'base_url = "{url}/v1"',
         'wire_api = "responses"',
         f'env_key = "{CODEX_KEY_VARIABLE}"',
+        "# optional, one per agent: who it is, and how urgent (0 = most urgent … 3 = background)",
+        '# http_headers = { "X-Agent-Id" = "coder", "X-Agent-Priority" = "0" }',
         "",
         "# and in the shell that starts Codex:",
         f"# export {CODEX_KEY_VARIABLE}=<the key>"
