@@ -6,7 +6,7 @@ import tomllib
 
 from agentkv_server.cli import codex_config
 from agentkv_server.logs import startup_block, startup_fields
-from tests.codex._cli import codex_config as read_printed
+from tests.openai_agents._codex import codex_config as read_printed
 
 
 def test_the_lines_are_a_codex_provider() -> None:

@@ -85,7 +85,7 @@ def codex_config(output: str) -> tuple[str, dict[str, str]]:
 
 
 @attrs.frozen
-class CodexRun:
+class AgentRun:
     stdout: str
     stderr: str
     returncode: int
@@ -122,7 +122,7 @@ def run_codex(
     timeout: float,
     codex: Path | None = None,
     args: Sequence[str] = (),
-) -> CodexRun:
+) -> AgentRun:
     """``codex exec --skip-git-repo-check PROMPT`` in ``project``, ``home`` as CODEX_HOME."""
     binary = codex or find_codex()
     home.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def run_codex(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         out, err = process.communicate()
-    return CodexRun(
+    return AgentRun(
         stdout=out.decode(errors="replace"),
         stderr=err.decode(errors="replace"),
         returncode=process.returncode,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.claude._cli import AgentKVServer
-from tests.codex._cli import codex_config, run_codex
+from tests.openai_agents._codex import codex_config, run_codex
 
 pytestmark = [pytest.mark.codex, pytest.mark.engine]
 
@@ -26,11 +26,11 @@ def codex_requests(server: AgentKVServer) -> list[dict[str, object]]:
 
 @pytest.mark.timeout(2 * ANSWER_BOUND_S + 120)
 def test_printed_config_gives_one_word_answers_and_a_warm_second_session(
-    codex_server: AgentKVServer, codex_bin: Path, tmp_path: Path
+    agents_server: AgentKVServer, codex_bin: Path, tmp_path: Path
 ) -> None:
     """Two fresh ``codex exec`` sessions in one project both answer; the second reuses the
     first one's prompt from the cache instead of computing it again."""
-    config, env = codex_config(codex_server.log())
+    config, env = codex_config(agents_server.log())
     assert 'wire_api = "responses"' in config and "model_context_window" in config, config
     project = tmp_path / "project"
     runs = []
@@ -48,7 +48,7 @@ def test_printed_config_gives_one_word_answers_and_a_warm_second_session(
         assert run.answer() == word, run.describe()
         assert run.warnings() == [], run.describe()
         runs.append(run)
-    first, second = codex_requests(codex_server)[-2:]
+    first, second = codex_requests(agents_server)[-2:]
     assert first["agent"] != second["agent"]  # two sessions, two agents
     # The second session's prompt was found cached almost whole.
     assert int(second["cached_tokens"]) >= 0.8 * int(second["prompt_tokens"]), (first, second)

@@ -8,19 +8,15 @@ the command, and send its output back; agentkv must deliver that output to the e
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
-from tests.claude._cli import AgentKVServer, free_port
-from tests.codex._cli import codex_config, run_codex
+from tests.claude._cli import AgentKVServer
 from tests.fakes import FakeLlama
+from tests.openai_agents._codex import codex_config, run_codex
+from tests.openai_agents._engine import SCRIPTED_ARGS, engine_over_http
 
 pytestmark = pytest.mark.codex
 
@@ -30,27 +26,6 @@ CALL = '<tool_call>\n{"name": "exec_command", "arguments": {"cmd": "cat secret.t
 def repeat_tool_output(body: dict[str, Any]) -> str:
     results = [m["content"] for m in body["messages"] if m["role"] == "tool"]
     return "The file says: " + (results[-1] if results else "(no tool output arrived)")
-
-
-@contextlib.contextmanager
-def engine_over_http(fake: FakeLlama) -> Iterator[str]:
-    """The fake engine on a loopback port, for an ``agentkv-server --upstream``."""
-    port = free_port()
-    config = uvicorn.Config(
-        fake.asgi, host="127.0.0.1", port=port, log_level="warning", interface="asgi3"
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the scripted engine did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.mark.timeout(300)
@@ -63,7 +38,7 @@ def test_codex_runs_a_call_and_its_output_reaches_the_engine(
     project.mkdir()
     (project / "secret.txt").write_text("kiwi-42\n")
     with engine_over_http(fake) as engine:
-        args = ["--upstream", engine, "--ctx-per-slot", "32768", "--slots", "2", "--no-store"]
+        args = ["--upstream", engine, *SCRIPTED_ARGS]
         with AgentKVServer(tmp_path / "server", extra_args=args) as server:
             config, env = codex_config(server.log())
             run = run_codex(
