@@ -124,8 +124,8 @@ _MAX_TURN_METADATA = 16384
 class CodexTurn:
     """What Codex says about a request in ``x-codex-turn-metadata`` (cleaned; None when absent).
 
-    ``thread_id`` names one agent's conversation: a Codex sub-agent has a thread of its own in the
-    coordinator's session. ``agent_name`` is the agent's place in Codex's tree (``/root``, ...).
+    ``thread_id`` names one conversation (for a fresh ``codex exec`` it equals ``session_id``);
+    ``agent_name`` is the agent's place in Codex's tree of agents (``/root`` for the main one).
     """
 
     session_id: str | None = None

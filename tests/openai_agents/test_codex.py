@@ -6,6 +6,7 @@ about 10K tokens (about 140 s of prefill cold on 2 cores); the second session re
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from tests.openai_agents._codex import codex_config, run_codex
 
 pytestmark = [pytest.mark.codex, pytest.mark.engine]
 
-#: A one-word answer, cold engine included, on 2 cores.
-ANSWER_BOUND_S = 600
+#: A one-word answer, cold engine included, on 2 cores; AGENTKV_ANSWER_BOUND_S raises it on a
+#: machine shared with other work.
+ANSWER_BOUND_S = int(os.environ.get("AGENTKV_ANSWER_BOUND_S", "600"))
 PROMPT = "Reply with the single word: {word}"
 
 

@@ -6,6 +6,7 @@ Set up as docs/openai-agents.md says. Over a scripted engine it must print the e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,9 @@ from tests.openai_agents._opencode import run_opencode
 
 pytestmark = pytest.mark.opencode
 
-ANSWER_BOUND_S = 600
+#: A one-word answer, cold engine included, on 2 cores; AGENTKV_ANSWER_BOUND_S raises it on a
+#: machine shared with other work.
+ANSWER_BOUND_S = int(os.environ.get("AGENTKV_ANSWER_BOUND_S", "600"))
 
 
 @pytest.mark.timeout(300)
