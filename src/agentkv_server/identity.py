@@ -124,8 +124,11 @@ _MAX_TURN_METADATA = 16384
 class CodexTurn:
     """What Codex says about a request in ``x-codex-turn-metadata`` (cleaned; None when absent).
 
-    ``thread_id`` names one conversation (for a fresh ``codex exec`` it equals ``session_id``);
-    ``agent_name`` is the agent's place in Codex's tree of agents (``/root`` for the main one).
+    ``thread_id`` names one conversation: for a fresh ``codex exec`` it equals ``session_id``, and
+    a sub-agent that Codex spawns (``multi_agent_v1.spawn_agent``) has a thread of its own in the
+    same session, with ``parent_thread_id`` naming the spawning thread and ``subagent_kind``
+    (``thread_spawn``) saying how it came to be (Codex 0.171.0). ``agent_name`` is ``/root`` for
+    both.
     """
 
     session_id: str | None = None
@@ -133,6 +136,8 @@ class CodexTurn:
     agent_name: str | None = None
     turn_id: str | None = None
     request_kind: str | None = None
+    parent_thread_id: str | None = None
+    subagent_kind: str | None = None
 
 
 def codex_turn(headers: Mapping[str, str]) -> CodexTurn | None:
@@ -157,6 +162,8 @@ def codex_turn(headers: Mapping[str, str]) -> CodexTurn | None:
         agent_name=field("agent_name"),
         turn_id=field("turn_id"),
         request_kind=field("request_kind"),
+        parent_thread_id=field("parent_thread_id"),
+        subagent_kind=field("subagent_kind"),
     )
 
 

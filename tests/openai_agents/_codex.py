@@ -97,11 +97,12 @@ class AgentRun:
         return self.stdout.strip().strip(".!\"'`").lower()
 
     def warnings(self) -> list[str]:
-        """stderr lines that start with ``warning``/``error`` and are not known to be harmless."""
+        """stderr lines that start with ``warning``/``error``, or are logged at ``ERROR`` (Codex
+        logs a call it cannot route so), and are not known to be harmless."""
         return [
             line
             for line in self.stderr.splitlines()
-            if line.lower().startswith(("warning", "error"))
+            if (line.lower().startswith(("warning", "error")) or " ERROR " in line)
             and not any(known in line for known in KNOWN_WARNINGS)
         ]
 

@@ -58,3 +58,30 @@ def test_identities_are_cleaned() -> None:
     long = openai_agent_identity({}, {"prompt_cache_key": "k" * 500}, None)
     assert len(long) < 100 and "…#" in long
     assert openai_agent_identity({"x-agent-id": "\n"}, {"user": "u"}, None) == "u"
+
+
+def test_a_codex_sub_agent_is_an_agent_of_its_own() -> None:
+    """Codex 0.171.0's headers for a spawned sub-agent (captured): the same session, a thread of
+    its own, the parent's thread named."""
+    metadata = {
+        "session_id": "01a23020-bba6",
+        "thread_id": "01a23020-bd57",
+        "agent_name": "/root",
+        "request_kind": "turn",
+        "parent_thread_id": "01a23020-bba6",
+        "subagent_kind": "thread_spawn",
+        "thread_source": "subagent",
+    }
+    headers = {
+        "x-codex-turn-metadata": json.dumps(metadata),
+        "x-codex-parent-thread-id": "01a23020-bba6",
+        "x-openai-subagent": "collab_spawn",
+        "session-id": "01a23020-bba6",
+        "thread-id": "01a23020-bd57",
+    }
+    turn = codex_turn(headers)
+    assert turn is not None
+    assert (turn.parent_thread_id, turn.subagent_kind) == ("01a23020-bba6", "thread_spawn")
+    assert openai_agent_identity(headers, {"prompt_cache_key": "01a23020-bba6"}, None) == (
+        "01a23020-bd57"
+    )
