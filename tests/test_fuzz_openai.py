@@ -62,7 +62,7 @@ image_url = st.sampled_from(
     ["data:image/png;base64,iVBORw0KGgo=", "https://example.com/a.png", "data:bad", "ftp://x"]
 )
 
-# -- Responses bodies
+# -- Responses bodies ------------------------------------------------------------------------------
 
 input_text = st.fixed_dictionaries({"type": st.just("input_text"), "text": short_text})
 output_text = st.fixed_dictionaries({"type": st.just("output_text"), "text": short_text})
@@ -158,7 +158,7 @@ def responses_bodies(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-# -- Chat Completions bodies
+# -- Chat Completions bodies -----------------------------------------------------------------------
 
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": short_text})
 image_part = st.fixed_dictionaries(
@@ -235,7 +235,7 @@ def chat_bodies(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-# -- hostile versions
+# -- hostile versions ------------------------------------------------------------------------------
 
 
 @st.composite
@@ -309,7 +309,7 @@ def requests(draw: st.DrawFn) -> Case:
     return Case(route, draw(raw_bodies(route)), headers)
 
 
-# -- the checks
+# -- the checks ------------------------------------------------------------------------------------
 
 
 def check_openai_error(payload: Any) -> str:

@@ -248,7 +248,7 @@ def test_custom_tool_call_is_its_input_string() -> None:
     assert "response.custom_tool_call_input.done" in [e["type"] for e in events]
 
 
-# -- Chat Completions
+# -- Chat Completions ------------------------------------------------------------------------------
 
 
 def chat_stream(chunks: Sequence[dict[str, Any]], **extra: Any) -> list[dict[str, Any]]:
@@ -311,7 +311,7 @@ def test_chat_failure_is_an_error_chunk_the_sdk_raises() -> None:
             pass
 
 
-# -- errors
+# -- errors ----------------------------------------------------------------------------------------
 
 
 def test_openai_error_shapes() -> None:

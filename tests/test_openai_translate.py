@@ -99,7 +99,7 @@ def test_two_sessions_in_one_project_differ_only_in_their_words(codex: dict[str,
     assert one["messages"][-1] != two["messages"][-1]
 
 
-# -- a conversation that grows
+# -- a conversation that grows ---------------------------------------------------------------------
 
 WEATHER = {
     "type": "function",
@@ -269,7 +269,7 @@ def test_custom_tool_is_one_string_parameter() -> None:
     assert request.tools["apply_patch"].custom
 
 
-# -- refusals
+# -- refusals --------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -220,7 +220,7 @@ class ResponsesAssembler:
         out.append(self._event("response.failed", response=self._snapshot()))
         return out
 
-    # -- parts ---------------------------------------------------------------------------------
+    # -- parts -------------------------------------------------------------------------------------
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self._seq, **fields}

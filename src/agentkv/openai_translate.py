@@ -119,7 +119,7 @@ class OpenAITranslator:
 
     limits: RequestLimits = attrs.field(factory=RequestLimits)
 
-    # -- /v1/responses
+    # -- /v1/responses -----------------------------------------------------------------------------
 
     def responses(self, body: Mapping[str, Any]) -> OpenAIRequest:
         """A ``POST /v1/responses`` body as a Messages body."""
@@ -193,7 +193,7 @@ class OpenAITranslator:
             sources=sources,
         )
 
-    # -- /v1/chat/completions
+    # -- /v1/chat/completions ----------------------------------------------------------------------
 
     def chat(self, body: Mapping[str, Any]) -> OpenAIRequest:
         """A ``POST /v1/chat/completions`` body as a Messages body."""
@@ -272,7 +272,7 @@ class OpenAITranslator:
         )
 
 
-# -- what is refused, and why
+# -- what is refused, and why ----------------------------------------------------------------------
 
 _NO_STATE = (
     "is not supported: agentkv keeps no responses or conversations; send the whole "
@@ -294,7 +294,7 @@ _CHAT_REFUSED: Final = {
 }
 
 
-# -- small validators
+# -- small validators ------------------------------------------------------------------------------
 
 
 def _required_str(body: Mapping[str, Any], name: str) -> str:
@@ -388,7 +388,7 @@ def _check_response_format(fmt: Any) -> None:
         )
 
 
-# -- tools
+# -- tools -----------------------------------------------------------------------------------------
 
 
 def _function_tool(
@@ -614,7 +614,7 @@ def _apply_tools(
     out["tool_choice"] = choice
 
 
-# -- conversations
+# -- conversations ---------------------------------------------------------------------------------
 
 
 @attrs.define

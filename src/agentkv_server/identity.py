@@ -110,7 +110,7 @@ def agent_priority(headers: Mapping[str, str], default: int = DEFAULT_PRIORITY) 
     return value
 
 
-# -- OpenAI-side clients (Codex, the openai SDK, Chat Completions agents)
+# -- OpenAI-side clients (Codex, the openai SDK, Chat Completions agents) --------------------------
 
 __all__ += ["CODEX_TURN_METADATA", "CodexTurn", "codex_turn", "openai_agent_identity"]
 

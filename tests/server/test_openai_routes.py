@@ -53,7 +53,7 @@ def records(http: httpx.AsyncClient) -> list[Any]:
     return http.runtime.records()  # type: ignore[attr-defined,no-any-return]
 
 
-# -- /v1/responses
+# -- /v1/responses ---------------------------------------------------------------------------------
 
 
 async def test_responses_non_streaming_text(serve: Any) -> None:
@@ -145,7 +145,7 @@ async def test_headers_name_the_agent_and_its_priority(serve: Any) -> None:
     assert (record.agent, record.priority) == ("aider-1", 0)
 
 
-# -- /v1/chat/completions
+# -- /v1/chat/completions --------------------------------------------------------------------------
 
 
 async def test_chat_non_streaming_tool_round_trip(serve: Any) -> None:
@@ -194,7 +194,7 @@ async def test_chat_stream_with_usage(serve: Any) -> None:
     assert raw.text.endswith("data: [DONE]\n\n")
 
 
-# -- errors
+# -- errors ----------------------------------------------------------------------------------------
 
 
 async def test_errors_are_openai_shaped(serve: Any) -> None:
