@@ -295,6 +295,8 @@ def test_custom_tool_is_one_string_parameter() -> None:
             "JSON object",
         ),
         ({"tools": [{"type": "computer_use_preview"}]}, "tools[0].type", "not supported"),
+        ({"tools": [{"type": {"type": "thinking"}}]}, "tools[0].type", "not supported"),
+        ({"tools": [{"type": "x" * 100_000}]}, "tools[0].type", "…"),
         ({"tools": [WEATHER, WEATHER]}, "tools[1]", "second time"),
         ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name", "not in"),
         ({"tool_choice": "required"}, "tool_choice", "at least one tool"),

@@ -336,6 +336,12 @@ def _opt_positive_int(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
+def _shown(value: Any) -> str:
+    """A client's value in an error message: its repr, cut short (it may be megabytes long)."""
+    text = repr(value) if not isinstance(value, str) or len(value) <= 200 else repr(value[:200])
+    return text if len(text) <= 80 else text[:80] + "…"
+
+
 def _count(items: Sequence[Any], limit: int, what: str, path: str) -> None:
     if len(items) > limit:
         raise InvalidRequestError(f"has {len(items)} {what}; the limit is {limit}", path)
@@ -374,7 +380,7 @@ def _check_text_format(text: Any) -> None:
     kind = _obj(fmt, "text.format").get("type")
     if kind != "text":
         raise InvalidRequestError(
-            f"{kind!r} is not supported; only plain text output is", "text.format.type"
+            f"{_shown(kind)} is not supported; only plain text output is", "text.format.type"
         )
 
 
@@ -384,7 +390,7 @@ def _check_response_format(fmt: Any) -> None:
     kind = _obj(fmt, "response_format").get("type")
     if kind != "text":
         raise InvalidRequestError(
-            f"{kind!r} is not supported; only plain text output is", "response_format.type"
+            f"{_shown(kind)} is not supported; only plain text output is", "response_format.type"
         )
 
 
@@ -435,7 +441,7 @@ def _add_tool(
 ) -> None:
     name = tool["name"]
     if name in origins:
-        raise InvalidRequestError(f"declares the tool {name!r} a second time", path)
+        raise InvalidRequestError(f"declares the tool {_shown(name)} a second time", path)
     sources[f"tools[{len(tools)}]"] = path
     tools.append(tool)
     origins[name] = origin
@@ -502,16 +508,16 @@ def _responses_tools(
                     origin = ToolOrigin(name, namespace=space)
                 else:
                     raise InvalidRequestError(
-                        f"{sub.get('type')!r} is not supported in a namespace "
+                        f"{_shown(sub.get('type'))} is not supported in a namespace "
                         "(function and custom tools are)",
                         f"{sub_path}.type",
                     )
                 _add_tool(tools, origins, sources, tool, origin, sub_path)
-        elif kind in HOSTED_TOOL_TYPES:
+        elif isinstance(kind, str) and kind in HOSTED_TOOL_TYPES:
             continue  # run by OpenAI's servers; nothing here can run it (see HOSTED_TOOL_TYPES)
         else:
             raise InvalidRequestError(
-                f"{kind!r} is not supported (function, custom and namespace tools are; "
+                f"{_shown(kind)} is not supported (function, custom and namespace tools are; "
                 f"hosted tools such as web_search are left out)",
                 f"{path}.type",
             )
@@ -534,7 +540,7 @@ def _chat_tools(
         entry = _obj(entry, path)
         if entry.get("type") != "function":
             raise InvalidRequestError(
-                f"{entry.get('type')!r} is not supported (function tools are)", f"{path}.type"
+                f"{_shown(entry.get('type'))} is not supported (function tools are)", f"{path}.type"
             )
         function = _obj(entry.get("function"), f"{path}.function")
         tool = _function_tool(
@@ -571,15 +577,15 @@ def _responses_tool_choice(raw: Any, origins: Mapping[str, ToolOrigin]) -> dict[
             raise InvalidRequestError("expected a string", "tool_choice.namespace")
         engine = _engine_name(origins, name, namespace)
         if engine is None:
-            raise InvalidRequestError(f"tool {name!r} is not in tools", "tool_choice.name")
+            raise InvalidRequestError(f"tool {_shown(name)} is not in tools", "tool_choice.name")
         return {"type": "tool", "name": engine}
     if isinstance(raw, str):
         raise InvalidRequestError(
-            f"{raw!r} is not one of 'auto', 'none', 'required' or a function", "tool_choice"
+            f"{_shown(raw)} is not one of 'auto', 'none', 'required' or a function", "tool_choice"
         )
     kind = raw.get("type") if isinstance(raw, dict) else None
     raise InvalidRequestError(
-        f"{kind!r} is not supported ('auto', 'none', 'required' and function choices are)",
+        f"{_shown(kind)} is not supported ('auto', 'none', 'required' and function choices are)",
         "tool_choice",
     )
 
@@ -591,7 +597,9 @@ def _chat_tool_choice(raw: Any, origins: Mapping[str, ToolOrigin]) -> dict[str, 
         if not isinstance(name, str):
             raise InvalidRequestError("expected a string", "tool_choice.function.name")
         if name not in origins:
-            raise InvalidRequestError(f"tool {name!r} is not in tools", "tool_choice.function.name")
+            raise InvalidRequestError(
+                f"tool {_shown(name)} is not in tools", "tool_choice.function.name"
+            )
         return {"type": "tool", "name": name}
     return _responses_tool_choice(raw, origins)
 
@@ -758,7 +766,7 @@ def _parts(
         else:
             accepted = ", ".join([*allowed, *(("input_image", "image_url") if images else ())])
             raise InvalidRequestError(
-                f"{kind!r} is not supported here (accepted: {accepted})", f"{part_path}.type"
+                f"{_shown(kind)} is not supported here (accepted: {accepted})", f"{part_path}.type"
             )
     return blocks
 
@@ -803,7 +811,7 @@ def _responses_item(
             conversation.assistant(parts, path)
         else:
             raise InvalidRequestError(
-                f"{role!r} is not one of 'user', 'assistant', 'system', 'developer'",
+                f"{_shown(role)} is not one of 'user', 'assistant', 'system', 'developer'",
                 f"{path}.role",
             )
     elif kind in ("function_call", "custom_tool_call"):
@@ -859,7 +867,7 @@ def _responses_item(
         )
     else:
         raise InvalidRequestError(
-            f"{kind!r} is not supported (message, function_call, function_call_output, "
+            f"{_shown(kind)} is not supported (message, function_call, function_call_output, "
             "custom_tool_call, custom_tool_call_output and reasoning items are)",
             f"{path}.type",
         )
@@ -896,7 +904,7 @@ def _chat_message(
                 call = _obj(call, call_path)
                 if call.get("type", "function") != "function":
                     raise InvalidRequestError(
-                        f"{call.get('type')!r} is not supported (function calls are)",
+                        f"{_shown(call.get('type'))} is not supported (function calls are)",
                         f"{call_path}.type",
                     )
                 function = _obj(call.get("function"), f"{call_path}.function")
@@ -932,6 +940,6 @@ def _chat_message(
         )
     else:
         raise InvalidRequestError(
-            f"{role!r} is not one of 'system', 'developer', 'user', 'assistant', 'tool'",
+            f"{_shown(role)} is not one of 'system', 'developer', 'user', 'assistant', 'tool'",
             f"{path}.role",
         )
