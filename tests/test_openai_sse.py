@@ -325,3 +325,14 @@ def test_openai_error_shapes() -> None:
         }
     }
     assert openai_error(QueueFullError("queue is full"))["error"]["code"] == "server_is_overloaded"
+
+
+def test_frames_hold_one_line_each_whatever_the_text() -> None:
+    """Characters that str.splitlines() takes for line ends are escaped in the JSON."""
+    text = "a\x85b\u2028c\u2029d"
+    frame = encode_response_event({"type": "response.output_text.delta", "delta": text})
+    lines = frame.decode().strip().splitlines()
+    assert len(lines) == 2
+    assert json.loads(lines[1].removeprefix("data: "))["delta"] == text
+    chunk = encode_chat_chunk({"choices": [{"delta": {"content": text}}]})
+    assert len(chunk.decode().strip().splitlines()) == 1

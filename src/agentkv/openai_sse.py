@@ -85,15 +85,23 @@ def openai_error(exc: AgentKVError, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# Characters that JSON leaves as they are but that line splitters modelled on str.splitlines()
+# (httpx's iter_lines among them) take for line ends, which would cut an SSE data line in two.
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _json(value: Mapping[str, Any]) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).translate(_LINE_ENDS)
+
+
 def encode_response_event(event: Mapping[str, Any]) -> bytes:
     """One Responses SSE frame: ``event: <type>\\ndata: <json>\\n\\n``."""
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+    return f"event: {event['type']}\ndata: {_json(event)}\n\n".encode()
 
 
 def encode_chat_chunk(chunk: Mapping[str, Any]) -> bytes:
     """One Chat Completions SSE frame: ``data: <json>\\n\\n``."""
-    return f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+    return f"data: {_json(chunk)}\n\n".encode()
 
 
 def _digest(*parts: object) -> str:
