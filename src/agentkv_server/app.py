@@ -1,9 +1,12 @@
-"""The Starlette app: the Anthropic Messages API in front of an agentkv runtime.
+"""The Starlette app: the Anthropic Messages API (and OpenAI's Responses and Chat Completions) in
+front of an agentkv runtime.
 
 This layer keeps to HTTP: routes, authentication, body limits, agent identity and framing. A
 request's whole life (queue, slot, restore, stream, retry, release) is the runtime's
 (:mod:`agentkv.runtime.lifecycle`); a route prepares a request, submits it and frames the events
-the runtime yields, as SSE or as one JSON message.
+the runtime yields, as SSE or as one JSON message. The OpenAI routes translate their body into a
+Messages body first (:mod:`agentkv.openai_translate`) and the events back into their own stream
+(:mod:`agentkv.openai_sse`); they share the whole lifecycle, and answer errors in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -29,11 +33,21 @@ from agentkv.exceptions import (
     InvalidRequestError,
     NotFoundError,
 )
-from agentkv.runtime.lifecycle import Emitted, Exchange, Failed, KeepAlive, Runtime
+from agentkv.openai_sse import (
+    CHAT_DONE,
+    CHAT_KEEPALIVE,
+    ChatAssembler,
+    ResponsesAssembler,
+    encode_chat_chunk,
+    encode_response_event,
+    openai_error,
+)
+from agentkv.openai_translate import OpenAIRequest, OpenAITranslator
+from agentkv.runtime.lifecycle import Emitted, Exchange, Failed, KeepAlive, Prepared, Runtime
 from agentkv.sse import encode_event
 from agentkv_server.body import read_json
 from agentkv_server.config import ServerConfig
-from agentkv_server.identity import agent_identity, agent_priority
+from agentkv_server.identity import agent_identity, agent_priority, openai_agent_identity
 from agentkv_server.metrics import ServerMetrics
 from agentkv_server.page import page_mount
 
@@ -47,13 +61,23 @@ _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 _PING = encode_event({"type": "ping"})
 
 
-def error_response(exc: AgentKVError) -> JSONResponse:
+def error_response(exc: AgentKVError, *, openai: bool = False) -> JSONResponse:
     """The Anthropic error contract: the status code and ``{"type":"error","error":{...}}``,
-    and ``retry-after`` (whole seconds) when the error says when to try again."""
+    and ``retry-after`` (whole seconds) when the error says when to try again. ``openai``: the
+    same in OpenAI's shape, ``{"error":{"message","type","param","code"}}``."""
     headers = None
     if exc.retry_after is not None:
         headers = {"retry-after": str(max(1, math.ceil(exc.retry_after)))}
-    return JSONResponse(exc.to_anthropic(), status_code=exc.status, headers=headers)
+    body = openai_error(exc) if openai else exc.to_anthropic()
+    return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+#: The routes that speak OpenAI's API, and answer errors in its shape.
+OPENAI_PATHS = frozenset({"/v1/responses", "/v1/chat/completions"})
+
+
+def _speaks_openai(request: Request) -> bool:
+    return request.url.path.rstrip("/") in OPENAI_PATHS
 
 
 async def _frames(exchange: Exchange) -> AsyncIterator[bytes]:
@@ -65,6 +89,47 @@ async def _frames(exchange: Exchange) -> AsyncIterator[bytes]:
             yield _PING
         elif isinstance(item, Failed):
             yield encode_event(item.error.to_anthropic())
+
+
+async def _response_frames(
+    exchange: Exchange, assembler: ResponsesAssembler
+) -> AsyncIterator[bytes]:
+    """The exchange as Responses events; keep-alives are ``response.in_progress`` events."""
+    async for item in exchange.events():
+        if isinstance(item, Emitted):
+            events = assembler.feed(item.events)
+        elif isinstance(item, KeepAlive):
+            events = assembler.keep_alive()
+        else:
+            events = assembler.fail(item.error)
+        if events:
+            yield b"".join(encode_response_event(event) for event in events)
+
+
+async def _chat_frames(exchange: Exchange, assembler: ChatAssembler) -> AsyncIterator[bytes]:
+    """The exchange as Chat Completions chunks, then ``[DONE]``; keep-alives are comments."""
+    async for item in exchange.events():
+        if isinstance(item, Emitted):
+            chunks = assembler.feed(item.events)
+        elif isinstance(item, KeepAlive):
+            yield CHAT_KEEPALIVE
+            continue
+        else:
+            chunks = assembler.fail(item.error)
+        if chunks:
+            yield b"".join(encode_chat_chunk(chunk) for chunk in chunks)
+    yield CHAT_DONE
+
+
+async def _all_events(exchange: Exchange) -> list[dict[str, Any]]:
+    """Every Anthropic event of the exchange (non-streaming); raises the error that ended it."""
+    events: list[dict[str, Any]] = []
+    async for item in exchange.events(ping_interval=3600):
+        if isinstance(item, Emitted):
+            events.extend(item.events)
+        elif isinstance(item, Failed):
+            raise item.error
+    return events
 
 
 async def _whole(request: Request, exchange: Exchange) -> Response:
@@ -108,6 +173,7 @@ class _Routes:
         self.runtime = runtime
         self.config = config
         self.metrics = ServerMetrics(runtime)
+        self.openai = OpenAITranslator(limits=runtime.translator.limits)
 
     def check_auth(self, request: Request) -> None:
         expected = self.config.api_key
@@ -135,6 +201,62 @@ class _Routes:
             )
         return await _whole(request, exchange)
 
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses`` (Codex, the openai SDK): translated, then the same lifecycle."""
+        self.check_auth(request)
+        body = await read_json(request, self.config.body_limits)
+        translated = self.openai.responses(body)
+        exchange = self.runtime.submit(await self._prepare_openai(request, body, translated))
+        assembler = ResponsesAssembler(translated, created_at=int(time.time()))
+        if translated.stream:
+            return StreamingResponse(
+                _response_frames(exchange, assembler),
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
+            )
+        events = await _unless_gone(request, _all_events(exchange))
+        if events is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        assembler.feed(events)
+        return JSONResponse(assembler.response)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``: translated, then the same lifecycle."""
+        self.check_auth(request)
+        body = await read_json(request, self.config.body_limits)
+        translated = self.openai.chat(body)
+        exchange = self.runtime.submit(await self._prepare_openai(request, body, translated))
+        assembler = ChatAssembler(translated, created=int(time.time()))
+        if translated.stream:
+            return StreamingResponse(
+                _chat_frames(exchange, assembler),
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
+            )
+        events = await _unless_gone(request, _all_events(exchange))
+        if events is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        assembler.feed(events)
+        return JSONResponse(assembler.completion)
+
+    async def _prepare_openai(
+        self, request: Request, body: Mapping[str, Any], translated: OpenAIRequest
+    ) -> Prepared:
+        """``Runtime.prepare`` for a translated body; a 400 names the client's own field."""
+        headers = _lower(request.headers)
+        agent = openai_agent_identity(
+            headers, body, request.client.host if request.client else None
+        )
+        priority = agent_priority(headers)
+        try:
+            return await self.runtime.prepare(translated.body, agent=agent, priority=priority)
+        except InvalidRequestError as exc:
+            param = translated.relocate(exc.path)
+            if param == exc.path:
+                raise
+            detail = exc.message.removeprefix(f"{exc.path}: ") if exc.path else exc.message
+            raise InvalidRequestError(detail, param) from exc
+
     async def count_tokens(self, request: Request) -> Response:
         self.check_auth(request)
         body = await read_json(request, self.config.body_limits)
@@ -154,9 +276,19 @@ class _Routes:
             "id": self.config.model_name,
             "display_name": self.config.model_name,
             "created_at": "2025-01-01T00:00:00Z",
+            # The same list read by OpenAI clients (OpenCode, Aider, the openai SDK).
+            "object": "model",
+            "created": 1735689600,
+            "owned_by": "agentkv",
         }
         return JSONResponse(
-            {"data": [entry], "has_more": False, "first_id": entry["id"], "last_id": entry["id"]}
+            {
+                "object": "list",
+                "data": [entry],
+                "has_more": False,
+                "first_id": entry["id"],
+                "last_id": entry["id"],
+            }
         )
 
     async def health(self, request: Request) -> Response:
@@ -208,7 +340,7 @@ async def _agentkv_error(request: Request, exc: Exception) -> Response:
     metrics = getattr(request.app.state, "metrics", None)
     if isinstance(metrics, ServerMetrics):
         metrics.refuse(request.url.path, exc)
-    return error_response(exc)
+    return error_response(exc, openai=_speaks_openai(request))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -217,7 +349,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         return error_response(NotFoundError(f"no route for {request.method} {request.url.path}"))
     if exc.status_code == 405:
         err = InvalidRequestError(f"method {request.method} is not allowed on {request.url.path}")
-        return JSONResponse(err.to_anthropic(), status_code=405)
+        body = openai_error(err) if _speaks_openai(request) else err.to_anthropic()
+        return JSONResponse(body, status_code=405)
     return JSONResponse(
         {"type": "error", "error": {"type": "api_error", "message": str(exc.detail)}},
         status_code=exc.status_code,
@@ -226,7 +359,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.error("unexpected error in %s", request.url.path, exc_info=exc)
-    return error_response(AgentKVError("internal error in agentkv; see the server log"))
+    error = AgentKVError("internal error in agentkv; see the server log")
+    return error_response(error, openai=_speaks_openai(request))
 
 
 def create_app(
@@ -253,6 +387,8 @@ def create_app(
         routes=[
             Route("/v1/messages", routes.messages, methods=["POST"]),
             Route("/v1/messages/count_tokens", routes.count_tokens, methods=["POST"]),
+            Route("/v1/responses", routes.responses, methods=["POST"]),
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),
             Route("/agentkv/slots", routes.slots, methods=["GET"]),
@@ -290,6 +426,7 @@ class _HostCheck:
                 error = InvalidRequestError(
                     f"Host {host!r} is not one this server answers to (--allowed-hosts)"
                 )
-                await error_response(error)(scope, receive, send)
+                openai = str(scope.get("path", "")).rstrip("/") in OPENAI_PATHS
+                await error_response(error, openai=openai)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -366,6 +366,44 @@ def claude_code_env(
     return "\n".join(lines)
 
 
+#: The name of the provider entry in Codex's config.toml, and the variable that holds its key.
+CODEX_PROVIDER = "agentkv"
+CODEX_KEY_VARIABLE = "AGENTKV_API_KEY"
+
+
+def codex_config(
+    url: str, api_key: str | None, *, model_name: str = "agentkv-local", ctx_per_slot: int | None
+) -> str:
+    """The lines a user puts into Codex's ``config.toml`` (and the one for its shell).
+
+    Codex speaks only the Responses API; it reads the key from the variable ``env_key`` names and
+    refuses to start without it, so the variable is set even when no key is required. It does not
+    know a local model's window: ``model_context_window`` tells it the slot's, so that it compacts
+    before a slot overflows.
+    """
+    lines = [
+        f'model = "{model_name}"',
+        f'model_provider = "{CODEX_PROVIDER}"',
+    ]
+    if ctx_per_slot is not None:
+        lines.append(f"model_context_window = {ctx_per_slot}")
+    lines += [
+        f"[model_providers.{CODEX_PROVIDER}]",
+        'name = "agentkv"',
+        f'base_url = "{url}/v1"',
+        'wire_api = "responses"',
+        f'env_key = "{CODEX_KEY_VARIABLE}"',
+        "# optional, one per agent: who it is, and how urgent (0 = most urgent … 3 = background)",
+        '# http_headers = { "X-Agent-Id" = "coder", "X-Agent-Priority" = "0" }',
+        "",
+        "# and in the shell that starts Codex:",
+        f"# export {CODEX_KEY_VARIABLE}=<the key>"
+        if api_key
+        else f"export {CODEX_KEY_VARIABLE}=agentkv  # any value: no key is required",
+    ]
+    return "\n".join(lines)
+
+
 def _size(text: str) -> int:
     from agentkv.runtime.engine import parse_size
 
@@ -723,6 +761,12 @@ async def _serve(args: argparse.Namespace) -> None:
                 ),
                 device=engine.device,
                 warnings=[*engine.warnings, *([store_note] if store_note else [])],
+                codex=codex_config(
+                    url,
+                    server_config.api_key,
+                    model_name=server_config.model_name,
+                    ctx_per_slot=ctx_per_slot,
+                ),
             )
             server.on_started = lambda: logs.announce(fields)
             await server.serve()

@@ -15,6 +15,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, Final
 
+import attrs
+
 from agentkv import InvalidRequestError
 
 __all__ = ["DEFAULT_PRIORITY", "MAX_AGENT_ID", "agent_identity", "agent_priority", "clean_agent_id"]
@@ -106,3 +108,90 @@ def agent_priority(headers: Mapping[str, str], default: int = DEFAULT_PRIORITY) 
             path="header x-agent-priority",
         )
     return value
+
+
+# -- OpenAI-side clients (Codex, the openai SDK, Chat Completions agents) --------------------------
+
+__all__ += ["CODEX_TURN_METADATA", "CodexTurn", "codex_turn", "openai_agent_identity"]
+
+#: Codex's per-request JSON header: its session, thread and agent (``/root`` for the main agent).
+CODEX_TURN_METADATA = "x-codex-turn-metadata"
+#: Longest ``x-codex-turn-metadata`` read (Codex's is about 900 characters).
+_MAX_TURN_METADATA = 16384
+
+
+@attrs.frozen
+class CodexTurn:
+    """What Codex says about a request in ``x-codex-turn-metadata`` (cleaned; None when absent).
+
+    ``thread_id`` names one conversation: for a fresh ``codex exec`` it equals ``session_id``, and
+    a sub-agent that Codex spawns (``multi_agent_v1.spawn_agent``) has a thread of its own in the
+    same session, with ``parent_thread_id`` naming the spawning thread and ``subagent_kind``
+    (``thread_spawn``) saying how it came to be (Codex 0.171.0). ``agent_name`` is ``/root`` for
+    both.
+    """
+
+    session_id: str | None = None
+    thread_id: str | None = None
+    agent_name: str | None = None
+    turn_id: str | None = None
+    request_kind: str | None = None
+    parent_thread_id: str | None = None
+    subagent_kind: str | None = None
+
+
+def codex_turn(headers: Mapping[str, str]) -> CodexTurn | None:
+    """``x-codex-turn-metadata`` parsed, or None when it is missing or not a JSON object."""
+    raw = headers.get(CODEX_TURN_METADATA)
+    if not raw or len(raw) > _MAX_TURN_METADATA:
+        return None
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(parsed, Mapping):
+        return None
+
+    def field(name: str) -> str | None:
+        value = parsed.get(name)
+        return clean_agent_id(value) if isinstance(value, str) else None
+
+    return CodexTurn(
+        session_id=field("session_id"),
+        thread_id=field("thread_id"),
+        agent_name=field("agent_name"),
+        turn_id=field("turn_id"),
+        request_kind=field("request_kind"),
+        parent_thread_id=field("parent_thread_id"),
+        subagent_kind=field("subagent_kind"),
+    )
+
+
+def openai_agent_identity(
+    headers: Mapping[str, str], body: Mapping[str, Any], client: str | None
+) -> str:
+    """The agent an OpenAI-API request (``/v1/responses``, ``/v1/chat/completions``) belongs to.
+
+    In order: ``X-Agent-Id``; Codex's thread (``thread_id`` in ``x-codex-turn-metadata``, then the
+    ``thread-id`` header), then its session (``session_id`` there, then ``session-id``); the body's
+    ``prompt_cache_key``, then ``user`` (what other clients send to tell conversations or users
+    apart); the client's address; ``anonymous``. Every value is cleaned by :func:`clean_agent_id`.
+    """
+    explicit = clean_agent_id(headers.get("x-agent-id", ""))
+    if explicit:
+        return explicit
+    turn = codex_turn(headers)
+    candidates = [
+        turn.thread_id if turn else None,
+        headers.get("thread-id"),
+        turn.session_id if turn else None,
+        headers.get("session-id"),
+    ]
+    for name in ("prompt_cache_key", "user"):
+        value = body.get(name)
+        candidates.append(value if isinstance(value, str) and len(value) <= _MAX_USER_ID else None)
+    for candidate in candidates:
+        value = clean_agent_id(candidate) if candidate else None
+        if value:
+            return value
+    return (clean_agent_id(client) if client else None) or "anonymous"

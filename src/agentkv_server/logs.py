@@ -111,6 +111,7 @@ def startup_fields(
     claude_code: str,
     device: str | None = None,
     warnings: Sequence[str] = (),
+    codex: str | None = None,
 ) -> dict[str, Any]:
     """What a user needs once the server is up, as data."""
     return {
@@ -129,6 +130,7 @@ def startup_fields(
         "metrics": f"{url}/metrics",
         "slot_table": f"{url}/agentkv/slots",
         "claude_code": claude_code,
+        "codex": codex,
     }
 
 
@@ -155,6 +157,13 @@ def startup_block(fields: Mapping[str, Any]) -> str:
     lines += [f"  {name:<{width}}  {value}" for name, value in rows]
     lines += [f"\n  warning: {text}" for text in fields.get("warnings") or ()]
     lines += ["", "Point Claude Code at it:", "", fields["claude_code"], ""]
+    if fields.get("codex"):
+        lines += [
+            "Point Codex at it ($CODEX_HOME/config.toml, by default ~/.codex/config.toml):",
+            "",
+            fields["codex"],
+            "",
+        ]
     return "\n".join(lines)
 
 
