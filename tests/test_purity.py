@@ -22,6 +22,7 @@ PURE_MODULES = (
     "agentkv.store",
     "agentkv.limits",
     "agentkv.guard",
+    "agentkv.agents",
 )
 IO_LIBRARIES = ("httpx", "starlette", "anyio", "uvicorn", "tenacity")
 
