@@ -132,3 +132,32 @@ async def test_offset_zero_keeps_background_subagents_at_the_parents_priority(
         table = (await http.get("/agentkv/slots")).json()
     (record,) = [r for r in table["recent"] if r["parent"]]
     assert record["priority"] == 1 and record["waited_on"] is False
+
+
+async def test_the_coordinators_context_outlives_its_subagents_and_the_shared_head_is_computed_once(
+    tmp_path: Path,
+) -> None:
+    """Two sub-agents take both slots; the coordinator's continuation still reuses its context
+    (parked, then restored), and the sub-agents' common head is computed once."""
+    fake = FakeLlama(reply="done", save_dir=tmp_path, prefill_delay=0.2)
+    async with served(fake, store_dir=tmp_path, split_min=256, park_min=10**6) as http:
+        await post(http, "fg_1_coordinator.json")
+        before = fake.computed
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(post, http, "fg_2_subagent_back.json")
+            await anyio.sleep(0.05)
+            tg.start_soon(post, http, "fg_3_subagent_front.json")
+        subagents = fake.computed - before
+        await post(http, "fg_4_continuation.json")
+        table = (await http.get("/agentkv/slots")).json()
+    records = [r for r in table["recent"] if r["agent"] == "coordinator"]
+    first, continuation = records[0], records[-1]
+    # park_min is out of reach: only the coordinator being waited for got its context parked.
+    assert any(r.get("parked") for r in table["recent"] if r["parent"]), table["recent"]
+    assert continuation["cached_tokens"] >= first["prompt_tokens"] - 1, continuation
+    back = next(r for r in table["recent"] if r["description"] == "Write the back end")
+    # Both sub-agents' prompts, less one copy of the head they share.
+    assert subagents < 2 * back["prompt_tokens"] - 0.5 * back["prompt_tokens"], (
+        subagents,
+        back["prompt_tokens"],
+    )
