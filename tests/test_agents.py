@@ -248,3 +248,12 @@ def test_a_call_keeps_what_the_tree_shows() -> None:
         id="c", prompt="p", description="do   p  ", subagent_type="fork", background=None
     )
     assert not call.waited_on
+
+
+def test_an_abandoned_fan_out_stops_being_kept_warm() -> None:
+    tree = AgentDirectory(wait_ttl=60.0)
+    tree.request("s", None, 1, user("go"), now=0.0)
+    tree.reply("s", [call_block("c1", "t")], ended_in_tools=True, now=1.0)
+    tree.request("s", "a1", 1, user("t"), now=2.0)
+    assert tree.waiting_parents(30.0) == {"s"}
+    assert tree.waiting_parents(100.0) == frozenset()

@@ -245,7 +245,12 @@ class AgentDirectory:
     max_agents: int = attrs.field(default=1024, kw_only=True, validator=_positive)
     max_calls: int = attrs.field(default=64, kw_only=True, validator=_positive)
     idle_ttl: float = attrs.field(default=6 * 3600.0, kw_only=True, validator=_positive)
+    #: A parent counts as waiting only while a sub-agent it waits for was active this recently
+    #: (an abandoned fan-out stops holding its slot warm).
+    wait_ttl: float = attrs.field(default=900.0, kw_only=True, validator=_positive)
     _agents: OrderedDict[str, _Agent] = attrs.field(init=False, factory=OrderedDict)
+    #: Counts the changes (requests, replies): a caller may keep an answer while it is unchanged.
+    version: int = attrs.field(init=False, default=0)
 
     # -- what happens ---------------------------------------------------------------------------
 
@@ -263,6 +268,7 @@ class AgentDirectory:
         a sub-agent at its parent's, or less urgent when its parent does not wait for it.
         """
         self._expire(now)
+        self.version += 1
         name = agent_name(root, sub)
         agent = self._agents.get(name)
         if agent is None:
@@ -309,6 +315,7 @@ class AgentDirectory:
         node = self._agents.get(agent)
         if node is None:
             return
+        self.version += 1
         node.last_seen = now
         self._agents.move_to_end(agent)
         calls = agent_calls(content)
@@ -348,7 +355,7 @@ class AgentDirectory:
     def waiting_parents(self, now: float) -> frozenset[str]:
         """Agents that wait for sub-agents now: their context is worth keeping warm."""
         self._expire(now)
-        counts = self._waiting_counts()
+        counts = self._waiting_counts(now)
         return frozenset(name for name, count in counts.items() if count > 0)
 
     def view(self, now: float) -> list[AgentView]:
@@ -358,7 +365,7 @@ class AgentDirectory:
         for node in sorted(self._agents.values(), key=lambda n: (n.first_seen, n.name)):
             under = node.parent if node.parent in self._agents else None
             children.setdefault(under, []).append(node)
-        waiting = self._waiting_counts()
+        waiting = self._waiting_counts(now)
         rows: list[AgentView] = []
         stack = [(node, 0) for node in reversed(children.get(None, []))]
         seen: set[str] = set()
@@ -416,20 +423,23 @@ class AgentDirectory:
             and parent.last_request <= parent.turn_ended
         )
 
-    def _waiting_counts(self) -> dict[str, int]:
+    def _waiting_counts(self, now: float) -> dict[str, int]:
         """Per agent, the sub-agents it waits for now: those it is blocked on that were active
-        since its last request, or, before any has come, the calls its turn ended in."""
+        since its last request (and within ``wait_ttl``), or, before any has come, the calls its
+        turn ended in."""
         counts: dict[str, int] = {}
+        recent = now - self.wait_ttl
         for node in self._agents.values():
             parent = self._agents.get(node.parent) if node.parent else None
             if (
                 parent is not None
-                and node.last_seen >= parent.last_request
+                and node.last_seen >= max(parent.last_request, recent)
                 and self._waited_on(node, parent)
             ):
                 counts[parent.name] = counts.get(parent.name, 0) + 1
         for node in self._agents.values():
-            if node.turn_ended is not None and node.last_request <= node.turn_ended:
+            ended = node.turn_ended
+            if ended is not None and node.last_request <= ended and ended >= recent:
                 counts[node.name] = max(counts.get(node.name, 0), len(node.turn_calls))
         return counts
 

@@ -161,3 +161,16 @@ async def test_the_coordinators_context_outlives_its_subagents_and_the_shared_he
         subagents,
         back["prompt_tokens"],
     )
+
+
+async def test_a_fork_is_served_from_its_coordinators_state(tmp_path: Path) -> None:
+    """A fork's prompt is the coordinator's conversation and more: it reuses the coordinator's
+    cached context instead of computing it again."""
+    fake = FakeLlama(reply="done", save_dir=tmp_path)
+    async with served(fake, store_dir=tmp_path) as http:
+        await post(http, "bg_1_coordinator.json")  # the same project and prompt as the fork's
+        await post(http, "fork_2_subagent.json")
+        table = (await http.get("/agentkv/slots")).json()
+    coordinator = next(r for r in table["recent"] if r["agent"] == "coordinator")
+    fork = next(r for r in table["recent"] if r["parent"] == "coordinator")
+    assert fork["cached_tokens"] >= 0.9 * coordinator["prompt_tokens"], (fork, coordinator)

@@ -31,6 +31,9 @@ class AgentTree:
     enabled: bool = True
     background_offset: int = 1
     directory: AgentDirectory = attrs.field(init=False)
+    #: The last answer of :meth:`warm` and the directory version it was computed at (placement
+    #: asks for every ticket it prices; an empty answer changes only with a request or a reply).
+    _warm: tuple[int, frozenset[str]] = attrs.field(init=False, default=(-1, frozenset()))
 
     def __attrs_post_init__(self) -> None:
         self.directory = AgentDirectory(background_offset=self.background_offset)
@@ -67,7 +70,13 @@ class AgentTree:
 
     def warm(self) -> frozenset[str]:
         """Agents waiting for their sub-agents: their slot content is parked, never just lost."""
-        return self.directory.waiting_parents(self.clock()) if self.enabled else frozenset()
+        if not self.enabled:
+            return frozenset()
+        version, agents = self._warm
+        if version != self.directory.version or agents:
+            agents = self.directory.waiting_parents(self.clock())
+            self._warm = (self.directory.version, agents)
+        return agents
 
     def view(self) -> list[AgentView]:
         return self.directory.view(self.clock()) if self.enabled else []
