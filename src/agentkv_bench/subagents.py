@@ -492,7 +492,18 @@ async def run_subagents(
             round(counters.get("prompt_computed", 0.0) / seconds, 1) if seconds else None
         )
         reports.append(summary)
-        bench.say(f"subagents/{name}: {summary['wall_s']} s")
+        record = summary["continuation_record"] or {}
+        bench.say(
+            f"subagents/{name}: {summary['wall_s']} s; first tokens: "
+            + ", ".join(f"{step} {row['ttft_s']} s" for step, row in summary["steps"].items())
+            + f"; continuation computed {record.get('computed_tokens')} of "
+            f"{record.get('prompt_tokens')}; prefill computed {summary['prefill_computed']} "
+            f"(minimum {facts['minimum']}); errors {summary['errors']}"
+        )
+        # What ran so far survives a run that is stopped before the end.
+        partial = bench.out / "subagents-partial.json"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"facts": facts, "configs": reports}, indent=1))
     assert facts is not None
     report: dict[str, Any] = {
         "scenario": "subagents",
