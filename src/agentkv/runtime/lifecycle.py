@@ -827,9 +827,7 @@ class Runtime:
         if sub is None:
             # A coordinator's request may name the sub-agents its calls started: their records
             # finished before that was known.
-            for record in self._recent:
-                if record.parent is not None and record.description is None:
-                    self._place_record(record, waited=record.waited_on)
+            self.tree.relabel(self._recent)
         return place
 
     async def prepare(self, body: Mapping[str, Any], *, agent: str, priority: int) -> Prepared:
@@ -937,7 +935,7 @@ class Runtime:
             ),
             started=ticket.arrival,
         )
-        self._place_record(exchange.record)
+        self.tree.label(exchange.record)
         self._exchanges[prepared.key] = exchange
         self._tg.start_soon(exchange.drive)
         return exchange
@@ -1023,15 +1021,6 @@ class Runtime:
             log.info("client of agent %s is gone; stopping its request", exchange.prepared.agent)
             exchange.cancel()
 
-    def _place_record(self, record: RequestRecord, *, waited: bool | None = None) -> None:
-        """The record's place in the agent tree: parent, description, waited on (as it was
-        when the request was queued, unless ``waited`` is given)."""
-        place = self.tree.describe(record.agent)
-        if place is None or place.parent is None:
-            return
-        record.parent, record.description = place.parent, place.description
-        record.waited_on = place.waited_on if waited is None else waited
-
     def add_listener(self, listener: Callable[[RequestRecord], None]) -> None:
         """Call ``listener`` with the record of every request when it ends (metrics, logs)."""
         self._listeners.append(listener)
@@ -1054,7 +1043,7 @@ class Runtime:
         if exchange.failure is None:
             self.tree.replied(record.agent, exchange._events)
         # A sub-agent may have been linked to its call since it started (its parent's request).
-        self._place_record(record, waited=record.waited_on)
+        self.tree.relabel([record])
         for listener in self._listeners:
             try:
                 listener(record)

@@ -10,8 +10,8 @@ its root with its own priority, as before sub-agents were recognised.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 
@@ -19,7 +19,17 @@ from agentkv.agents import AGENT_TOOL, AgentDirectory, AgentPlace, AgentView
 from agentkv.runtime.gateway import Gateway
 from agentkv.sse import accumulate
 
-__all__ = ["AgentTree"]
+__all__ = ["AgentTree", "Labelled"]
+
+
+class Labelled(Protocol):
+    """A request's record, as far as its place in the tree goes
+    (:class:`agentkv.runtime.lifecycle.RequestRecord`)."""
+
+    agent: str
+    parent: str | None
+    description: str | None
+    waited_on: bool | None
 
 
 @attrs.define(eq=False)
@@ -84,6 +94,23 @@ class AgentTree:
     def describe(self, agent: str) -> AgentPlace | None:
         """Where ``agent`` stands in the tree now (None: not known, or the tree is off)."""
         return self.directory.describe(agent) if self.enabled else None
+
+    def label(self, record: Labelled) -> None:
+        """A queued request's record: its parent, the description of its call and whether its
+        parent waits for it, as they stand now."""
+        place = self.describe(record.agent)
+        if place is not None and place.parent is not None:
+            record.parent, record.description = place.parent, place.description
+            record.waited_on = place.waited_on
+
+    def relabel(self, records: Iterable[Labelled]) -> None:
+        """Records of sub-agents learn the description of their call, once it is known (whether
+        the parent waited stays as it was when the request was queued)."""
+        for record in records:
+            if record.parent is not None and record.description is None:
+                place = self.describe(record.agent)
+                if place is not None:
+                    record.description = place.description
 
     def annotate(self, table: dict[str, Any]) -> None:
         """Add the tree to the operator's table, and each slot's and ticket's place in it."""
