@@ -257,3 +257,13 @@ def test_an_abandoned_fan_out_stops_being_kept_warm() -> None:
     tree.request("s", "a1", 1, user("t"), now=2.0)
     assert tree.waiting_parents(30.0) == {"s"}
     assert tree.waiting_parents(100.0) == frozenset()
+
+
+def test_a_subagent_of_an_unseen_coordinator_is_waited_on_under_it() -> None:
+    """The coordinator's requests never reached agentkv: it still heads the tree, silent."""
+    tree = AgentDirectory()
+    place = tree.request("s", "a1", 0, user("task"), now=5.0)
+    assert place.parent == "s" and place.waited_on and place.priority == 0
+    rows = tree.view(6.0)
+    assert [(r.agent, r.depth, r.requests) for r in rows] == [("s", 0, 0), ("s/a1", 1, 1)]
+    assert rows[0].waiting_for == 1

@@ -25,6 +25,7 @@ an agent idle for ``idle_ttl`` seconds is forgotten.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -269,6 +270,18 @@ class AgentDirectory:
         """
         self._expire(now)
         self.version += 1
+        if sub is not None and root not in self._agents:
+            # A sub-agent whose coordinator agentkv has not seen (its requests went elsewhere,
+            # or were forgotten): the coordinator stands in the tree, silent since.
+            self._agents[root] = _Agent(
+                name=root,
+                root=root,
+                sub=None,
+                priority=priority,
+                first_seen=now,
+                last_seen=now,
+                last_request=-math.inf,
+            )
         name = agent_name(root, sub)
         agent = self._agents.get(name)
         if agent is None:
