@@ -259,3 +259,22 @@ def test_random_sequences_keep_the_table_consistent(sequence: list[tuple[str, li
         assert sorted(lease.slot for lease in live) == sorted(
             row.slot for row in rows if row.refcount
         )
+
+
+def test_a_waiting_coordinators_context_is_overwritten_last_and_always_parked() -> None:
+    """Its slot is the one kept; when it must go, even a small context is saved first."""
+    manager = SlotManager(2)
+    run(manager, tuple(range(3000)), 0, agent="coordinator")
+    run(manager, tuple(range(10_000, 13_000)), 1, agent="other")
+    store = StoreIndex(budget=10**10)
+    fresh = tuple(range(50_000, 50_300))
+    # Least recently used would be the coordinator's slot; waiting, it is kept.
+    plain = manager.place(fresh, COSTS, store=store)
+    kept = manager.place(fresh, COSTS, store=store, keep={"coordinator"})
+    assert plain is not None and plain.slot == 0
+    assert kept is not None and kept.slot == 1
+    small = SlotManager(1)
+    run(small, tuple(range(100)), 0, agent="coordinator")
+    assert not small.place(fresh, COSTS, store=store, park_min=256).park  # type: ignore[union-attr]
+    parked = small.place(fresh, COSTS, store=store, park_min=256, keep={"coordinator"})
+    assert parked is not None and parked.park

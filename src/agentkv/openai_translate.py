@@ -25,7 +25,7 @@ import attrs
 
 from agentkv.exceptions import InvalidRequestError
 from agentkv.limits import RequestLimits
-from agentkv.repair import json_type
+from agentkv.schema import json_type
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",

@@ -17,7 +17,7 @@ Pure and single-threaded: time is passed in, nothing awaits, and callers seriali
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
@@ -68,6 +68,7 @@ def place(
     *,
     store: StoreIndex | None = None,
     park_min: int = 256,
+    keep: Collection[str] = (),
 ) -> Placement | None:
     """The cheapest idle slot for a prompt of ``tokens``, and how to prepare it; None if none idle.
 
@@ -76,6 +77,10 @@ def place(
     the save of the slot's present content when it is worth parking (``park_min`` tokens would be
     lost, it is not in the store yet, and a store exists), plus the expected later cost of what is
     overwritten. Ties go to the slot used least recently.
+
+    A slot whose agent is in ``keep`` (a coordinator waiting for its sub-agents) holds context
+    that is certain to come back: it is parked whatever its size, and what overwriting it loses
+    counts in full rather than by :data:`_RETURN_CHANCE`.
     """
     if not idle:
         return None
@@ -96,14 +101,17 @@ def place(
             kept = own if source is not Source.STORE else 0
             lost = held - kept
             saved = view.stored is not None
-            park = store is not None and not saved and lost >= park_min and lost > 0
+            kept_warm = view.agent is not None and view.agent in keep
+            big = lost >= park_min or kept_warm
+            park = store is not None and not saved and big and lost > 0
+            chance = 1.0 if kept_warm else _RETURN_CHANCE
             park_s = costs.save.estimate(costs.state_bytes(held)) if park else 0.0
             if lost <= 0:
                 later = 0.0
             elif saved or park:
-                later = _RETURN_CHANCE * costs.restore.estimate(costs.state_bytes(held))
+                later = chance * costs.restore.estimate(costs.state_bytes(held))
             else:
-                later = _RETURN_CHANCE * costs.prefill.estimate(kept, lost)
+                later = chance * costs.prefill.estimate(kept, lost)
             seconds = restore_s + park_s + costs.prefill.estimate(reuse, n - reuse)
             lru = -math.inf if view.last_used is None else view.last_used
             key = (seconds + later, lru)
@@ -172,9 +180,10 @@ class SlotManager:
         *,
         store: StoreIndex | None = None,
         park_min: int = 256,
+        keep: Collection[str] = (),
     ) -> Placement | None:
         """:func:`place` over this table's idle slots."""
-        return place(tokens, self.idle(), costs, store=store, park_min=park_min)
+        return place(tokens, self.idle(), costs, store=store, park_min=park_min, keep=keep)
 
     def acquire(self, placement: Placement, now: float, *, agent: str, tokens: Tokens) -> Lease:
         """Lease the slot ``placement`` names for a request of ``tokens``.

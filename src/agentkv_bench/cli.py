@@ -35,11 +35,21 @@ from agentkv_bench.workload import WorkloadSpec
 
 __all__ = ["build_parser", "main"]
 
-SCENARIOS = ("agents", "claude", "restart", "priority", "real-cli", "overhead", "soak")
+SCENARIOS = (
+    "agents",
+    "claude",
+    "restart",
+    "priority",
+    "subagents",
+    "real-cli",
+    "overhead",
+    "soak",
+)
 _CONFIGS = {
     "agents": ("plain", "tuned", "agentkv"),
     "claude": ("plain", "tuned", "agentkv"),
     "priority": ("alone", "plain", "tuned", "agentkv", "agentkv-preempt"),
+    "subagents": ("alone", "plain", "agentkv-notree", "agentkv", "agentkv-warm"),
     "real-cli": ("llama-server", "agentkv", "agentkv-warm"),
 }
 #: Context per slot: the synthetic prompts are short; Claude Code's first request is ~11.8K.
@@ -57,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCENARIOS,
         default="agents",
         help="agents: synthetic agents > slots; claude: fresh Claude Code sessions; restart: "
-        "the prefix store across a restart; priority: P0 while sub-agents prefill; real-cli: "
+        "the prefix store across a restart; priority: P0 while sub-agents prefill; subagents: a "
+        "Claude Code coordinator fanning out to sub-agents (its replies scripted); real-cli: "
         "the real Claude Code CLI; overhead: the gateway against a fake engine; soak: many "
         "clients, dropped requests and an engine kill against agentkv-server (default agents)",
     )
@@ -73,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument(
         "--scale",
         type=float,
-        help="claude, restart, priority: length of the Claude Code prompt's texts, 1 = as "
-        "captured (~11.6K tokens; quick 0.125)",
+        help="claude, restart, priority, subagents: length of the Claude Code prompt's texts, "
+        "1 = as captured (~11.6K tokens; quick 0.125)",
     )
     size.add_argument("--rounds", type=int, help="priority: P0 arrivals (default 3; quick 2)")
     size.add_argument("--subagents", type=int, help="priority: sub-agents (default 2)")
@@ -107,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--configs",
         help="comma list of configurations (agents, claude: plain,tuned,agentkv; priority: "
-        "alone,plain,tuned,agentkv,agentkv-preempt; real-cli: llama-server,agentkv,agentkv-warm)",
+        "alone,plain,tuned,agentkv,agentkv-preempt; subagents: alone,plain,agentkv-notree,agentkv,"
+        "agentkv-warm; real-cli: llama-server,agentkv,agentkv-warm)",
     )
     parser.add_argument(
         "--tuned-args",
@@ -214,6 +226,16 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
         )
         report = await run_priority(bench, priority_spec, _configs(args, scenario))
         return report, priority_table(report)
+    if scenario == "subagents":
+        from agentkv_bench.subagents import SubagentsSpec, run_subagents, subagents_table
+
+        sub_spec = _evolve(
+            SubagentsSpec.quick() if args.quick else SubagentsSpec(),
+            slots=setup.slots,
+            scale=args.scale,
+        )
+        report = await run_subagents(bench, sub_spec, _configs(args, scenario))
+        return report, subagents_table(report)
     from agentkv_bench.claude import CliSpec, find_claude, real_cli_table, run_real_cli
 
     cli_spec = _evolve(

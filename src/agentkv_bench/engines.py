@@ -49,6 +49,8 @@ LABELS = {
     "plain": "llama-server (defaults)",
     "tuned": "llama-server (tuned)",
     "agentkv": "agentkv + llama-server",
+    "agentkv-notree": "agentkv, agent tree off",
+    "agentkv-warm": "agentkv, warm store",
 }
 
 
@@ -133,9 +135,11 @@ async def agentkv_engine(
     store_dir: Path | None,
     preempt_from: int | None = None,
     name: str = "agentkv",
+    agent_tree: bool = True,
 ) -> AsyncIterator[Engine]:
     """agentkv's own launch of llama-server plus its gateway. ``store_dir`` is the prefix store
-    (llama-server's ``--slot-save-path``); None runs without one."""
+    (llama-server's ``--slot-save-path``); None runs without one. ``agent_tree`` False: a
+    sub-agent is its session's agent (``--no-agent-tree``)."""
     config = EngineConfig(
         model=setup.model,
         slots=setup.slots,
@@ -153,6 +157,7 @@ async def agentkv_engine(
                 ctx_per_slot=config.effective_ctx_per_slot,
                 store_dir=store_dir,
                 preempt_from=preempt_from,
+                agent_tree=agent_tree,
                 # As Claude Code is run here (API_TIMEOUT_MS=1800000): a cold prefill takes minutes.
                 client_timeout=1800.0,
             )
@@ -160,7 +165,8 @@ async def agentkv_engine(
             runtime = Runtime(client, runtime_config, store_compat=compat)
             async with serve_app(create_app(runtime)) as url:
                 flags = f"agentkv (store {'on' if store_dir else 'off'}"
-                flags += f", preempt-from {preempt_from})" if preempt_from is not None else ")"
+                flags += f", preempt-from {preempt_from}" if preempt_from is not None else ""
+                flags += ")" if agent_tree else ", no agent tree)"
                 yield Engine(name, url, engine.base_url, flags, runtime)
         finally:
             with anyio.CancelScope(shield=True):
@@ -174,11 +180,12 @@ async def start(
     *,
     store_dir: Path | None = None,
     preempt_from: int | None = None,
+    agent_tree: bool = True,
 ) -> AsyncIterator[Engine]:
     """Start configuration ``name`` (``plain``, ``tuned``, or ``agentkv``-anything)."""
     if name.startswith("agentkv"):
         async with agentkv_engine(
-            setup, store_dir=store_dir, preempt_from=preempt_from, name=name
+            setup, store_dir=store_dir, preempt_from=preempt_from, name=name, agent_tree=agent_tree
         ) as engine:
             yield engine
         return

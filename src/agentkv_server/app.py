@@ -47,7 +47,12 @@ from agentkv.runtime.lifecycle import Emitted, Exchange, Failed, KeepAlive, Prep
 from agentkv.sse import encode_event
 from agentkv_server.body import read_json
 from agentkv_server.config import ServerConfig
-from agentkv_server.identity import agent_identity, agent_priority, openai_agent_identity
+from agentkv_server.identity import (
+    agent_identity,
+    agent_priority,
+    openai_agent_identity,
+    subagent_id,
+)
 from agentkv_server.metrics import ServerMetrics
 from agentkv_server.page import page_mount
 
@@ -191,9 +196,9 @@ class _Routes:
         self.check_auth(request)
         body = await read_json(request, self.config.body_limits)
         headers = _lower(request.headers)
-        agent = agent_identity(headers, body, request.client.host if request.client else None)
-        priority = agent_priority(headers)
-        prepared = await self.runtime.prepare(body, agent=agent, priority=priority)
+        root = agent_identity(headers, body, request.client.host if request.client else None)
+        place = self.runtime.place_agent(root, subagent_id(headers), agent_priority(headers), body)
+        prepared = await self.runtime.prepare(body, agent=place.agent, priority=place.priority)
         exchange = self.runtime.submit(prepared)  # 529 when the queue is full
         if prepared.engine.stream:
             return StreamingResponse(

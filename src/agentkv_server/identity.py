@@ -19,7 +19,15 @@ import attrs
 
 from agentkv import InvalidRequestError
 
-__all__ = ["DEFAULT_PRIORITY", "MAX_AGENT_ID", "agent_identity", "agent_priority", "clean_agent_id"]
+__all__ = [
+    "DEFAULT_PRIORITY",
+    "MAX_AGENT_ID",
+    "MAX_SUBAGENT_ID",
+    "agent_identity",
+    "agent_priority",
+    "clean_agent_id",
+    "subagent_id",
+]
 
 DEFAULT_PRIORITY = 1
 #: Longest agent id kept as it is; a longer one becomes ``<first 40 characters>…#<digest>``.
@@ -32,6 +40,9 @@ _SCAN: Final = 4096
 #: A ``metadata.user_id`` longer than this is not an identity source (Claude Code's is ~150).
 _MAX_USER_ID: Final = 8192
 _SESSION_IN_USER_ID = re.compile(r"session_([0-9A-Za-z-]+)")
+#: Longest sub-agent id kept (Claude Code's are 17 hex characters); a longer one is shortened
+#: like a long agent id.
+MAX_SUBAGENT_ID: Final = 64
 
 
 def clean_agent_id(raw: str) -> str | None:
@@ -77,6 +88,24 @@ def agent_identity(headers: Mapping[str, str], body: Mapping[str, Any], client: 
         if session:
             return session
     return (clean_agent_id(client) if client else None) or "anonymous"
+
+
+def subagent_id(headers: Mapping[str, str]) -> str | None:
+    """The sub-agent a request comes from inside its session, or None for the session's own.
+
+    Claude Code sends ``x-claude-code-agent-id`` on every request of a sub-agent (its ``Agent``
+    tool), and none on the coordinator's. The id is cleaned like an agent id, and one longer
+    than :data:`MAX_SUBAGENT_ID` characters is shortened the same way; it never contains ``/``,
+    which separates it from its root in the agent's name.
+    """
+    raw = headers.get("x-claude-code-agent-id")
+    if not raw:
+        return None
+    value = clean_agent_id(raw.replace("/", "_"))
+    if value is None or len(value) <= MAX_SUBAGENT_ID:
+        return value
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:_DIGEST]
+    return f"{value[: MAX_SUBAGENT_ID - _DIGEST - 2]}…#{digest}"
 
 
 def _session_from_user_id(user_id: str) -> str | None:

@@ -137,6 +137,13 @@ class ServerMetrics:
             ["section"],
             registry=r,
         )
+        self.subagent_requests = Counter(
+            "agentkv_subagent_requests",
+            "Requests of sub-agents (Claude Code's Agent tool), by whether their parent waited "
+            "for them (they ran at its priority) or not (background, less urgent)",
+            ["waited_on"],
+            registry=r,
+        )
         self.registry.register(_RuntimeCollector(self))
         runtime.add_listener(self.observe)
 
@@ -163,6 +170,9 @@ class ServerMetrics:
             self.stopped.labels(record.stopped).inc()
         if record.attached > 1:
             self.joined.inc(record.attached - 1)
+        if getattr(record, "parent", None):
+            waited = getattr(record, "waited_on", None)
+            self.subagent_requests.labels("true" if waited else "false").inc()
         divergence = getattr(record, "divergence", None)
         if isinstance(divergence, dict):
             seconds = divergence.get("seconds")
@@ -205,6 +215,7 @@ class _RuntimeCollector(Collector):
         if store is not None:
             yield from _store(store)
         yield from _compactions(runtime.compactor.store.table())
+        yield from _tree(runtime.tree.view())
         costs = runtime.costs
         yield _gauge(
             "agentkv_prefill_tokens_per_second",
@@ -314,6 +325,28 @@ def _store(store: dict[str, Any]) -> Iterator[Metric]:
     )
     for name, key, doc in counters:
         yield _counter(f"agentkv_store_{name}", doc, store[key])
+
+
+def _tree(rows: list[Any]) -> Iterator[Metric]:
+    agents = GaugeMetricFamily(
+        "agentkv_agents",
+        "Agents known to the agent tree: coordinators (a session or X-Agent-Id) and the "
+        "sub-agents they started, by whether their parent waits for them",
+        labels=["kind"],
+    )
+    agents.add_metric(["coordinator"], sum(1 for row in rows if row.parent is None))
+    agents.add_metric(
+        ["subagent_waited_on"], sum(1 for row in rows if row.parent and row.waited_on)
+    )
+    agents.add_metric(
+        ["subagent_background"], sum(1 for row in rows if row.parent and not row.waited_on)
+    )
+    yield agents
+    yield _gauge(
+        "agentkv_agents_waiting_for_subagents",
+        "Agents waiting for their sub-agents now (their context is kept warm)",
+        sum(1 for row in rows if row.waiting_for),
+    )
 
 
 def _compactions(rows: list[dict[str, Any]]) -> Iterator[Metric]:

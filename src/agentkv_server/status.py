@@ -154,8 +154,47 @@ def _slot_progress(row: dict[str, Any], table: dict[str, Any]) -> str:
     return ""
 
 
+def _labelled(row: dict[str, Any]) -> str:
+    """An agent's name, with the description of the call that started it where known."""
+    agent = row.get("agent") or "-"
+    description = row.get("description")
+    return f"{agent} ({description})" if description else agent
+
+
+def _tree(table: dict[str, Any]) -> list[str]:
+    """The agent tree: each coordinator, then its sub-agents indented under it."""
+    tree = table.get("tree")
+    if tree is None:
+        return []
+    out = ["", f"agents ({len(tree)})"]
+    if not tree:
+        return [*out, "  none yet"]
+    rows = []
+    for row in tree:
+        depth = int(row.get("depth") or 0)
+        name = row["agent"]
+        if row.get("parent") and name.startswith(row["root"] + "/"):
+            name = name[len(row["root"]) + 1 :]
+        if depth:
+            name = "  " * (depth - 1) + "└ " + name
+        waits = row.get("waiting_for") or 0
+        if waits:
+            state = f"waits for {_count(waits, 'sub-agent', 'sub-agents')}"
+        elif row.get("parent"):
+            state = "waited on" if row.get("waited_on") else "background"
+        else:
+            state = ""
+        kind = row.get("subagent_type")
+        what = row.get("description") or ""
+        if kind:
+            what = f"{what} [{kind}]" if what else f"[{kind}]"
+        rows.append([name, str(row["priority"]), str(row["requests"]), state, what])
+    return out + _columns(["agent", "prio", "requests", "state", "started for"], rows, {2})
+
+
 def render(table: dict[str, Any], *, url: str = "", now: float | None = None) -> str:
-    """The table as plain text: slots, queue, store and placements, recent requests."""
+    """The table as plain text: slots, queue, the agent tree, store and placements, recent
+    requests."""
     stamp = time.strftime("%H:%M:%S", time.localtime(now))
     out = [f"agentkv {url}  {stamp}" if url else f"agentkv  {stamp}", ""]
 
@@ -164,7 +203,7 @@ def render(table: dict[str, Any], *, url: str = "", now: float | None = None) ->
     rows = [
         [
             str(row["slot"]),
-            row["agent"] or "-",
+            _labelled(row),
             "-" if row.get("priority") is None else str(row["priority"]),
             _num(row["tokens"]),
             row["state"],
@@ -190,7 +229,7 @@ def render(table: dict[str, Any], *, url: str = "", now: float | None = None) ->
             rows.append(
                 [
                     str(ticket["ticket"]),
-                    ticket["agent"],
+                    _labelled(ticket),
                     str(ticket["priority"]),
                     _num(ticket["tokens"]),
                     _secs(ticket["waited_s"]),
@@ -205,6 +244,7 @@ def render(table: dict[str, Any], *, url: str = "", now: float | None = None) ->
         )
     else:
         out.append("  nobody is waiting")
+    out += _tree(table)
 
     out.append("")
     placements = table["placements"]
@@ -230,7 +270,7 @@ def render(table: dict[str, Any], *, url: str = "", now: float | None = None) ->
     if recent:
         rows = [
             [
-                r["agent"],
+                _labelled(r),
                 str(r["priority"]),
                 "-" if r["slot"] is None else str(r["slot"]),
                 r["source"] or "-",

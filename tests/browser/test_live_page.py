@@ -136,3 +136,48 @@ def test_page_asks_for_the_api_key_once(browser: Any) -> None:
         wait_until(browser, lambda d: text(d, "#conn") == "live")
         assert not browser.find_element("id", "keyform").is_displayed()
         browser.execute_script("sessionStorage.clear()")
+
+
+def test_page_shows_the_agent_tree(browser: Any) -> None:
+    """A coordinator and the two sub-agents it started: the coordinator first, its sub-agents
+    indented under it with their calls' descriptions, and named so in the recent requests."""
+    import json
+    from pathlib import Path
+
+    captures = Path(__file__).parent.parent / "fixtures" / "claude_code" / "subagents"
+    keep = ("x-agent-id", "x-claude-code-session-id", "x-claude-code-agent-id")
+    with fake_page_server(FakeLlama(reply="done"), n_slots=2) as server:
+        for name in (
+            "fg_1_coordinator.json",
+            "fg_2_subagent_back.json",
+            "fg_3_subagent_front.json",
+            "fg_4_continuation.json",
+        ):
+            data = json.loads((captures / name).read_text())
+            headers = {k: v for k, v in data["headers"].items() if k in keep}
+            body = {**data["body"], "max_tokens": 8, "stream": False}
+            response = httpx.post(
+                f"{server.url}/v1/messages", json=body, headers=headers, timeout=60
+            )
+            assert response.status_code == 200, response.text
+        browser.get(f"{server.url}/agentkv/")
+        wait_until(browser, lambda d: text(d, "#conn") == "live")
+        rows = wait_until(
+            browser,
+            lambda d: (
+                (
+                    found := d.execute_script(
+                        """return [...document.querySelectorAll('#agents tbody tr[data-agent]')]
+                        .map(r => ({depth: Number(r.dataset.depth), text: r.innerText}))"""
+                    )
+                )
+                and len(found) == 3
+                and found
+            ),
+        )
+        assert rows[0]["depth"] == 0 and rows[0]["text"].startswith("coordinator")
+        assert [row["depth"] for row in rows[1:]] == [1, 1]
+        described = " ".join(row["text"] for row in rows[1:])
+        assert "Write the front end" in described and "Write the back end" in described
+        assert "waited on" in described
+        assert "(Write the back end)" in text(browser, "#recent tbody")

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -325,12 +325,22 @@ class Exchange:
         return json.dumps(body, sort_keys=True)
 
 
+#: Answers an exchange itself (an SSE body), or None to pass it on: see ``RecordingProxy.script``.
+Script = Callable[[Exchange], bytes | None]
+
+
 @attrs.define
 class RecordingProxy:
-    """A pass-through HTTP proxy on a free loopback port that keeps every exchange."""
+    """A pass-through HTTP proxy on a free loopback port that keeps every exchange.
+
+    ``script``, when given, sees each exchange first and may answer it itself with a streamed
+    reply: the test harness's way to put Claude Code into a state that the default model cannot
+    drive it into (calling its ``Agent`` tool). Everything it does not answer goes upstream.
+    """
 
     upstream: str
     port: int = attrs.field(factory=free_port)
+    script: Script | None = None
     exchanges: list[Exchange] = attrs.field(factory=list, init=False)
     _server: Any = attrs.field(default=None, init=False)
     _thread: threading.Thread | None = attrs.field(default=None, init=False)
@@ -358,6 +368,10 @@ class RecordingProxy:
                 started=time.monotonic(),
             )
             self.exchanges.append(record)
+            scripted = self.script(record) if self.script is not None else None
+            if scripted is not None:
+                record.status, record.ended = 200, time.monotonic()
+                return Response(scripted, media_type="text/event-stream")
             upstream = client.build_request(
                 request.method,
                 self.upstream + request.url.path,

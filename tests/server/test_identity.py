@@ -11,9 +11,11 @@ import pytest
 from agentkv import InvalidRequestError
 from agentkv_server.identity import (
     MAX_AGENT_ID,
+    MAX_SUBAGENT_ID,
     agent_identity,
     agent_priority,
     clean_agent_id,
+    subagent_id,
 )
 
 SESSION = "0b9a3f52-6c1d-4e8a-9f27-3d5b8c1e7a40"
@@ -131,3 +133,26 @@ def test_bad_priority_is_a_400_naming_the_header(raw: str) -> None:
     message = info.value.message
     assert message.startswith("header x-agent-priority: must be an integer from 0")
     assert len(message) < 200
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (None, None),
+        ("", None),
+        ("a0d86d4bb560b1f1f", "a0d86d4bb560b1f1f"),
+        ("a/b\nc", "a_bc"),  # never a separator, never a control character
+        ("\x1b[2J", "[2J"),
+    ],
+)
+def test_subagent_id_is_cleaned(raw: str | None, expected: str | None) -> None:
+    headers = {} if raw is None else {"x-claude-code-agent-id": raw}
+    assert subagent_id(headers) == expected
+
+
+def test_a_long_subagent_id_becomes_a_short_stable_form() -> None:
+    first = subagent_id({"x-claude-code-agent-id": "f" * 500})
+    again = subagent_id({"x-claude-code-agent-id": "f" * 500})
+    other = subagent_id({"x-claude-code-agent-id": "f" * 499 + "e"})
+    assert first == again != other
+    assert first is not None and len(first) <= MAX_SUBAGENT_ID

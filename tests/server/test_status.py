@@ -61,7 +61,7 @@ async def test_status_shows_prefill_progress_queue_and_recent_requests(serve: An
     (slot,) = [line for line in lines if re.match(r"\s+0\s+first\s", line)]
     assert "prefilling" in slot
     assert re.search(r"\d+/\d+ prompt tokens \(\d+%\)", slot), slot
-    (queued,) = [line for line in lines if re.search(r"\ssecond\s", line)]
+    (queued,) = [line for line in lines if re.match(r"\s+\d+\s+second\s", line)]
     assert queued.rstrip().endswith("a slot")
     text = status.render(runtime.table())
     recent = text.split("recent requests (newest first)")[1].splitlines()[2:]

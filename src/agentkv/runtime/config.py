@@ -94,6 +94,23 @@ class RuntimeConfig:
         parse=priority_or_off,
     )
 
+    agent_tree: bool = setting(
+        True,
+        "recognise Claude Code's sub-agents (x-claude-code-agent-id) as agents of their own under "
+        "the coordinator that started them, at its priority while it waits for them; off: a "
+        "sub-agent is its session's agent",
+        flag="--no-agent-tree",
+        group="scheduling",
+    )
+    background_agent_offset: int = setting(
+        1,
+        "priority levels a sub-agent runs less urgent than its parent when the parent does not "
+        "wait for it (run_in_background); 0: always the parent's priority",
+        group="scheduling",
+        metavar="LEVELS",
+        validator=attrs.validators.in_(range(4)),
+    )
+
     # -- streaming --------------------------------------------------------------------------------
     ping_interval: float = setting(
         5.0, "seconds of silence after which a stream gets a ping", group="streaming"

@@ -115,6 +115,9 @@ class Gateway:
     costs: CostModel = attrs.field(factory=CostModel)
     store: StoreIndex | None = None
     clock: Callable[[], float] = time.monotonic
+    #: Agents whose context is worth keeping now (a coordinator waiting for its sub-agents): a
+    #: slot holding one is overwritten last, and is parked first whatever its size.
+    warm: Callable[[], frozenset[str]] | None = None
     _slots: SlotManager = attrs.field(init=False)
     _scheduler: FairScheduler = attrs.field(init=False)
     #: Background work (compaction): dispatched only while no foreground ticket waits.
@@ -183,6 +186,18 @@ class Gateway:
         if self._background.cancel(ticket.id) is None:
             return  # not waiting in the background lane (dispatched, or already foreground)
         self._scheduler.submit(attrs.evolve(ticket, priority=priority), ticket.arrival)
+        self._dispatch()
+
+    def reprioritise(self, agent: str, priority: int) -> None:
+        """Queued foreground tickets of ``agent`` take ``priority`` (each keeps its arrival, so
+        its aging credit and the starvation bound hold at the new priority)."""
+        for ticket, _ in self._scheduler.queued(self.clock()):
+            if ticket.agent == agent and ticket.priority != priority:
+                self._scheduler.cancel(ticket.id)
+                self._scheduler.submit(attrs.evolve(ticket, priority=priority), ticket.arrival)
+                waiter = self._waiters.get(ticket.id)
+                if waiter is not None:
+                    waiter.ticket = attrs.evolve(waiter.ticket, priority=priority)
         self._dispatch()
 
     async def wait(self, ticket: Ticket) -> Lease:
@@ -524,7 +539,11 @@ class Gateway:
 
     def _place(self, ticket: Ticket) -> Placement | None:
         return self._slots.place(
-            ticket.tokens, self.costs, store=self.store, park_min=self.park_min
+            ticket.tokens,
+            self.costs,
+            store=self.store,
+            park_min=self.park_min,
+            keep=self.warm() if self.warm is not None else frozenset(),
         )
 
     def _dispatch(self) -> None:

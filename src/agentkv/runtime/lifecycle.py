@@ -41,6 +41,7 @@ import anyio.abc
 import attrs
 
 from agentkv._types import Lease, Source, Ticket
+from agentkv.agents import AgentPlace
 from agentkv.costs import CostModel
 from agentkv.exceptions import (
     AgentKVError,
@@ -60,6 +61,7 @@ from agentkv.runtime.gateway import Checkpoint, Gateway
 from agentkv.runtime.report import request_fields, request_line
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
+from agentkv.runtime.tree import AgentTree
 from agentkv.sse import RetryWithTools, SSEAssembler, accumulate
 from agentkv.store import EntryKind, StoreIndex
 from agentkv.tokens import Tokens, common_prefix
@@ -131,6 +133,12 @@ class RequestRecord:
     agent: str
     priority: int
     ticket: int = 0
+    #: The agent that started this one (a coordinator, for its sub-agent), and the description
+    #: of the call that started it, where known.
+    parent: str | None = None
+    description: str | None = None
+    #: A sub-agent's request: whether its parent waited for it (it ran at the parent's priority).
+    waited_on: bool | None = None
     #: Order in which requests got their slot (1, 2, …): shows what the scheduler chose.
     dispatch_seq: int | None = None
     slot: int | None = None
@@ -758,6 +766,7 @@ class Runtime:
     costs: CostModel = attrs.field(init=False, factory=CostModel)
     gateway: Gateway = attrs.field(init=False)
     compactor: Compactor = attrs.field(init=False)
+    tree: AgentTree = attrs.field(init=False)
     store: PrefixStore | None = attrs.field(init=False, default=None)
     _tg: anyio.abc.TaskGroup | None = attrs.field(init=False, default=None)
     _exchanges: dict[str, Exchange] = attrs.field(init=False, factory=dict)
@@ -793,6 +802,12 @@ class Runtime:
             store=index,
             clock=self.clock,
         )
+        self.tree = AgentTree(
+            gateway=self.gateway,
+            clock=self.clock,
+            enabled=config.agent_tree,
+            background_offset=config.background_agent_offset,
+        )
         self.compactor = Compactor(
             gateway=self.gateway,
             client=self.client,
@@ -822,6 +837,18 @@ class Runtime:
             await tg.__aexit__(None, None, None)
 
     # -- preparing --------------------------------------------------------------------------------
+
+    def place_agent(
+        self, root: str, sub: str | None, priority: int, body: Mapping[str, Any]
+    ) -> AgentPlace:
+        """Which agent of the tree a request belongs to (``root``, or its sub-agent ``sub``) and
+        the priority it runs at; pass both to :meth:`prepare`."""
+        place = self.tree.place(root, sub, priority, body)
+        if sub is None:
+            # A coordinator's request may name the sub-agents its calls started: their records
+            # finished before that was known.
+            self.tree.relabel(self._recent)
+        return place
 
     async def prepare(self, body: Mapping[str, Any], *, agent: str, priority: int) -> Prepared:
         """Validate and fit a Messages request; raises a 4xx :class:`AgentKVError` before any
@@ -935,6 +962,7 @@ class Runtime:
             ),
             started=ticket.arrival,
         )
+        self.tree.label(exchange.record)
         self._exchanges[prepared.key] = exchange
         self._tg.start_soon(exchange.drive)
         return exchange
@@ -1046,6 +1074,10 @@ class Runtime:
 
     def _finished(self, exchange: Exchange) -> None:
         record = exchange.record
+        if exchange.failure is None:
+            self.tree.replied(record.agent, exchange._events)
+        # A sub-agent may have been linked to its call since it started (its parent's request).
+        self.tree.relabel([record])
         for listener in self._listeners:
             try:
                 listener(record)
@@ -1104,6 +1136,7 @@ class Runtime:
         table["store"] = self.store.table() if self.store is not None else None
         table["compactions"] = self.compactor.store.table()
         table["agents"] = dict(self._agents)
+        self.tree.annotate(table)
         table["running"] = [attrs.asdict(r) for r in self.running()]
         table["recent"] = [attrs.asdict(r) for r in self._recent[-16:]]
         table["costs"] = {

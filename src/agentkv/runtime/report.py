@@ -10,7 +10,8 @@ as ``record.agentkv_request`` too, so a JSON log formatter writes them as data r
         diverged="token 11830 in message 7 block 1: reused 11830, computed 174, ~0.4 s"
 
 (one line; wrapped here). ``diverged`` appears only when the record says where the prompt left
-the best cached candidate; ``retried``, ``suspended=N``, ``stopped=…``, ``joined=N`` only when
+the best cached candidate; ``parent`` and ``description`` only for a sub-agent (where known);
+``retried``, ``suspended=N``, ``stopped=…``, ``joined=N`` only when
 they happened.
 """
 
@@ -29,6 +30,9 @@ def request_fields(record: RequestRecord) -> dict[str, Any]:
     """The facts of the request line, as data."""
     fields: dict[str, Any] = {
         "agent": record.agent,
+        "parent": getattr(record, "parent", None),
+        "description": getattr(record, "description", None),
+        "waited_on": getattr(record, "waited_on", None),
         "priority": record.priority,
         "slot": record.slot,
         "source": record.source,
@@ -56,6 +60,7 @@ def request_line(record: RequestRecord) -> str:
     parts = [
         "request",
         f"agent={_quoted(record.agent)}",
+        *_tree_parts(record),
         f"priority={record.priority}",
         f"slot={_or_dash(record.slot)}",
         f"source={_or_dash(record.source)}",
@@ -78,6 +83,22 @@ def request_line(record: RequestRecord) -> str:
     if divergence is not None:
         parts.append(f"diverged={_quoted(divergence_text(divergence))}")
     return " ".join(parts)
+
+
+def _tree_parts(record: RequestRecord) -> list[str]:
+    """``parent=…``, ``description=…`` and ``waited_on`` or ``background`` for a sub-agent's
+    request (read by name: older records have no such fields)."""
+    parts = []
+    parent = getattr(record, "parent", None)
+    if parent:
+        parts.append(f"parent={_quoted(parent)}")
+    description = getattr(record, "description", None)
+    if description:
+        parts.append(f"description={_quoted(description)}")
+    waited = getattr(record, "waited_on", None)
+    if parent and waited is not None:
+        parts.append("waited_on" if waited else "background")
+    return parts
 
 
 def divergence_text(divergence: Mapping[str, Any]) -> str:

@@ -1,4 +1,5 @@
-// The live page: polls /agentkv/slots once a second and draws slots, queue, store and requests.
+// The live page: polls /agentkv/slots once a second and draws slots, queue, agents, store and
+// requests.
 // Plain DOM (textContent only: agent ids are client input), no libraries, nothing fetched from
 // elsewhere. The API key, when the server needs one, is asked for once and kept in this tab's
 // sessionStorage; it is sent as x-api-key on each poll.
@@ -133,10 +134,31 @@ function heldTokens(row, table) {
     ? `${num(row.tokens)} → ${num(running.prompt_tokens)}` : num(row.tokens);
 }
 
+// An agent's name with the description of the call that started it, where known.
+function labelled(row) {
+  return row.description ? `${row.agent || "–"} (${row.description})` : row.agent || "–";
+}
+
+function drawAgents(table) {
+  const rows = (table.tree || []).map((a) => {
+    let name = a.agent;
+    if (a.parent && name.startsWith(a.root + "/")) name = name.slice(a.root.length + 1);
+    let state = "";
+    if (a.waiting_for) state = `waits for ${a.waiting_for} sub-agent${a.waiting_for === 1 ? "" : "s"}`;
+    else if (a.parent) state = a.waited_on ? "waited on" : "background";
+    const what = [a.description, a.subagent_type ? `[${a.subagent_type}]` : null].filter(Boolean).join(" ");
+    return el("tr", { "data-agent": a.agent, "data-depth": a.depth },
+      el("td", { style: { paddingLeft: 0.4 + 1.5 * a.depth + "em" } }, (a.depth ? "└ " : "") + name),
+      el("td", {}, a.priority), el("td", { class: "num" }, num(a.requests)),
+      el("td", {}, state), el("td", { class: "wide" }, what));
+  });
+  fill($("agents").tBodies[0], rows, 5, table.tree ? "no agent yet" : "the agent tree is off");
+}
+
 function drawSlots(table) {
   const rows = table.slots.map((row) => el("tr", { "data-slot": row.slot, "data-state": row.state },
     el("td", {}, row.slot),
-    el("td", {}, row.agent || "–"),
+    el("td", {}, labelled(row)),
     el("td", {}, row.priority ?? "–"),
     el("td", { class: "num" }, heldTokens(row, table)),
     el("td", {}, el("span", { class: "state " + row.state }, row.state)),
@@ -155,7 +177,7 @@ function drawQueue(table) {
         : `checkpoint #${t.waiting_for_checkpoint}`;
     }
     return el("tr", { "data-ticket": t.ticket },
-      el("td", {}, t.ticket), el("td", {}, t.agent), el("td", {}, t.priority),
+      el("td", {}, t.ticket), el("td", {}, labelled(t)), el("td", {}, t.priority),
       el("td", { class: "num" }, num(t.tokens)), el("td", { class: "num" }, secs(t.waited_s)),
       el("td", { class: "num" }, t.score.toFixed(2)), el("td", {}, waits));
   });
@@ -167,7 +189,7 @@ function drawQueue(table) {
 function drawRecent(table) {
   const recent = (table.recent || []).slice().reverse();
   const rows = recent.map((r) => el("tr", {},
-    el("td", {}, r.agent), el("td", {}, r.priority), el("td", {}, r.slot ?? "–"),
+    el("td", {}, labelled(r)), el("td", {}, r.priority), el("td", {}, r.slot ?? "–"),
     el("td", { class: "source-" + r.source }, r.source || "–"),
     el("td", { class: "num" }, `${num(r.cached_tokens)} / ${num(r.prompt_tokens)}`,
       bar(r.cached_tokens, r.prompt_tokens, "cached")),
@@ -230,6 +252,7 @@ function draw(table) {
   drawCards(table);
   drawSlots(table);
   drawQueue(table);
+  drawAgents(table);
   drawRecent(table);
   drawStore(table);
 }

@@ -1,0 +1,138 @@
+"""The agent tree at run time: places requests in :class:`~agentkv.agents.AgentDirectory`,
+follows the replies agentkv streams, and tells the gateway whose context to keep warm.
+
+The directory decides (who is whose sub-agent, who waits, what priority); this module wires it to
+the runtime: a request's agent and priority before it is queued, the ``Agent`` calls of a reply
+when it ends, the queued tickets of sub-agents whose priority changed, and the annotations the
+operator's views show. With the tree off (``RuntimeConfig.agent_tree``) every request belongs to
+its root with its own priority, as before sub-agents were recognised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from agentkv.agents import AGENT_TOOL, AgentDirectory, AgentPlace, AgentView
+from agentkv.runtime.gateway import Gateway
+from agentkv.sse import accumulate
+
+__all__ = ["AgentTree", "Labelled"]
+
+
+class Labelled(Protocol):
+    """A request's record, as far as its place in the tree goes
+    (:class:`agentkv.runtime.lifecycle.RequestRecord`)."""
+
+    agent: str
+    parent: str | None
+    description: str | None
+    waited_on: bool | None
+
+
+@attrs.define(eq=False)
+class AgentTree:
+    """One runtime's agent tree; ``enabled`` False makes every sub-agent its root."""
+
+    gateway: Gateway
+    clock: Callable[[], float]
+    enabled: bool = True
+    background_offset: int = 1
+    directory: AgentDirectory = attrs.field(init=False)
+    #: The last answer of :meth:`warm` and the directory version it was computed at (placement
+    #: asks for every ticket it prices; an empty answer changes only with a request or a reply).
+    _warm: tuple[int, frozenset[str]] = attrs.field(init=False, default=(-1, frozenset()))
+
+    def __attrs_post_init__(self) -> None:
+        self.directory = AgentDirectory(background_offset=self.background_offset)
+        if self.enabled:
+            self.gateway.warm = self.warm
+
+    def place(
+        self, root: str, sub: str | None, priority: int, body: Mapping[str, Any]
+    ) -> AgentPlace:
+        """The agent a request belongs to and the priority it runs at."""
+        if not self.enabled:
+            return AgentPlace(agent=root, priority=priority)
+        now = self.clock()
+        place = self.directory.request(root, sub, priority, body, now)
+        self._reprioritise(place.agent, now)
+        return place
+
+    def replied(self, agent: str, events: Sequence[Mapping[str, Any]]) -> None:
+        """A reply agentkv streamed to ``agent`` ended: learn the sub-agents it starts."""
+        if not self.enabled or not _calls_agent(events):
+            return
+        try:
+            message = accumulate(events)
+        except Exception:  # a reply cut short: its calls are learnt from the next request
+            return
+        now = self.clock()
+        self.directory.reply(
+            agent,
+            message.get("content"),
+            ended_in_tools=message.get("stop_reason") == "tool_use",
+            now=now,
+        )
+        self._reprioritise(agent, now)
+
+    def warm(self) -> frozenset[str]:
+        """Agents waiting for their sub-agents: their slot content is parked, never just lost."""
+        if not self.enabled:
+            return frozenset()
+        version, agents = self._warm
+        if version != self.directory.version or agents:
+            agents = self.directory.waiting_parents(self.clock())
+            self._warm = (self.directory.version, agents)
+        return agents
+
+    def view(self) -> list[AgentView]:
+        return self.directory.view(self.clock()) if self.enabled else []
+
+    def describe(self, agent: str) -> AgentPlace | None:
+        """Where ``agent`` stands in the tree now (None: not known, or the tree is off)."""
+        return self.directory.describe(agent) if self.enabled else None
+
+    def label(self, record: Labelled) -> None:
+        """A queued request's record: its parent, the description of its call and whether its
+        parent waits for it, as they stand now."""
+        place = self.describe(record.agent)
+        if place is not None and place.parent is not None:
+            record.parent, record.description = place.parent, place.description
+            record.waited_on = place.waited_on
+
+    def relabel(self, records: Iterable[Labelled]) -> None:
+        """Records of sub-agents learn the description of their call, once it is known (whether
+        the parent waited stays as it was when the request was queued)."""
+        for record in records:
+            if record.parent is not None and record.description is None:
+                place = self.describe(record.agent)
+                if place is not None:
+                    record.description = place.description
+
+    def annotate(self, table: dict[str, Any]) -> None:
+        """Add the tree to the operator's table, and each slot's and ticket's place in it."""
+        rows = self.view()
+        table["tree"] = [attrs.asdict(row) for row in rows]
+        by_agent = {row.agent: row for row in rows}
+        for item in [*table.get("slots", ()), *table.get("queue", ())]:
+            row = by_agent.get(item.get("agent") or "")
+            item["parent"] = row.parent if row else None
+            item["description"] = row.description if row else None
+
+    def _reprioritise(self, parent: str, now: float) -> None:
+        """Queued requests of ``parent``'s sub-agents take their priority as inferred now."""
+        for row in self.directory.view(now):
+            if row.parent == parent:
+                self.gateway.reprioritise(row.agent, row.priority)
+
+
+def _calls_agent(events: Sequence[Mapping[str, Any]]) -> bool:
+    for event in events:
+        if event.get("type") == "content_block_start":
+            block = event.get("content_block")
+            if isinstance(block, Mapping) and block.get("name") == AGENT_TOOL:
+                return True
+    return False

@@ -1,0 +1,637 @@
+"""The ``subagents`` scenario: a Claude Code coordinator fans out to sub-agents in one session.
+
+The workload, built from real Claude Code 2.1.328 requests (the coordinator's first request and a
+general-purpose sub-agent's, shipped as package data):
+
+1. the coordinator's first request (session S, ``X-Agent-Priority`` 0);
+2. its reply starts two **background** sub-agents; as Claude Code does, the coordinator's next
+   request (its ``Agent`` calls and their "started in the background" results) comes at once, and
+   so do the two sub-agents' first requests; a **second session's background agent** (priority 2)
+   starts prefilling its own prompt at the same moment;
+3. the reply to that request starts one **foreground** sub-agent (``run_in_background: false``):
+   the coordinator waits for it;
+4. when it has answered, the coordinator continues with its result.
+
+The default model cannot be relied on to call ``Agent``, so the coordinator's replies are
+**scripted by this harness**: each of its requests runs on the engine (its prompt is computed, a
+few tokens are generated) and the harness then sends what Claude Code would send after the scripted
+reply. Nothing in agentkv is scripted. Sub-agent requests carry ``x-claude-code-agent-id`` and the
+coordinator's session id, as Claude Code sends them.
+
+Configurations side by side, each on a fresh llama-server: ``plain`` (llama-server alone, its own
+``/v1/messages``), ``agentkv-notree`` (agentkv with the agent tree off: every sub-agent is its
+session's agent), ``agentkv`` and ``agentkv-warm`` (agentkv again, on the store the previous run
+left). ``alone`` times the foreground sub-agent's request alone on an idle agentkv: the reference
+for its first token.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+
+from agentkv.sse import encode_event
+from agentkv.tokens import common_prefix
+from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
+from agentkv_bench.drivers import Clock, RequestResult, one_request
+from agentkv_bench.metrics import PrefillYardstick, difference, read_counters, token_sequences
+
+__all__ = [
+    "Step",
+    "SubagentsSpec",
+    "SubagentsWorkload",
+    "agent_call",
+    "build_subagents",
+    "scripted_reply",
+    "scripted_sse",
+    "subagent_template",
+]
+
+_SUBAGENT_TEMPLATE = "claude_code_subagent_request.json"
+_SUBAGENT_WORDS = "Reply with the single word: back"
+SESSION = "5ab0c0de-0000-4000-8000-00000000c0de"
+OTHER_SESSION = "5ab0c0de-0000-4000-8000-0000000001e5"
+#: Claude Code's hand-back frame around a foreground sub-agent's report (as captured).
+_HAND_BACK = (
+    "[Subagent hand-back] The text below is the final report of a subagent this session "
+    "delegated to. It is model output, NOT a message from the user. The report follows:\n"
+    "  {report}\nagentId: {agent} (use SendMessage with to: '{agent}', summary: "
+    "'<5-10 word recap>' to continue this agent)\n<usage>subagent_tokens: 15\ntool_uses: 0\n"
+    "duration_ms: 1000</usage>"
+)
+_BACKGROUND = (
+    "Async agent launched successfully.\nagentId: {agent} (internal ID - do not mention to "
+    "user.)\nThe agent is working in the background. You will be notified automatically when it "
+    "completes.\noutput_file: /tmp/claude-0/-tmp-agentkv-demo/{session}/tasks/{agent}.output"
+)
+
+
+def subagent_template() -> dict[str, Any]:
+    """The captured first request of a general-purpose sub-agent (a new copy on every call)."""
+    text = resources.files("agentkv_bench").joinpath("data", _SUBAGENT_TEMPLATE).read_text("utf-8")
+    body: dict[str, Any] = json.loads(text)["body"]
+    return body
+
+
+def agent_call(
+    call_id: str,
+    description: str,
+    prompt: str,
+    *,
+    background: bool,
+    subagent_type: str = "general-purpose",
+) -> dict[str, Any]:
+    """An ``Agent`` tool_use block as Claude Code's model writes it."""
+    return {
+        "type": "tool_use",
+        "id": call_id,
+        "name": "Agent",
+        "input": {
+            "description": description,
+            "prompt": prompt,
+            "subagent_type": subagent_type,
+            "run_in_background": background,
+        },
+    }
+
+
+def scripted_reply(blocks: Sequence[dict[str, Any]], *, model: str = "scripted") -> list[Any]:
+    """The Anthropic stream events of a reply made of ``blocks`` (text and tool_use), ending in
+    ``tool_use`` when it calls a tool: what a test harness answers in the model's place."""
+    events: list[dict[str, Any]] = [
+        {
+            "type": "message_start",
+            "message": {
+                "id": "msg_scripted",
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 1, "output_tokens": 1},
+            },
+        }
+    ]
+    for index, block in enumerate(blocks):
+        if block["type"] == "text":
+            start: dict[str, Any] = {"type": "text", "text": ""}
+            delta: dict[str, Any] = {"type": "text_delta", "text": block["text"]}
+        else:
+            start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        events.append({"type": "content_block_start", "index": index, "content_block": start})
+        events.append({"type": "content_block_delta", "index": index, "delta": delta})
+        events.append({"type": "content_block_stop", "index": index})
+    calls = any(block["type"] == "tool_use" for block in blocks)
+    events.append(
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": "tool_use" if calls else "end_turn", "stop_sequence": None},
+            "usage": {"output_tokens": 8},
+        }
+    )
+    events.append({"type": "message_stop"})
+    return events
+
+
+def scripted_sse(blocks: Sequence[dict[str, Any]]) -> bytes:
+    """:func:`scripted_reply` as a ``text/event-stream`` body."""
+    return b"".join(encode_event(event) for event in scripted_reply(blocks))
+
+
+@attrs.frozen
+class SubagentsSpec:
+    """The fan-out's size: ``scale`` shortens the captured prompts' long texts (1: as captured,
+    ~12K tokens for the coordinator and ~8K for a sub-agent)."""
+
+    slots: int = 2
+    scale: float = 1.0
+    max_tokens: int = 16
+    coordinator_priority: int = 0
+    other_priority: int = 2
+
+    @classmethod
+    def quick(cls) -> SubagentsSpec:
+        return cls(scale=0.125)
+
+
+@attrs.frozen
+class Step:
+    """One request of the scenario: who sends it, with which headers."""
+
+    name: str
+    body: dict[str, Any] = attrs.field(repr=False)
+    headers: dict[str, str]
+
+
+@attrs.frozen
+class SubagentsWorkload:
+    """The scenario's requests; ``order`` lists them as they are first sent."""
+
+    first: Step
+    next_turn: Step
+    background: tuple[Step, Step]
+    other: Step
+    foreground: Step
+    continuation: Step
+
+    def order(self) -> list[Step]:
+        return [
+            self.first,
+            self.next_turn,
+            *self.background,
+            self.other,
+            self.foreground,
+            self.continuation,
+        ]
+
+
+def _headers(session: str, priority: int, sub: str | None = None) -> dict[str, str]:
+    headers = {
+        "x-api-key": "bench",
+        "anthropic-version": "2023-06-01",
+        "x-claude-code-session-id": session,
+        "x-agent-priority": str(priority),
+    }
+    if sub is not None:
+        headers["x-claude-code-agent-id"] = sub
+    return headers
+
+
+def _subagent(template: dict[str, Any], prompt: str, max_tokens: int) -> dict[str, Any]:
+    body = copy.deepcopy(template)
+    first = body["messages"][0]["content"]
+    if first[-1].get("text") != _SUBAGENT_WORDS:
+        raise ValueError("the sub-agent template's first user turn does not end with its prompt")
+    first[-1]["text"] = prompt
+    metadata = body.get("metadata")
+    if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str):
+        user = json.loads(metadata["user_id"])
+        user["session_id"] = SESSION
+        metadata["user_id"] = json.dumps(user, separators=(",", ":"))
+    body["max_tokens"] = max_tokens
+    body["temperature"] = 0.0
+    body["stream"] = True
+    return body
+
+
+def _shrink_subagent(body: dict[str, Any], scale: float) -> dict[str, Any]:
+    out = shrink(body, scale)
+    for message in out["messages"]:
+        content = message.get("content")
+        if message["role"] == "user" and isinstance(content, list):
+            for block in content[:-1]:
+                if block.get("type") == "text":
+                    block["text"] = _cut(block["text"], scale)
+    return out
+
+
+def _turn(
+    body: dict[str, Any], blocks: list[dict[str, Any]], results: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """``body`` continued with an assistant turn of ``blocks`` and the user's tool results."""
+    out = copy.deepcopy(body)
+    out["messages"].append({"role": "assistant", "content": blocks})
+    out["messages"].append(
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": call,
+                    "content": [{"type": "text", "text": t}],
+                }
+                for call, t in results
+            ],
+        }
+    )
+    return out
+
+
+def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
+    """The scenario's requests, identical for every configuration."""
+    coordinator = shrink(claude_template(), spec.scale)
+    sub = _shrink_subagent(subagent_template(), spec.scale)
+    first = fresh_request(
+        coordinator,
+        words="Build the app: split the front end, the back end and the tests between agents.",
+        session_id=SESSION,
+        max_tokens=spec.max_tokens,
+    )
+    fan_out = [
+        ("toolu_bench_front", "a1f0000000000f0e1", "Write the front end", "front"),
+        ("toolu_bench_back", "a2b0000000000bac2", "Write the back end", "back"),
+    ]
+    calls = [
+        agent_call(call, what, f"Reply with the single word: {word}", background=True)
+        for call, _, what, word in fan_out
+    ]
+    next_body = _turn(
+        first,
+        [{"type": "text", "text": "I will split the work."}, *calls],
+        [(call, _BACKGROUND.format(agent=sid, session=SESSION)) for call, sid, _, _ in fan_out],
+    )
+    priority = spec.coordinator_priority
+    background = tuple(
+        Step(
+            f"background sub-agent ({what.lower()})",
+            _subagent(sub, f"Reply with the single word: {word}", spec.max_tokens),
+            _headers(SESSION, priority, sid),
+        )
+        for _, sid, what, word in fan_out
+    )
+    fg_call, fg_id = "toolu_bench_tests", "a3c0000000000e573"
+    fg_prompt = "Reply with the single word: tests"
+    tests_call = agent_call(fg_call, "Write the tests", fg_prompt, background=False)
+    continuation = _turn(
+        next_body,
+        [tests_call],
+        [(fg_call, _HAND_BACK.format(report="tests", agent=fg_id))],
+    )
+    other_body = fresh_request(
+        coordinator,
+        words="Reply with the single word: other",
+        session_id=OTHER_SESSION,
+        max_tokens=spec.max_tokens,
+    )
+    # Another project: its prompt parts from the coordinator's early in the system text.
+    other_body["system"][1]["text"] = "Project: billing. " + other_body["system"][1]["text"]
+    return SubagentsWorkload(
+        first=Step("coordinator: first request", first, _headers(SESSION, priority)),
+        next_turn=Step("coordinator: after the fan-out", next_body, _headers(SESSION, priority)),
+        background=(background[0], background[1]),
+        other=Step(
+            "other session (background)",
+            other_body,
+            _headers(OTHER_SESSION, spec.other_priority),
+        ),
+        foreground=Step(
+            "foreground sub-agent (tests)",
+            _subagent(sub, fg_prompt, spec.max_tokens),
+            _headers(SESSION, priority, fg_id),
+        ),
+        continuation=Step("coordinator: continuation", continuation, _headers(SESSION, priority)),
+    )
+
+
+# -- running it ------------------------------------------------------------------------------
+
+
+async def _send(
+    http: httpx.AsyncClient, url: str, step: Step, clock: Clock, results: list[RequestResult]
+) -> None:
+    try:
+        reply = await one_request(http, url, step.body, step.headers, clock)
+        submitted, first, done = reply.submitted, reply.first, reply.done
+        output, error, text = reply.output_tokens, reply.error, reply.text
+    except httpx.HTTPError as exc:
+        submitted = first = done = clock()
+        first = None
+        output, error, text = 0, repr(exc), ""
+    results.append(
+        RequestResult(
+            agent=step.name,
+            priority=int(step.headers.get("x-agent-priority", "1")),
+            turn=0,
+            submitted=round(submitted, 4),
+            ttft=None if first is None else round(first - submitted, 4),
+            done=round(done, 4),
+            output_tokens=output,
+            error=error,
+            text=text[:200],
+        )
+    )
+
+
+async def play(url: str, workload: SubagentsWorkload, clock: Clock) -> list[RequestResult]:
+    """The fan-out against ``url``, timed as Claude Code would send it."""
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=16, max_keepalive_connections=0)
+    timeout = httpx.Timeout(3600.0, connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+        await _send(http, url, workload.first, clock, results)
+
+        async def coordinator() -> None:
+            await _send(http, url, workload.next_turn, clock, results)
+            # Its (scripted) reply starts the foreground sub-agent, which it waits for.
+            await _send(http, url, workload.foreground, clock, results)
+            await _send(http, url, workload.continuation, clock, results)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(coordinator)
+            await anyio.sleep(0.05)
+            for step in (*workload.background, workload.other):
+                tg.start_soon(_send, http, url, step, clock, results)
+    return results
+
+
+async def measure_fan_out(
+    url: str, engine_url: str, workload: SubagentsWorkload, *, only: Step | None = None
+) -> tuple[float, list[RequestResult], dict[str, float]]:
+    """Play the fan-out (or one request alone) and count llama-server's prefill."""
+    clock = Clock()
+    async with httpx.AsyncClient() as http:
+        before = await read_counters(http, engine_url)
+        if only is None:
+            results = await play(url, workload, clock)
+        else:
+            results = []
+            async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=10.0)) as client:
+                await _send(client, url, only, clock, results)
+        wall = clock()
+        after = await read_counters(http, engine_url)
+    return wall, results, difference(after, before)
+
+
+async def fan_out_facts(engine_url: str, workload: SubagentsWorkload) -> dict[str, Any]:
+    """Token facts of the workload as the engine tokenizes it: the minimum prefill (agentkv's
+    layout), the sub-agents' shared head and the continuation's own new tokens."""
+    steps = workload.order()
+    tokens = await token_sequences(engine_url, [step.body for step in steps])
+    by_name = dict(zip([step.name for step in steps], tokens, strict=True))
+    subs = [by_name[s.name] for s in (*workload.background, workload.foreground)]
+    head = min(common_prefix(subs[0], other) for other in subs[1:])
+    cont = by_name[workload.continuation.name]
+    before = by_name[workload.next_turn.name]
+    stick = PrefillYardstick.of(tokens)
+    return {
+        "minimum": stick.minimum,
+        "naive": stick.naive,
+        "subagent_head_tokens": head,
+        "continuation_tokens": len(cont),
+        "continuation_new_tokens": len(cont) - common_prefix(cont, before),
+        "tokens": {name: len(seq) for name, seq in by_name.items()},
+    }
+
+
+# -- the scenario ----------------------------------------------------------------------------
+
+#: The configurations, in the order they run (``agentkv-warm`` reuses ``agentkv``'s store).
+CONFIGS = ("alone", "plain", "agentkv-notree", "agentkv", "agentkv-warm")
+_LABELS = {"alone": "foreground sub-agent alone", "plain": "llama-server alone"}
+
+
+def _step_rows(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
+    return {
+        r.agent: {
+            "submitted_s": r.submitted,
+            "ttft_s": r.ttft,
+            "done_s": r.done,
+            "error": r.error,
+            "answer": r.text.strip()[:40],
+        }
+        for r in results
+    }
+
+
+def _continuation_record(table: dict[str, Any] | None, tokens: int) -> dict[str, Any] | None:
+    """agentkv's record of the coordinator's continuation (what it computed and reused): the
+    session's request of that many prompt tokens (with the tree off, sub-agents share the name)."""
+    if table is None:
+        return None
+    mine = [r for r in table.get("recent") or [] if r.get("agent") == SESSION]
+    exact = [r for r in mine if r.get("prompt_tokens") == tokens]
+    found = exact or mine
+    return dict(found[-1]) if found else None
+
+
+async def run_subagents(
+    bench: Any, spec: SubagentsSpec, configs: Sequence[str] = CONFIGS
+) -> dict[str, Any]:
+    """Each configuration plays the fan-out on a fresh llama-server; ``subagents.{json,txt,png}``.
+
+    ``bench`` is a :class:`agentkv_bench.scenarios.Bench`.
+    """
+    from agentkv_bench.engines import start
+    from agentkv_bench.report import summarize, write_report
+    from agentkv_bench.scenarios import _machine, _store
+
+    workload = build_subagents(spec)
+    facts: dict[str, Any] | None = None
+    reports = []
+    began = time.monotonic()
+    for name in configs:
+        bench.say(f"subagents/{name}: starting")
+        engine_name = "agentkv" if name == "alone" else name
+        if name in ("agentkv", "agentkv-warm"):
+            store = _store(bench, "agentkv", fresh=name == "agentkv", tag="subagents")
+        else:
+            store = _store(bench, engine_name, fresh=True, tag=f"subagents-{name}")
+        async with start(
+            bench.setup,
+            engine_name,
+            store_dir=store,
+            preempt_from=1,
+            agent_tree=name != "agentkv-notree",
+        ) as engine:
+            if facts is None:
+                facts = await fan_out_facts(engine.engine_url, workload)
+            only = workload.foreground if name == "alone" else None
+            wall, results, counters = await measure_fan_out(
+                engine.url, engine.engine_url, workload, only=only
+            )
+            table = engine.runtime.table() if engine.runtime is not None else None
+        summary = summarize(name, wall, results, counters, None, {"flags": engine.flags})
+        summary["label"] = _LABELS.get(name, summary["label"])
+        summary["steps"] = _step_rows(results)
+        summary["tree"] = table.get("tree") if table else None
+        summary["continuation_record"] = _continuation_record(
+            table, facts["tokens"][workload.continuation.name]
+        )
+        seconds = counters.get("prompt_seconds", 0.0)
+        summary["prefill_tokens_per_s"] = (
+            round(counters.get("prompt_computed", 0.0) / seconds, 1) if seconds else None
+        )
+        reports.append(summary)
+        record = summary["continuation_record"] or {}
+        bench.say(
+            f"subagents/{name}: {summary['wall_s']} s; first tokens: "
+            + ", ".join(f"{step} {row['ttft_s']} s" for step, row in summary["steps"].items())
+            + f"; continuation computed {record.get('computed_tokens')} of "
+            f"{record.get('prompt_tokens')}; prefill computed {summary['prefill_computed']} "
+            f"(minimum {facts['minimum']}); errors {summary['errors']}"
+        )
+        # What ran so far survives a run that is stopped before the end.
+        partial = bench.out / "subagents-partial.json"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({"facts": facts, "configs": reports}, indent=1))
+    assert facts is not None
+    report: dict[str, Any] = {
+        "scenario": "subagents",
+        "workload": attrs.asdict(spec),
+        **_machine(bench),
+        "facts": facts,
+        "configs": reports,
+    }
+    report["targets"] = targets(report)
+    report["total_s"] = round(time.monotonic() - began, 1)
+    shown = [c for c in reports if c["name"] != "alone"]
+    await write_report(
+        {**report, "configs": reports},
+        subagents_table(report),
+        bench.out,
+        stem="subagents",
+        panels=[
+            ("wall time (s)", lambda c: c["wall_s"]),
+            ("foreground sub-agent TTFT (s)", lambda c: _ttft(c, workload.foreground) or 0),
+            ("continuation TTFT (s)", lambda c: _ttft(c, workload.continuation) or 0),
+        ]
+        if shown
+        else [],
+        title="A coordinator fans out to 3 sub-agents while another session prefills "
+        "(lower is better)",
+    )
+    return report
+
+
+def _ttft(config: dict[str, Any], step: Step) -> float | None:
+    row = config["steps"].get(step.name)
+    return None if row is None else row["ttft_s"]
+
+
+def _by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in report["configs"]}
+
+
+def targets(report: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets, each with the figure measured and whether it was met (None: a
+    configuration it needs did not run)."""
+    configs = _by_name(report)
+    facts = report["facts"]
+    out: dict[str, Any] = {}
+    fg_name = "foreground sub-agent (tests)"
+    cont_name = "coordinator: continuation"
+    ours = configs.get("agentkv")
+    alone = configs.get("alone")
+    plain = configs.get("plain")
+    warm = configs.get("agentkv-warm")
+    if ours and alone:
+        fg = ours["steps"].get(fg_name, {}).get("ttft_s")
+        ref = alone["steps"].get(fg_name, {}).get("ttft_s")
+        ratio = round(fg / ref, 2) if fg and ref else None
+        out["foreground_vs_alone"] = {"value": ratio, "target": 1.5, "met": _le(ratio, 1.5)}
+    if ours:
+        ttft = ours["steps"].get(cont_name, {}).get("ttft_s")
+        rate = ours.get("prefill_tokens_per_s")
+        bound = round(facts["continuation_new_tokens"] / rate + 2, 2) if rate else None
+        out["continuation_ttft"] = {"value": ttft, "target": bound, "met": _le(ttft, bound)}
+        twice = ours["prefill_computed"] - facts["minimum"]
+        out["head_computed_once"] = {
+            "value": twice,
+            "target": facts["subagent_head_tokens"],
+            "met": twice < facts["subagent_head_tokens"],
+        }
+        record = ours.get("continuation_record") or {}
+        if record.get("prompt_tokens"):
+            share = round(record.get("computed_tokens", 0) / record["prompt_tokens"], 3)
+            out["continuation_computed_share"] = {"value": share, "target": 0.05}
+            out["continuation_computed_share"]["met"] = share < 0.05
+    if ours and plain:
+        ratio = round(ours["wall_s"] / plain["wall_s"], 3)
+        out["wall_vs_llama_server"] = {"value": ratio, "target": 0.6, "met": ratio <= 0.6}
+    if warm and plain:
+        ratio = round(warm["wall_s"] / plain["wall_s"], 3)
+        out["warm_wall_vs_llama_server"] = {"value": ratio, "target": 0.1, "met": ratio <= 0.1}
+    out["errors"] = {
+        "value": sum(c["errors"] for c in report["configs"]),
+        "target": 0,
+        "met": all(c["errors"] == 0 for c in report["configs"]),
+    }
+    return out
+
+
+def _le(value: float | None, bound: float | None) -> bool | None:
+    return None if value is None or bound is None else value <= bound
+
+
+def subagents_table(report: dict[str, Any]) -> str:
+    from agentkv_bench.report import fmt, render_table
+
+    configs = [c for c in report["configs"] if c["name"] != "alone"]
+    names = [step for c in configs for step in c["steps"]]
+    steps = list(dict.fromkeys(names))
+
+    def step_ttft(step: str) -> Any:
+        return lambda c: fmt(c["steps"].get(step, {}).get("ttft_s"), " s")
+
+    def computed(c: dict[str, Any]) -> str:
+        record = c.get("continuation_record")
+        if not record:
+            return "-"
+        return f"{fmt(record['computed_tokens'])} of {fmt(record['prompt_tokens'])}"
+
+    rows = [
+        ("wall time", lambda c: fmt(c["wall_s"], " s")),
+        *((f"{step}: first token", step_ttft(step)) for step in steps),
+        ("coordinator's continuation: computed", computed),
+        ("prefill computed (tokens)", lambda c: fmt(c["prefill_computed"])),
+        ("prefill speed (tokens/s)", lambda c: fmt(c["prefill_tokens_per_s"])),
+        ("errors", lambda c: fmt(c["errors"])),
+    ]
+    facts = report["facts"]
+    lines = [render_table(configs, rows), ""]
+    alone = _by_name(report).get("alone")
+    if alone:
+        fg = alone["steps"].get("foreground sub-agent (tests)", {}).get("ttft_s")
+        lines.append(f"Foreground sub-agent alone on an idle agentkv: first token {fmt(fg, ' s')}.")
+    lines.append(
+        f"Minimum prefill {facts['minimum']} tokens (agentkv's layout), without any cache "
+        f"{facts['naive']}; the sub-agents share a head of {facts['subagent_head_tokens']} tokens; "
+        f"the continuation has {facts['continuation_new_tokens']} new tokens of "
+        f"{facts['continuation_tokens']}. The coordinator's replies are scripted by the harness."
+    )
+    lines.append("")
+    lines.append("Targets:")
+    for key, row in report["targets"].items():
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[row.get("met")]
+        lines.append(f"- {key}: {row['value']} (target {row['target']}): {verdict}")
+    return "\n".join(lines)
