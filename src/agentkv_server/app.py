@@ -50,6 +50,7 @@ from agentkv_server.config import ServerConfig
 from agentkv_server.identity import (
     agent_identity,
     agent_priority,
+    codex_subagent,
     openai_agent_identity,
     subagent_id,
 )
@@ -249,12 +250,17 @@ class _Routes:
     ) -> Prepared:
         """``Runtime.prepare`` for a translated body; a 400 names the client's own field."""
         headers = _lower(request.headers)
-        agent = openai_agent_identity(
-            headers, body, request.client.host if request.client else None
-        )
-        priority = agent_priority(headers)
+        spawned = codex_subagent(headers)
+        if spawned is None:
+            client = request.client.host if request.client else None
+            root, sub = openai_agent_identity(headers, body, client), None
+        else:
+            root, sub = spawned
+        place = self.runtime.place_agent(root, sub, agent_priority(headers), translated.body)
         try:
-            return await self.runtime.prepare(translated.body, agent=agent, priority=priority)
+            return await self.runtime.prepare(
+                translated.body, agent=place.agent, priority=place.priority
+            )
         except InvalidRequestError as exc:
             param = translated.relocate(exc.path)
             if param == exc.path:

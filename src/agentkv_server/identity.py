@@ -99,8 +99,11 @@ def subagent_id(headers: Mapping[str, str]) -> str | None:
     which separates it from its root in the agent's name.
     """
     raw = headers.get("x-claude-code-agent-id")
-    if not raw:
-        return None
+    return _sub_id(raw) if raw else None
+
+
+def _sub_id(raw: str) -> str | None:
+    """A sub-agent id cleaned like an agent id, without ``/``, at most MAX_SUBAGENT_ID long."""
     value = clean_agent_id(raw.replace("/", "_"))
     if value is None or len(value) <= MAX_SUBAGENT_ID:
         return value
@@ -141,7 +144,13 @@ def agent_priority(headers: Mapping[str, str], default: int = DEFAULT_PRIORITY) 
 
 # -- OpenAI-side clients (Codex, the openai SDK, Chat Completions agents) --------------------------
 
-__all__ += ["CODEX_TURN_METADATA", "CodexTurn", "codex_turn", "openai_agent_identity"]
+__all__ += [
+    "CODEX_TURN_METADATA",
+    "CodexTurn",
+    "codex_subagent",
+    "codex_turn",
+    "openai_agent_identity",
+]
 
 #: Codex's per-request JSON header: its session, thread and agent (``/root`` for the main agent).
 CODEX_TURN_METADATA = "x-codex-turn-metadata"
@@ -224,3 +233,21 @@ def openai_agent_identity(
         if value:
             return value
     return (clean_agent_id(client) if client else None) or "anonymous"
+
+
+def codex_subagent(headers: Mapping[str, str]) -> tuple[str, str] | None:
+    """``(root, sub-agent id)`` for a sub-agent that Codex spawned, else None.
+
+    Codex names the spawning thread in ``parent_thread_id`` (``x-codex-turn-metadata``): the
+    sub-agent hangs under that thread's agent (under ``X-Agent-Id`` when the client names one, as
+    Claude Code's sub-agents hang under their coordinator's), with its own thread as its id.
+    """
+    turn = codex_turn(headers)
+    if turn is None or not turn.parent_thread_id or not turn.thread_id:
+        return None
+    if turn.thread_id == turn.parent_thread_id:
+        return None
+    sub = _sub_id(turn.thread_id)
+    if sub is None:
+        return None
+    return clean_agent_id(headers.get("x-agent-id", "")) or turn.parent_thread_id, sub

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from agentkv_server.identity import CodexTurn, codex_turn, openai_agent_identity
+from agentkv_server.identity import CodexTurn, codex_subagent, codex_turn, openai_agent_identity
 
 TURN = {
     "session_id": "sess-1",
@@ -85,3 +85,17 @@ def test_a_codex_sub_agent_is_an_agent_of_its_own() -> None:
     assert openai_agent_identity(headers, {"prompt_cache_key": "01a23020-bba6"}, None) == (
         "01a23020-bd57"
     )
+    assert codex_subagent(headers) == ("01a23020-bba6", "01a23020-bd57")
+    assert codex_subagent({**headers, "x-agent-id": "codex-main"}) == (
+        "codex-main",
+        "01a23020-bd57",
+    )
+
+
+def test_a_codex_main_thread_is_no_sub_agent() -> None:
+    """Codex's main thread (no parent, or itself as parent) and other clients are roots."""
+    main = {"session_id": "s", "thread_id": "s", "agent_name": "/root"}
+    assert codex_subagent({"x-codex-turn-metadata": json.dumps(main)}) is None
+    itself = {**main, "parent_thread_id": "s"}
+    assert codex_subagent({"x-codex-turn-metadata": json.dumps(itself)}) is None
+    assert codex_subagent({"thread-id": "t"}) is None

@@ -267,3 +267,22 @@ async def test_models_list_reads_as_openai(serve: Any) -> None:
     http = await serve(FakeLlama())
     models = await sdk(http).models.list()
     assert [m.id for m in models.data] == ["agentkv-local"]
+
+
+async def test_a_codex_sub_agent_hangs_under_its_parent_thread(serve: Any) -> None:
+    """A thread Codex spawned (parent_thread_id) is a sub-agent of the spawning thread's agent."""
+    captured = json.loads((FIXTURES / "codex_first_request.json").read_text())
+    fake = FakeLlama(reply="alpha")
+    http = await serve(fake, ctx_per_slot=32768)
+    parent = json.loads(captured["headers"]["x-codex-turn-metadata"])["thread_id"]
+    r = await http.post("/v1/responses", json=captured["body"], headers=captured["headers"])
+    assert r.status_code == 200, r.text
+    child = {"session_id": parent, "thread_id": "child-thread", "parent_thread_id": parent}
+    headers = {**captured["headers"], "x-codex-turn-metadata": json.dumps(child)}
+    r = await http.post("/v1/responses", json=captured["body"], headers=headers)
+    assert r.status_code == 200, r.text
+    first, second = records(http)
+    assert (first.agent, first.parent) == (parent, None)
+    assert (second.agent, second.parent) == (f"{parent}/child-thread", parent)
+    tree = http.runtime.table()["tree"]  # type: ignore[attr-defined]
+    assert [row["agent"] for row in tree] == [parent, f"{parent}/child-thread"]
