@@ -17,7 +17,8 @@ import anyio
 
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.lifecycle import RequestRecord, Runtime
+from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.record import RequestRecord
 
 SYSTEM = (
     "You are one agent in a team of coding agents working on a web shop (Python back end, React "

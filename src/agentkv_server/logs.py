@@ -1,7 +1,7 @@
 """What the server writes to its log, and how.
 
 - At the default level (``info``) the log is one line per finished request (the runtime's
-  :mod:`~agentkv.runtime.report` line), warnings and errors, and the startup block. httpx's line
+  :mod:`~agentkv.runtime.record` line), warnings and errors, and the startup block. httpx's line
   per engine call (health polls, ``/tokenize``, ``/apply-template``, slot saves) and uvicorn's
   startup chatter and access lines appear only with ``--log-level debug``.
 - ``--log-format json`` writes one JSON object per line: ``time``, ``level``, ``logger``,

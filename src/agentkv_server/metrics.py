@@ -28,7 +28,8 @@ from prometheus_client.registry import Collector
 from starlette.responses import Response
 
 from agentkv.exceptions import AgentKVError
-from agentkv.runtime.lifecycle import RequestRecord, Runtime
+from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.record import RequestRecord
 
 __all__ = ["ServerMetrics"]
 
@@ -44,7 +45,7 @@ _SOURCES = (("slot", "from_slot"), ("store", "from_store"), ("none", "cold"))
 
 def _status(record: RequestRecord) -> str:
     """``ok``, ``cancelled`` or the Anthropic error type (``overloaded_error``…): few values."""
-    return record.status.removeprefix("error: ")
+    return record.outcome
 
 
 def _section_kind(section: object) -> str:

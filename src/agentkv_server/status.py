@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from agentkv.runtime.report import divergence_text
+from agentkv.runtime.record import divergence_text
 
 __all__ = ["add_server_options", "build_parser", "fetch", "main", "render"]
 

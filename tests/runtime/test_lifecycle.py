@@ -15,6 +15,7 @@ import pytest
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.record import RequestStatus
 from tests.fakes import FakeLlama, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -157,7 +158,7 @@ async def test_a_request_nobody_follows_is_cancelled_after_the_grace(tmp_path: P
             async for _ in exchange.events():
                 pass
         await wait_for(lambda: exchange.done)
-        assert exchange.record.status == "cancelled"
+        assert exchange.record.status is RequestStatus.CANCELLED
         assert fake.finished == 0
         assert runtime.gateway.slots.free == 1
 

@@ -25,8 +25,7 @@ import pytest
 import uvicorn
 
 from agentkv.runtime.engine import free_port
-from agentkv.runtime.lifecycle import RequestRecord
-from agentkv.runtime.report import request_fields, request_line
+from agentkv.runtime.record import RequestRecord, RequestStatus, request_fields, request_line
 from agentkv_server import logs, status
 from tests.fakes import FakeLlama
 
@@ -220,7 +219,12 @@ def test_request_line_says_where_the_prompt_left_the_cache() -> None:
         'diverged="token 5210 in tool 3 (Bash): reused 5210, computed 6794, ~14.0 s"'
     )
     assert request_fields(record)["divergence"]["section"] == "tool 3 (Bash)"
-    plain = RequestRecord(agent="my agent", priority=2, status="error: overloaded_error")
+    plain = RequestRecord(
+        agent="my agent",
+        priority=2,
+        status=RequestStatus.FAILED,
+        error_type="overloaded_error",
+    )
     assert request_line(plain) == (
         'request agent="my agent" priority=2 slot=- source=- cached=0/0 computed=0 '
         'ttft=- total=- output=0 status="error: overloaded_error"'

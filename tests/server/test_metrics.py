@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentkv.runtime.lifecycle import RequestRecord
+from agentkv.runtime.record import RequestRecord, RequestStatus
 from agentkv_server.metrics import ServerMetrics
 from tests.fakes import FakeLlama, tokenize, wait_for
 
@@ -249,7 +249,9 @@ async def test_failures_retries_and_cache_misses_are_counted(serve: Any) -> None
     feed their counters (records built by hand: the listener is what is tested)."""
     http = await serve(FakeLlama())
     metrics: ServerMetrics = http.app.state.metrics  # type: ignore[attr-defined]
-    failed = RequestRecord(agent="a", priority=2, status="error: overloaded_error")
+    failed = RequestRecord(
+        agent="a", priority=2, status=RequestStatus.FAILED, error_type="overloaded_error"
+    )
     retried = RequestRecord(
         agent="b",
         priority=1,

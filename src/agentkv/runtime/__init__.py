@@ -7,6 +7,15 @@ lifecycle. It uses anyio and httpx; the pure core below it does neither.
 
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.lifecycle import Exchange, Prepared, RequestRecord, Runtime
+from agentkv.runtime.lifecycle import Exchange, Prepared, Runtime
+from agentkv.runtime.record import RequestRecord, RequestStatus
 
-__all__ = ["Exchange", "LlamaSlotClient", "Prepared", "RequestRecord", "Runtime", "RuntimeConfig"]
+__all__ = [
+    "Exchange",
+    "LlamaSlotClient",
+    "Prepared",
+    "RequestRecord",
+    "RequestStatus",
+    "Runtime",
+    "RuntimeConfig",
+]

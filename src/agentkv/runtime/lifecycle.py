@@ -58,7 +58,7 @@ from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Checkpoint, Gateway
-from agentkv.runtime.report import request_fields, request_line
+from agentkv.runtime.record import RequestRecord, RequestStatus, request_fields, request_line
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
 from agentkv.runtime.tree import AgentTree
@@ -124,59 +124,6 @@ class Failed:
 
 
 Event = Emitted | KeepAlive | Failed
-
-
-@attrs.define
-class RequestRecord:
-    """What the slot table shows about one request."""
-
-    agent: str
-    priority: int
-    ticket: int = 0
-    #: The agent that started this one (a coordinator, for its sub-agent), and the description
-    #: of the call that started it, where known.
-    parent: str | None = None
-    description: str | None = None
-    #: A sub-agent's request: whether its parent waited for it (it ran at the parent's priority).
-    waited_on: bool | None = None
-    #: Order in which requests got their slot (1, 2, …): shows what the scheduler chose.
-    dispatch_seq: int | None = None
-    slot: int | None = None
-    #: Where the cached part came from: "slot", "store" or "none".
-    source: str | None = None
-    #: Prompt tokens (as llama-server counts them) and how many were found cached before
-    #: running, as agentkv planned it.
-    prompt_tokens: int = 0
-    planned_reuse: int = 0
-    #: As llama-server reported them: computed and reused prompt tokens, generated tokens.
-    computed_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    #: A shareable head computed and saved on its own first (tokens), if any.
-    checkpoint_tokens: int | None = None
-    #: The slot's previous content was saved before it was overwritten.
-    parked: bool = False
-    queued_s: float = 0.0
-    ttft_s: float | None = None
-    total_s: float | None = None
-    #: The reply tried a tool call that could not be recovered, and was asked for again.
-    retried: bool = False
-    #: Times the request gave its slot up to a more urgent one and resumed later.
-    suspended: int = 0
-    #: Why generation was cut short by agentkv (deadline, repetition), if it was.
-    stopped: str | None = None
-    #: Clients attached to this request (more than one: a retry joined it).
-    attached: int = 1
-    #: While the prompt is computed: tokens of it cached or computed so far (engine progress).
-    prefilled: int | None = None
-    #: Seconds since the first output token, while generating.
-    generating_s: float | None = None
-    #: Why the prompt was not all cached: where it parted from the best cached candidate
-    #: (token position and prompt section), what was reused and computed, and what that cost.
-    divergence: dict[str, Any] | None = None
-    #: Output chunks streamed so far (about one token each): the decoding speed, live.
-    generated: int = 0
-    status: str = "queued"
 
 
 # -- the exchange ---------------------------------------------------------------------------
@@ -297,7 +244,7 @@ class Exchange:
                 self._emit(self.assembler.start())
                 await self._run()
             if self._scope.cancelled_caught:
-                self.record.status = "cancelled"
+                self.record.advance(RequestStatus.CANCELLED)
                 # Only a client that is still listening (agentkv is stopping) reads this.
                 self._failure = EngineUnavailableError(
                     "the request was cancelled: agentkv is stopping"
@@ -305,11 +252,11 @@ class Exchange:
         except AgentKVError as exc:
             log.warning("request of agent %s failed: %s", self.prepared.agent, exc.message)
             self._failure = exc
-            self.record.status = f"error: {exc.error_type}"
+            self.record.advance(RequestStatus.FAILED, exc.error_type)
         except Exception:
             log.exception("request of agent %s failed unexpectedly", self.prepared.agent)
             self._failure = AgentKVError("internal error in agentkv; see the server log")
-            self.record.status = "error: api_error"
+            self.record.advance(RequestStatus.FAILED, "api_error")
         finally:
             self.runtime.gateway.withdraw(self.ticket)
             self._forget_progress()
@@ -332,7 +279,7 @@ class Exchange:
                 return
             # Suspended for a more urgent request: queue again, keeping the original arrival.
             self.record.suspended += 1
-            self.record.status = "suspended"
+            self.record.advance(RequestStatus.SUSPENDED)
             ticket = self.ticket = runtime.gateway.submit(
                 self.prepared.agent,
                 self.prepared.priority,
@@ -350,7 +297,7 @@ class Exchange:
         record.source = lease.placement.source.value
         record.planned_reuse = lease.placement.reuse
         record.queued_s = round(runtime.clock() - self.started, 4)
-        record.status = "running"
+        record.advance(RequestStatus.RUNNING)
         self._candidate = gateway.best_source(self.prepared.tokens)
         holds: Tokens | None = None
         try:
@@ -555,8 +502,8 @@ class Exchange:
             forced = runtime.translator.force_any_tool(self.prepared.engine, plain)
             await self._relay(forced, lease)
         self._emit(asm.finish(runtime.clock()))
-        if self.record.status == "running":
-            self.record.status = "ok"
+        if self.record.status is RequestStatus.RUNNING:
+            self.record.advance(RequestStatus.OK)
         return self.prepared.tokens
 
     async def _resume_exactly(self, lease: Lease, body: Mapping[str, Any]) -> bool:
@@ -1137,8 +1084,8 @@ class Runtime:
         table["compactions"] = self.compactor.store.table()
         table["agents"] = dict(self._agents)
         self.tree.annotate(table)
-        table["running"] = [attrs.asdict(r) for r in self.running()]
-        table["recent"] = [attrs.asdict(r) for r in self._recent[-16:]]
+        table["running"] = [r.view() for r in self.running()]
+        table["recent"] = [r.view() for r in self._recent[-16:]]
         table["costs"] = {
             "prefill_tokens_per_s_at_0": round(self.costs.prefill.tokens_per_second(0, 1000), 1),
             "prefill_tokens_per_s_at_10k": round(

@@ -1,0 +1,282 @@
+"""One request's record: its status and what the slot table shows, and the log line it ends in.
+
+A request's status moves along :data:`_NEXT` (queued → running → ok, or suspended and running
+again, or cancelled or failed from any state that has not ended); :meth:`RequestRecord.advance`
+refuses any other move.
+
+The runtime logs it at INFO when a request ends (``agentkv.runtime``); the line carries the fields
+as ``record.agentkv_request`` too, so a JSON log formatter writes them as data rather than text.
+
+::
+
+    request agent=coder priority=1 slot=0 source=slot cached=11830/12004 computed=174
+        ttft=0.61s total=4.20s output=96 status=ok
+        diverged="token 11830 in message 7 block 1: reused 11830, computed 174, ~0.4 s"
+
+(one line; wrapped here). ``diverged`` appears only when the record says where the prompt left
+the best cached candidate; ``parent`` and ``description`` only for a sub-agent (where known);
+``retried``, ``suspended=N``, ``stopped=…``, ``joined=N`` only when
+they happened.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+__all__ = ["RequestRecord", "RequestStatus", "divergence_text", "request_fields", "request_line"]
+
+
+class RequestStatus(enum.StrEnum):
+    """Where a request is in its life (a string enum: it compares and serialises as its value)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    #: It gave its slot up to a more urgent request and waits to resume.
+    SUSPENDED = "suspended"
+    OK = "ok"
+    CANCELLED = "cancelled"
+    FAILED = "error"
+
+
+_ENDED: frozenset[RequestStatus] = frozenset()
+#: The moves a status may make.
+_NEXT: dict[RequestStatus, frozenset[RequestStatus]] = {
+    RequestStatus.QUEUED: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.CANCELLED, RequestStatus.FAILED}
+    ),
+    RequestStatus.RUNNING: frozenset(
+        {
+            RequestStatus.OK,
+            RequestStatus.SUSPENDED,
+            RequestStatus.CANCELLED,
+            RequestStatus.FAILED,
+        }
+    ),
+    RequestStatus.SUSPENDED: frozenset(
+        {RequestStatus.RUNNING, RequestStatus.CANCELLED, RequestStatus.FAILED}
+    ),
+    RequestStatus.OK: _ENDED,
+    RequestStatus.CANCELLED: _ENDED,
+    RequestStatus.FAILED: _ENDED,
+}
+
+
+@attrs.define
+class RequestRecord:
+    """What the slot table shows about one request."""
+
+    agent: str
+    priority: int
+    ticket: int = 0
+    #: The agent that started this one (a coordinator, for its sub-agent), and the description
+    #: of the call that started it, where known.
+    parent: str | None = None
+    description: str | None = None
+    #: A sub-agent's request: whether its parent waited for it (it ran at the parent's priority).
+    waited_on: bool | None = None
+    #: Order in which requests got their slot (1, 2, …): shows what the scheduler chose.
+    dispatch_seq: int | None = None
+    slot: int | None = None
+    #: Where the cached part came from: "slot", "store" or "none".
+    source: str | None = None
+    #: Prompt tokens (as llama-server counts them) and how many were found cached before
+    #: running, as agentkv planned it.
+    prompt_tokens: int = 0
+    planned_reuse: int = 0
+    #: As llama-server reported them: computed and reused prompt tokens, generated tokens.
+    computed_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    #: A shareable head computed and saved on its own first (tokens), if any.
+    checkpoint_tokens: int | None = None
+    #: The slot's previous content was saved before it was overwritten.
+    parked: bool = False
+    queued_s: float = 0.0
+    ttft_s: float | None = None
+    total_s: float | None = None
+    #: The reply tried a tool call that could not be recovered, and was asked for again.
+    retried: bool = False
+    #: Times the request gave its slot up to a more urgent one and resumed later.
+    suspended: int = 0
+    #: Why generation was cut short by agentkv (deadline, repetition), if it was.
+    stopped: str | None = None
+    #: Clients attached to this request (more than one: a retry joined it).
+    attached: int = 1
+    #: While the prompt is computed: tokens of it cached or computed so far (engine progress).
+    prefilled: int | None = None
+    #: Seconds since the first output token, while generating.
+    generating_s: float | None = None
+    #: Why the prompt was not all cached: where it parted from the best cached candidate
+    #: (token position and prompt section), what was reused and computed, and what that cost.
+    divergence: dict[str, Any] | None = None
+    #: Output chunks streamed so far (about one token each): the decoding speed, live.
+    generated: int = 0
+    status: RequestStatus = attrs.field(default=RequestStatus.QUEUED, converter=RequestStatus)
+    #: The Anthropic error type (``overloaded_error``…) of a failed request.
+    error_type: str | None = None
+
+    def advance(self, status: RequestStatus, error_type: str | None = None) -> None:
+        """Move to ``status``. A move the transition table does not allow is a bug: it is
+        refused with a :class:`RuntimeWarning` (an error in the tests), and the status stays."""
+        if status not in _NEXT[self.status]:
+            warnings.warn(
+                f"request of agent {self.agent}: no move from {self.status.value} to "
+                f"{status.value}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self.status = status
+        if status is RequestStatus.FAILED:
+            self.error_type = error_type or "api_error"
+
+    @property
+    def outcome(self) -> str:
+        """The status as one word for views and metrics: the error type for a failed request."""
+        if self.status is RequestStatus.FAILED:
+            return self.error_type or "api_error"
+        return self.status.value
+
+    def view(self) -> dict[str, Any]:
+        """The record as JSON-ready data (the slot table's rows); ``status`` as shown."""
+        data = attrs.asdict(self)
+        data["status"] = self.shown_status
+        return data
+
+    @property
+    def shown_status(self) -> str:
+        """``ok``, ``running``… or ``error: <type>``, as the log line and the page show it."""
+        if self.status is RequestStatus.FAILED:
+            return f"error: {self.outcome}"
+        return self.status.value
+
+
+def request_fields(record: RequestRecord) -> dict[str, Any]:
+    """The facts of the request line, as data."""
+    fields: dict[str, Any] = {
+        "agent": record.agent,
+        "parent": record.parent,
+        "description": record.description,
+        "waited_on": record.waited_on,
+        "priority": record.priority,
+        "slot": record.slot,
+        "source": record.source,
+        "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
+        "computed_tokens": record.computed_tokens,
+        "output_tokens": record.output_tokens,
+        "queued_s": record.queued_s,
+        "ttft_s": record.ttft_s,
+        "total_s": record.total_s,
+        "status": record.shown_status,
+        "retried": record.retried,
+        "suspended": record.suspended,
+        "stopped": record.stopped,
+        "attached": record.attached,
+    }
+    divergence = _divergence(record)
+    if divergence is not None:
+        fields["divergence"] = dict(divergence)
+    return fields
+
+
+def request_line(record: RequestRecord) -> str:
+    """The request as one ``key=value`` line (values with spaces are quoted)."""
+    parts = [
+        "request",
+        f"agent={_quoted(record.agent)}",
+        *_tree_parts(record),
+        f"priority={record.priority}",
+        f"slot={_or_dash(record.slot)}",
+        f"source={_or_dash(record.source)}",
+        f"cached={record.cached_tokens}/{record.prompt_tokens}",
+        f"computed={record.computed_tokens}",
+        f"ttft={_seconds(record.ttft_s)}",
+        f"total={_seconds(record.total_s)}",
+        f"output={record.output_tokens}",
+        f"status={_quoted(record.shown_status)}",
+    ]
+    if record.retried:
+        parts.append("retried")
+    if record.suspended:
+        parts.append(f"suspended={record.suspended}")
+    if record.stopped:
+        parts.append(f"stopped={record.stopped}")
+    if record.attached > 1:
+        parts.append(f"joined={record.attached - 1}")
+    divergence = _divergence(record)
+    if divergence is not None:
+        parts.append(f"diverged={_quoted(divergence_text(divergence))}")
+    return " ".join(parts)
+
+
+def _tree_parts(record: RequestRecord) -> list[str]:
+    """``parent=…``, ``description=…`` and ``waited_on`` or ``background`` for a sub-agent's
+    request (read by name: older records have no such fields)."""
+    parts = []
+    parent = record.parent
+    if parent:
+        parts.append(f"parent={_quoted(parent)}")
+    description = record.description
+    if description:
+        parts.append(f"description={_quoted(description)}")
+    waited = record.waited_on
+    if parent and waited is not None:
+        parts.append("waited_on" if waited else "background")
+    return parts
+
+
+def divergence_text(divergence: Mapping[str, Any]) -> str:
+    """Where a prompt left the best cached candidate, in words.
+
+    Reads ``position`` (token), ``section`` ("system", "tool 3 (Bash)", "message 2 block 1"),
+    ``reused`` and ``computed`` (tokens) and ``seconds`` (the estimated cost of the computed
+    part); any other keys are shown as ``key=value``.
+    """
+    known = {"position", "section", "reused", "computed", "seconds"}
+    words = []
+    position, section = divergence.get("position"), divergence.get("section")
+    if position is not None or section:
+        where = f"token {position}" if position is not None else ""
+        if section:
+            where = f"{where} in {section}" if where else f"in {section}"
+        words.append(where)
+    costs = []
+    if divergence.get("reused") is not None:
+        costs.append(f"reused {divergence['reused']}")
+    if divergence.get("computed") is not None:
+        costs.append(f"computed {divergence['computed']}")
+    seconds = divergence.get("seconds")
+    if isinstance(seconds, int | float):
+        costs.append(f"~{seconds:.1f} s")
+    if costs:
+        words.append(", ".join(costs))
+    extra = [f"{k}={v}" for k, v in divergence.items() if k not in known]
+    if extra:
+        words.append(" ".join(extra))
+    return ": ".join(words)
+
+
+def _divergence(record: RequestRecord) -> Mapping[str, Any] | None:
+    # Read by name: older records (and runtimes) have no such field.
+    value = getattr(record, "divergence", None)
+    return value if isinstance(value, Mapping) and value else None
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}s"
+
+
+def _quoted(text: str) -> str:
+    if not text or any(c in text for c in ' "='):
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return text
