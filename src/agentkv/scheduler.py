@@ -28,18 +28,34 @@ import attrs
 from agentkv._types import Ticket
 from agentkv.exceptions import QueueFullError
 
-__all__ = ["MAX_PRIORITY", "FairScheduler"]
+__all__ = [
+    "DEFAULT_AGING",
+    "DEFAULT_MAX_QUEUE",
+    "DEFAULT_TIE_WINDOW",
+    "MAX_PRIORITY",
+    "FairScheduler",
+]
 
 MAX_PRIORITY = 3  # priorities are 0 (most urgent) .. 3 (background)
+#: The defaults, here once (the runtime's settings take them from here).
+DEFAULT_AGING = 0.1
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_TIE_WINDOW = 0.25
 
 
 @attrs.define(eq=False)
 class FairScheduler:
     """A capped queue of tickets, popped by aged priority; see the module docs for the bound."""
 
-    aging: float = attrs.field(default=0.1, kw_only=True, validator=attrs.validators.gt(0))
-    max_queue: int = attrs.field(default=256, kw_only=True, validator=attrs.validators.gt(0))
-    tie_window: float = attrs.field(default=0.25, kw_only=True, validator=attrs.validators.ge(0))
+    aging: float = attrs.field(
+        default=DEFAULT_AGING, kw_only=True, validator=attrs.validators.gt(0)
+    )
+    max_queue: int = attrs.field(
+        default=DEFAULT_MAX_QUEUE, kw_only=True, validator=attrs.validators.gt(0)
+    )
+    tie_window: float = attrs.field(
+        default=DEFAULT_TIE_WINDOW, kw_only=True, validator=attrs.validators.ge(0)
+    )
     _queue: dict[int, Ticket] = attrs.field(init=False, factory=dict)
 
     def submit(self, ticket: Ticket, now: float) -> None:

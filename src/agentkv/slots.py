@@ -26,7 +26,10 @@ from agentkv.costs import CostModel
 from agentkv.store import StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 
-__all__ = ["SlotManager", "SlotStats", "place"]
+__all__ = ["DEFAULT_LEASE_TTL", "SlotManager", "SlotStats", "place"]
+
+#: Seconds after which a lease counts as leaked (the runtime's setting takes it from here).
+DEFAULT_LEASE_TTL = 900.0
 
 #: Chance that the owner of overwritten content comes back for it: what a destroyed token is
 #: expected to cost later (a restore when it was saved, a prefill when not).
@@ -146,7 +149,9 @@ class SlotManager:
     """The slot table of one engine: content, leases and a watchdog. Never leases a busy slot."""
 
     n_slots: int = attrs.field(validator=attrs.validators.gt(0))
-    lease_ttl: float = attrs.field(default=900.0, kw_only=True, validator=attrs.validators.gt(0))
+    lease_ttl: float = attrs.field(
+        default=DEFAULT_LEASE_TTL, kw_only=True, validator=attrs.validators.gt(0)
+    )
     _slots: list[_Slot] = attrs.field(init=False)
     _leases: dict[int, Lease] = attrs.field(init=False, factory=dict)
     _next_lease: int = attrs.field(init=False, default=1)

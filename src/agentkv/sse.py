@@ -45,6 +45,8 @@ from agentkv.guard import Repetition, RepetitionGuard, cut_tail
 from agentkv.repair import RejectedCandidate, extract_tool_calls, repair_arguments
 
 __all__ = [
+    "DEFAULT_COALESCE_CHARS",
+    "DEFAULT_COALESCE_SECONDS",
     "ReplyComplete",
     "RetryWithTools",
     "SSEAssembler",
@@ -53,6 +55,12 @@ __all__ = [
     "accumulate",
     "encode_event",
 ]
+
+
+#: Text deltas are flushed after this many characters, or this many seconds (the runtime's
+#: settings take their defaults from here).
+DEFAULT_COALESCE_CHARS = 16
+DEFAULT_COALESCE_SECONDS = 0.05
 
 
 def encode_event(event: Mapping[str, Any]) -> bytes:
@@ -142,8 +150,8 @@ class SSEAssembler:
     #: :data:`~agentkv.ANY_TOOL` (its text is ``{"name", "arguments"}``); None for a free reply.
     forced_tool: ForcedTool | None = attrs.field(default=None, kw_only=True)
     tool_names: tuple[str, ...] = attrs.field(default=(), kw_only=True)
-    coalesce_chars: int = attrs.field(default=16, kw_only=True)
-    coalesce_seconds: float = attrs.field(default=0.05, kw_only=True)
+    coalesce_chars: int = attrs.field(default=DEFAULT_COALESCE_CHARS, kw_only=True)
+    coalesce_seconds: float = attrs.field(default=DEFAULT_COALESCE_SECONDS, kw_only=True)
     input_tokens_hint: int = attrs.field(default=0, kw_only=True)
     #: Declared tools (name -> input_schema) in ``auto`` mode, when tool-call repair is on: a
     #: reply that starts like a call written as text is held back and turned into tool_use blocks.

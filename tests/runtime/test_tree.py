@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Gateway
 from agentkv.runtime.tree import AgentTree
 from agentkv_bench.subagents import agent_call, scripted_reply
@@ -21,7 +22,7 @@ def user(text: str) -> dict[str, object]:
 
 def test_a_streamed_reply_that_ends_in_agent_calls_links_and_warms() -> None:
     clock = Clock()
-    gateway = Gateway(n_slots=1, clock=clock)
+    gateway = Gateway(RuntimeConfig(n_slots=1), clock=clock)
     tree = AgentTree(gateway=gateway, clock=clock)
     tree.place("s", None, 0, user("build it"))
     events = scripted_reply(
@@ -48,7 +49,7 @@ def test_a_streamed_reply_that_ends_in_agent_calls_links_and_warms() -> None:
 
 def test_a_reply_without_agent_calls_changes_nothing() -> None:
     clock = Clock()
-    gateway = Gateway(n_slots=1, clock=clock)
+    gateway = Gateway(RuntimeConfig(n_slots=1), clock=clock)
     tree = AgentTree(gateway=gateway, clock=clock)
     tree.place("s", None, 1, user("hi"))
     tree.replied("s", scripted_reply([{"type": "text", "text": "hello"}]))
@@ -58,7 +59,7 @@ def test_a_reply_without_agent_calls_changes_nothing() -> None:
 def test_queued_subagent_tickets_take_their_new_priority_keeping_their_arrival() -> None:
     """When the coordinator goes on, its background sub-agent's queued request drops a level."""
     clock = Clock()
-    gateway = Gateway(n_slots=1, clock=clock)
+    gateway = Gateway(RuntimeConfig(n_slots=1), clock=clock)
     tree = AgentTree(gateway=gateway, clock=clock)
     tree.place("s", None, 1, user("go"))
     tree.replied(
@@ -79,7 +80,7 @@ def test_queued_subagent_tickets_take_their_new_priority_keeping_their_arrival()
 
 def test_with_the_tree_off_every_request_is_its_root() -> None:
     clock = Clock()
-    gateway = Gateway(n_slots=1, clock=clock)
+    gateway = Gateway(RuntimeConfig(n_slots=1), clock=clock)
     tree = AgentTree(gateway=gateway, clock=clock, enabled=False)
     place = tree.place("s", "a1", 2, user("x"))
     assert (place.agent, place.priority, place.parent) == ("s", 2, None)

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from agentkv import LlamaSlotClient
+from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
 from agentkv_server import create_app
 from tests.fakes import FakeLlama, tokenize, wait_for
@@ -367,7 +368,7 @@ async def test_background_work_waits_for_every_foreground_request() -> None:
     from agentkv.runtime.gateway import Gateway
 
     # Aging so fast that, in one queue, the waiting compaction would outrank everything.
-    gateway = Gateway(n_slots=1, aging=100.0)
+    gateway = Gateway(RuntimeConfig(n_slots=1, aging=100.0))
     order: list[str] = []
 
     async def run(name: str, priority: int, background: bool) -> None:

@@ -15,6 +15,9 @@ from typing import Any
 import attrs
 
 from agentkv.limits import RequestLimits
+from agentkv.scheduler import DEFAULT_AGING, DEFAULT_MAX_QUEUE, DEFAULT_TIE_WINDOW
+from agentkv.slots import DEFAULT_LEASE_TTL
+from agentkv.sse import DEFAULT_COALESCE_CHARS, DEFAULT_COALESCE_SECONDS
 
 __all__ = ["GiB", "RuntimeConfig", "priority_or_off", "setting"]
 
@@ -65,21 +68,23 @@ class RuntimeConfig:
 
     # -- scheduling -------------------------------------------------------------------------------
     aging: float = setting(
-        0.1,
+        DEFAULT_AGING,
         "priority levels a request gains per second of waiting (0.1: a P3 request outranks a "
         "fresh P0 after 30 s)",
         group="scheduling",
     )
     max_queue: int = setting(
-        256, "requests allowed to wait at once; more get 529 overloaded_error", group="scheduling"
+        DEFAULT_MAX_QUEUE,
+        "requests allowed to wait at once; more get 529 overloaded_error",
+        group="scheduling",
     )
     tie_window: float = setting(
-        0.25,
+        DEFAULT_TIE_WINDOW,
         "scores this close count as a tie, won by a request whose prefix is cached",
         group="scheduling",
     )
     lease_ttl: float = setting(
-        900.0,
+        DEFAULT_LEASE_TTL,
         "seconds after which the watchdog reclaims a slot lease (a leak or a hung engine)",
         group="scheduling",
     )
@@ -115,8 +120,12 @@ class RuntimeConfig:
     ping_interval: float = setting(
         5.0, "seconds of silence after which a stream gets a ping", group="streaming"
     )
-    coalesce_chars: int = setting(16, "flush text deltas after this many characters", flag=False)
-    coalesce_seconds: float = setting(0.05, "or after this many seconds", flag=False)
+    coalesce_chars: int = setting(
+        DEFAULT_COALESCE_CHARS, "flush text deltas after this many characters", flag=False
+    )
+    coalesce_seconds: float = setting(
+        DEFAULT_COALESCE_SECONDS, "or after this many seconds", flag=False
+    )
     client_timeout: float = setting(
         1800.0,
         "seconds a client waits for a whole reply (Claude Code: API_TIMEOUT_MS, which the "

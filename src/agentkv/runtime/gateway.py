@@ -37,6 +37,7 @@ import attrs
 
 from agentkv._types import Lease, Placement, Ticket
 from agentkv.costs import CostModel
+from agentkv.runtime.config import RuntimeConfig
 from agentkv.scheduler import FairScheduler
 from agentkv.slots import SlotManager
 from agentkv.store import StoreIndex
@@ -82,33 +83,18 @@ class _Running:
     suspending: bool = False
 
 
-def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
-
-
 @attrs.define
 class Gateway:
     """Owns the slot table and the queues of one engine and hands out leases fairly.
 
     ``store`` is the prefix store's index when there is one (placement may then restore a saved
-    state); ``costs`` prices prefill, save and restore. ``preempt_from``: a request of priority 0
-    that finds every slot busy suspends a running request of at least this priority (None: never).
+    state); ``costs`` prices prefill, save and restore. ``config.preempt_from``: a request of
+    priority 0 that finds every slot busy suspends a running request of at least this priority
+    (None: never).
     """
 
-    n_slots: int = attrs.field(validator=_positive)
-    aging: float = 0.1
-    max_queue: int = 256
-    lease_ttl: float = 900.0
-    tie_window: float = 0.25
-    preempt_from: int | None = None
-    #: Content of at least this many tokens is saved to the store before it is overwritten.
-    park_min: int = 256
-    #: A checkpoint is worth waiting for only when it adds at least this many shared tokens.
-    share_min: int = 512
-    #: A ticket's shareable head is computed and saved on its own when at least this many of its
-    #: tokens are not held anywhere.
-    split_min: int = 1024
+    #: The settings (slots, aging, queue, leases, pre-emption, parking and sharing thresholds).
+    config: RuntimeConfig
     #: While a priority-0 request runs, a less urgent ticket that would compute more prompt
     #: tokens than this waits (with pre-emption on).
     quiet_min: int = 64
@@ -131,11 +117,13 @@ class Gateway:
     _lease_checkpoint: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        self._slots = SlotManager(self.n_slots, lease_ttl=self.lease_ttl)
+        self._slots = SlotManager(self.config.n_slots, lease_ttl=self.config.lease_ttl)
         self._scheduler = FairScheduler(
-            aging=self.aging, max_queue=self.max_queue, tie_window=self.tie_window
+            aging=self.config.aging,
+            max_queue=self.config.max_queue,
+            tie_window=self.config.tie_window,
         )
-        self._background = FairScheduler(aging=self.aging, max_queue=self.max_queue)
+        self._background = FairScheduler(aging=self.config.aging, max_queue=self.config.max_queue)
 
     @property
     def slots(self) -> SlotManager:
@@ -269,12 +257,12 @@ class Gateway:
         are computing prompts on other slots, so that it has the engine to itself.
         """
         self._running[lease.id] = _Running(lease, priority, suspend)
-        if self.preempt_from is not None and priority == 0:
+        if self.config.preempt_from is not None and priority == 0:
             for other in list(self._running.values()):
                 if (
                     other.lease.id != lease.id
                     and not other.decoding
-                    and other.priority >= max(self.preempt_from, 1)
+                    and other.priority >= max(self.config.preempt_from, 1)
                 ):
                     self._suspend(other, f"lease {lease.id} (priority 0) runs")
 
@@ -288,14 +276,14 @@ class Gateway:
                 running.suspend = None
 
     def _preempt_for(self, ticket: Ticket) -> None:
-        if self.preempt_from is None or ticket.priority > 0:
+        if self.config.preempt_from is None or ticket.priority > 0:
             return
         victims = [
             running
             for running in self._running.values()
             if running.suspend is not None
             and not running.suspending
-            and running.priority >= max(self.preempt_from, ticket.priority + 1)
+            and running.priority >= max(self.config.preempt_from, ticket.priority + 1)
         ]
         if not victims:
             return
@@ -317,7 +305,7 @@ class Gateway:
         running.suspend()
 
     def _urgent_running(self) -> bool:
-        return self.preempt_from is not None and any(
+        return self.config.preempt_from is not None and any(
             r.priority == 0 for r in self._running.values()
         )
 
@@ -330,7 +318,11 @@ class Gateway:
     def _plan_checkpoint(self, ticket: Ticket, lease: Lease) -> None:
         """Decided at dispatch, so that requests dispatched right after see it and wait."""
         head = ticket.head
-        if self.store is None or head is None or head - lease.placement.reuse < self.split_min:
+        if (
+            self.store is None
+            or head is None
+            or head - lease.placement.reuse < self.config.split_min
+        ):
             return
         if self.store.covers(ticket.tokens[:head], slack=16) is not None:
             return
@@ -404,7 +396,7 @@ class Gateway:
         best: tuple[float, Checkpoint] | None = None
         for checkpoint in self._checkpoints.values():
             shared = common_prefix(tokens, checkpoint.tokens)
-            if shared < available + self.share_min:
+            if shared < available + self.config.share_min:
                 continue
             remaining = costs.prefill.estimate(
                 checkpoint.progress, len(checkpoint.tokens) - checkpoint.progress
@@ -523,8 +515,8 @@ class Gateway:
         if waiter is None or waiter.blocked_on is not None:
             return False
         if (
-            self.preempt_from is not None
-            and ticket.priority >= max(self.preempt_from, 1)
+            self.config.preempt_from is not None
+            and ticket.priority >= max(self.config.preempt_from, 1)
             and self._scheduler.score(ticket, self.clock()) > 0
             and self._urgent_running()
         ):
@@ -542,7 +534,7 @@ class Gateway:
             ticket.tokens,
             self.costs,
             store=self.store,
-            park_min=self.park_min,
+            park_min=self.config.park_min,
             keep=self.warm() if self.warm is not None else frozenset(),
         )
 

@@ -736,15 +736,7 @@ class Runtime:
             )
             self.store = PrefixStore(config.store_dir, self.client, index)
         self.gateway = Gateway(
-            n_slots=config.n_slots,
-            aging=config.aging,
-            max_queue=config.max_queue,
-            lease_ttl=config.lease_ttl,
-            tie_window=config.tie_window,
-            preempt_from=config.preempt_from,
-            park_min=config.park_min,
-            share_min=config.share_min,
-            split_min=config.split_min,
+            config,
             costs=self.costs,
             store=index,
             clock=self.clock,
@@ -1062,7 +1054,7 @@ class Runtime:
         generation = status.generation
         while True:
             generation = await status.wait_generation(generation)
-            for slot in range(self.gateway.n_slots):
+            for slot in range(self.config.n_slots):
                 self.gateway.slots.invalidate(slot)
             log.info("engine restarted (generation %d): slot contents forgotten", generation)
 
