@@ -58,6 +58,7 @@ from agentkv_server.metrics import ServerMetrics
 from agentkv_server.page import page_mount
 
 T = TypeVar("T")
+_Assembler = TypeVar("_Assembler", ResponsesAssembler, ChatAssembler)
 
 __all__ = ["create_app", "error_response"]
 
@@ -209,41 +210,47 @@ class _Routes:
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses`` (Codex, the openai SDK): translated, then the same lifecycle."""
-        self.check_auth(request)
-        body = await read_json(request, self.config.body_limits)
-        translated = self.openai.responses(body)
-        exchange = self.runtime.submit(await self._prepare_openai(request, body, translated))
-        assembler = ResponsesAssembler(translated, created_at=int(time.time()))
-        if translated.stream:
-            return StreamingResponse(
-                _response_frames(exchange, assembler),
-                media_type="text/event-stream",
-                headers=_SSE_HEADERS,
-            )
-        events = await _unless_gone(request, _all_events(exchange))
-        if events is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        assembler.feed(events)
-        return JSONResponse(assembler.response)
+        return await self._openai(
+            request,
+            self.openai.responses,
+            lambda translated: ResponsesAssembler(translated, created_at=int(time.time())),
+            _response_frames,
+            lambda assembler: assembler.response,
+        )
 
     async def chat_completions(self, request: Request) -> Response:
         """``POST /v1/chat/completions``: translated, then the same lifecycle."""
+        return await self._openai(
+            request,
+            self.openai.chat,
+            lambda translated: ChatAssembler(translated, created=int(time.time())),
+            _chat_frames,
+            lambda assembler: assembler.completion,
+        )
+
+    async def _openai(
+        self,
+        request: Request,
+        translate: Callable[[Mapping[str, Any]], OpenAIRequest],
+        assembler_for: Callable[[OpenAIRequest], _Assembler],
+        frames: Callable[[Exchange, _Assembler], AsyncIterator[bytes]],
+        whole: Callable[[_Assembler], dict[str, Any]],
+    ) -> Response:
+        """An OpenAI route: translate, run like a Messages request, answer in the route's shape."""
         self.check_auth(request)
         body = await read_json(request, self.config.body_limits)
-        translated = self.openai.chat(body)
+        translated = translate(body)
         exchange = self.runtime.submit(await self._prepare_openai(request, body, translated))
-        assembler = ChatAssembler(translated, created=int(time.time()))
+        assembler = assembler_for(translated)
         if translated.stream:
             return StreamingResponse(
-                _chat_frames(exchange, assembler),
-                media_type="text/event-stream",
-                headers=_SSE_HEADERS,
+                frames(exchange, assembler), media_type="text/event-stream", headers=_SSE_HEADERS
             )
         events = await _unless_gone(request, _all_events(exchange))
         if events is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         assembler.feed(events)
-        return JSONResponse(assembler.completion)
+        return JSONResponse(whole(assembler))
 
     async def _prepare_openai(
         self, request: Request, body: Mapping[str, Any], translated: OpenAIRequest

@@ -30,6 +30,7 @@ import attrs
 import httpx
 
 from agentkv_bench.soak import server_script
+from tests._cli_run import run_bounded
 
 #: Where to find the CLI: this variable, else ``claude`` on PATH.
 ENV_CLAUDE_BIN = "AGENTKV_CLAUDE_BIN"
@@ -265,32 +266,8 @@ def run_claude(
     env["HOME"] = str(home)
     home.mkdir(parents=True, exist_ok=True)
     command = ["bash", "-c", script, "bash", str(binary), "-p", prompt, *args]
-    start = time.monotonic()
-    process = subprocess.Popen(
-        command,
-        cwd=project,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    timed_out = False
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-    return ClaudeRun(
-        stdout=out.decode(errors="replace"),
-        stderr=err.decode(errors="replace"),
-        returncode=process.returncode,
-        elapsed=time.monotonic() - start,
-        timed_out=timed_out,
-        project=project,
-    )
+    ran = run_bounded(command, cwd=project, env=env, timeout=timeout)
+    return ClaudeRun(**ran, project=project)
 
 
 @attrs.define

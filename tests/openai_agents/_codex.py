@@ -7,17 +7,15 @@ timeout, with only the variables those lines name.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
-import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
+
+from tests._cli_run import run_bounded
 
 #: Where to find the CLI: this variable, else ``.ci/codex`` (what ``.ci/run`` installs), else PATH.
 ENV_CODEX_BIN = "AGENTKV_CODEX_BIN"
@@ -132,28 +130,5 @@ def run_codex(
     environ = {k: v for k, v in os.environ.items() if not _SCRUB.match(k)}
     environ |= env | {"CODEX_HOME": str(home)}
     command = [str(binary), "exec", "--skip-git-repo-check", *args, prompt]
-    start = time.monotonic()
-    process = subprocess.Popen(
-        command,
-        cwd=project,
-        env=environ,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    timed_out = False
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-    return AgentRun(
-        stdout=out.decode(errors="replace"),
-        stderr=err.decode(errors="replace"),
-        returncode=process.returncode,
-        elapsed=time.monotonic() - start,
-        timed_out=timed_out,
-    )
+    ran = run_bounded(command, cwd=project, env=environ, timeout=timeout)
+    return AgentRun(**ran)

@@ -4,16 +4,13 @@ docs/openai-agents.md says: a custom provider through the AI SDK's OpenAI-compat
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
+from tests._cli_run import run_bounded
 from tests.openai_agents._codex import AgentRun
 
 ENV_OPENCODE_BIN = "AGENTKV_OPENCODE_BIN"
@@ -90,28 +87,5 @@ def run_opencode(
     environ = {k: v for k, v in os.environ.items() if not _SCRUB.match(k)}
     # OpenCode takes its project directory from $PWD, not from the working directory it runs in.
     environ |= {"HOME": str(home), "PWD": str(project)}
-    start = time.monotonic()
-    process = subprocess.Popen(
-        [str(binary), "run", prompt],
-        cwd=project,
-        env=environ,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    timed_out = False
-    try:
-        out, err = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        out, err = process.communicate()
-    return AgentRun(
-        stdout=out.decode(errors="replace"),
-        stderr=err.decode(errors="replace"),
-        returncode=process.returncode,
-        elapsed=time.monotonic() - start,
-        timed_out=timed_out,
-    )
+    ran = run_bounded([str(binary), "run", prompt], cwd=project, env=environ, timeout=timeout)
+    return AgentRun(**ran)
