@@ -416,6 +416,7 @@ class Exchange:
         try:
             async with runtime.client.prefill(checkpoint.tokens, slot=lease.slot) as chunks:
                 async for chunk in chunks:
+                    gateway.alive(lease)
                     progress = chunk.get("prompt_progress")
                     if isinstance(progress, Mapping):
                         done = int(progress.get("cache", 0)) + int(progress.get("processed", 0))
@@ -578,6 +579,7 @@ class Exchange:
                         except anyio.EndOfStream:
                             break
                         now = runtime.clock()
+                        runtime.gateway.alive(lease)
                         runtime.observe_timings(chunk.get("timings"))
                         if echo:
                             chunk, echo = _without_echo(chunk, echo)
