@@ -165,6 +165,7 @@ def str_at(value: Any, path: str) -> str:
 def function_tool(
     name: Any, description: Any, parameters: Any, path: str, name_path: str
 ) -> dict[str, Any]:
+    """A function tool as a Messages tool (``parameters`` become its ``input_schema``)."""
     if not isinstance(name, str) or not name:
         raise InvalidRequestError("expected a non-empty string", name_path)
     tool: dict[str, Any] = {"name": name}
@@ -184,6 +185,7 @@ def add_tool(
     origin: ToolOrigin,
     path: str,
 ) -> None:
+    """Declare ``tool`` once: its name must be new, and an error in it names ``path``."""
     name = tool["name"]
     if name in origins:
         raise InvalidRequestError(f"declares the tool {shown(name)} a second time", path)
@@ -198,6 +200,9 @@ def _engine_name(origins: Mapping[str, ToolOrigin], name: str, namespace: str | 
 
 
 def tool_choice(raw: Any, origins: Mapping[str, ToolOrigin]) -> dict[str, Any] | None:
+    """``tool_choice`` as Messages has it (None: auto): ``auto``, ``none``, ``required``, or a
+    function or custom tool by ``name`` (and ``namespace``). Chat Completions' own nested form is
+    read in :mod:`agentkv.chat_translate`, which falls back to this."""
     if raw is None or raw == "auto":
         return None
     if raw == "none":
