@@ -80,6 +80,18 @@ def _options(cls: type[Any]) -> Iterator[tuple[attrs.Attribute[Any], str]]:
         yield field, flag or "--" + field.name.replace("_", "-")
 
 
+def _worded(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` for argparse: its ValueError's own words become the usage error."""
+
+    def parse_option(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_option
+
+
 def _add_options(groups: dict[str, argparse._ArgumentGroup]) -> None:
     for cls in _CONFIGS:
         for field, flag in _options(cls):
@@ -96,11 +108,13 @@ def _add_options(groups: dict[str, argparse._ArgumentGroup]) -> None:
                 continue
             default = field.default
             shown = "unset" if default is None else default
+            parse = field.metadata.get("parse")
             group.add_argument(
                 flag,
                 dest=field.name,
-                type=field.metadata.get("parse")
-                or (kind if kind in (int, float) else (Path if kind is Path else str)),
+                type=_worded(parse)
+                if parse is not None
+                else (kind if kind in (int, float) else (Path if kind is Path else str)),
                 default=default,
                 metavar=field.metadata.get("metavar"),
                 help=help_text if "default" in help_text else f"{help_text} (default: {shown})",

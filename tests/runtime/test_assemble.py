@@ -52,3 +52,10 @@ def test_the_engine_options_are_the_engine_settings() -> None:
     flags = ["--upstream", "http://e", "--slots", "3", "--kv-budget", "2GiB", "--no-store"]
     got = cli._from_args(EngineSettings, parse(flags))
     assert got == EngineSettings(upstream="http://e", slots=3, kv_budget=2 * GiB, store=False)
+
+
+def test_a_bad_size_is_refused_in_the_parsers_own_words(capsys: pytest.CaptureFixture[str]) -> None:
+    """--kv-budget 8XB: a usage error that says what a size is, not argparse's generic words."""
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--kv-budget", "8XB"])
+    assert "argument --kv-budget: not a size: '8XB'" in capsys.readouterr().err
