@@ -323,3 +323,27 @@ def test_quick_mixed_scenario_runs_both_configurations_against_a_fake_engine(
     text = (out / "mixed.txt").read_text()
     assert "codex-1 (Codex, P2): first answer" in text
     assert "starvation bound (both APIs)" in text and "holds" in text
+
+
+@pytest.mark.engine
+def test_quick_mixed_scenario_on_the_real_engine(tmp_path: Path) -> None:
+    """Claude Code and Codex agents on the real engine, directly and through agentkv: every
+    agent of both kinds answers its word, llama-server's counters are at least the minimum, and
+    the scheduler's bound holds over both APIs' tickets. Prompts at 1/20 to stay short on CI."""
+    from tests._engine_fixture import locate_engine
+
+    locate_engine()
+    out = tmp_path / "bench"
+    argv = ["--scenario", "mixed", "--quick", "--scale", "0.05", "--ctx-per-slot", "8192"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    report = json.loads((out / "mixed.json").read_text())
+    configs = {c["name"]: c for c in report["configs"]}
+    assert list(configs) == ["direct", "agentkv"]
+    for config in configs.values():
+        assert config["errors"] == 0 and config["requests"] == 8, config["per_request"]
+        assert all(a["first_ttft_s"] > 0 for a in config["agents"].values())
+        assert config["prefill_computed"] >= 0.9 * config["prefill_minimum"]
+        assert config["answers_correct"] >= 2  # the model's own words: most, not always all
+    check = configs["agentkv"]["starvation"]
+    assert check["tickets"] == 8 and check["holds"], check
+    assert set(check["per_api"]) == {"Claude Code", "Codex"}

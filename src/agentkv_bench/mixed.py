@@ -53,8 +53,24 @@ from agentkv_bench.codex_workload import (
 from agentkv_bench.drivers import RequestResult
 from agentkv_bench.engines import start
 from agentkv_bench.metrics import PrefillYardstick, yardsticks
-from agentkv_bench.report import fmt, percentile, render_table, rounded, summarize, write_report
-from agentkv_bench.scenarios import Bench, _hits, _machine, _store, answers_correct, measure
+from agentkv_bench.report import (
+    fmt,
+    percentile,
+    render_table,
+    rounded,
+    summarize,
+    target_lines,
+    write_report,
+)
+from agentkv_bench.scenarios import (
+    Bench,
+    _hits,
+    _machine,
+    _slowest_first,
+    _store,
+    answers_correct,
+    measure,
+)
 from agentkv_bench.workload import Agent, Workload
 
 __all__ = [
@@ -443,17 +459,12 @@ async def run_mixed(
         panels=[
             ("wall time (s)", lambda c: c["wall_s"]),
             ("prefill / minimum", lambda c: c["prefill_ratio"] or 0),
-            ("slowest first answer (s)", _slowest_first),
+            ("slowest first answer (s)", lambda c: _slowest_first(c) or 0),
         ],
         title=f"{spec.claude_agents} Claude Code + {spec.codex_agents} Codex agents × "
         f"{spec.turns} turns on {spec.slots} slots (lower is better)",
     )
     return report
-
-
-def _slowest_first(config: dict[str, Any]) -> float:
-    values = [a["first_ttft_s"] for a in config["agents"].values() if a["first_ttft_s"]]
-    return max(values, default=0.0)
 
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:
@@ -580,8 +591,5 @@ def mixed_table(report: dict[str, Any]) -> str:
             f"at most (p_T - p_U + {check['tie_window']}) / {check['aging']} s after T."
         )
     lines.append("")
-    lines.append("Checks:")
-    for key, row in report["targets"].items():
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[row.get("met")]
-        lines.append(f"- {key}: {row['value']} (target {row['target']}): {verdict}")
+    lines += target_lines(report["targets"], "Checks:")
     return "\n".join(lines)
