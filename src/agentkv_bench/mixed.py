@@ -526,11 +526,11 @@ def _bound_cell(c: dict[str, Any]) -> str:
     pair = check["worst_pair"]
     verdict = "holds" if check["holds"] else "BROKEN"
     if pair is None:
-        return f"{verdict}: no ticket overtaken"
+        return f"{verdict}: no ticket went ahead of a waiting one"
     return (
-        f"{verdict}: {check['pairs_overtaken']} overtakes, worst {pair['ahead']} ahead of "
-        f"{pair['waiting']}, arrived {fmt(pair['arrived_after_s'], ' s')} after it, bound "
-        f"{fmt(pair['bound_s'], ' s')}"
+        f"{verdict}: {check['pairs_overtaken']} went ahead of a waiting one; closest to the bound: "
+        f"{pair['ahead']} ahead of {pair['waiting']}, arrived {fmt(pair['arrived_after_s'], ' s')} "
+        f"after it, bound {fmt(pair['bound_s'], ' s')}"
     )
 
 
