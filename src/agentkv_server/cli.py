@@ -28,6 +28,7 @@ import attrs
 import uvicorn
 
 from agentkv import AgentKVError
+from agentkv.runtime.adapters import OpenAIEngineClient
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
@@ -37,6 +38,12 @@ from agentkv.runtime.supervisor import EngineSupervisor
 from agentkv_server import logs
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
+from agentkv_server.engine_kind import (
+    add_engine_kind,
+    check_engine_kind,
+    engine_shape,
+    open_client,
+)
 from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
 
 __all__ = [
@@ -164,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  agentkv-server              # launch llama-server with the default model\n"
             "  agentkv-server --model ./qwen.gguf --slots 4 --ctx-per-slot 16384 --gpu-layers 99\n"
             "  agentkv-server --upstream http://127.0.0.1:8080 --slots 4  # running llama-server\n"
+            "  agentkv-server --upstream http://127.0.0.1:8000 --engine-kind vllm --slots 16\n"
             "  agentkv-server status --watch   # the slot table of a running agentkv-server\n"
             "  agentkv-server store clear [--agent ID]   # delete saved KV states\n"
         ),
@@ -175,12 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="use an already running llama-server at URL instead of launching one",
     )
+    add_engine_kind(engine)
     engine.add_argument(
         "--model",
         metavar="PATH",
         type=Path,
         help="GGUF model to launch llama-server with (default: the bundled "
-        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled on first use)",
+        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled on first use); with another "
+        "--engine-kind, the name of the model the engine serves (default: the first it lists)",
     )
     engine.add_argument(
         "--llama-server",
@@ -471,7 +481,8 @@ def claude_code_compacts_at(ctx_per_slot: int) -> int:
 async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
     """The engine's URL and shape; launches and supervises llama-server unless --upstream."""
     if args.upstream:
-        store = None if args.no_store else args.store_dir
+        # An engine that places requests itself has no slot files: no store.
+        store = None if args.no_store or args.engine_kind != "llama" else args.store_dir
         yield _Engine(
             args.upstream.rstrip("/"),
             args.ctx_per_slot,
@@ -700,7 +711,8 @@ class _Server(uvicorn.Server):
 
 async def _serve(args: argparse.Namespace) -> None:
     async with _engine(args) as engine:
-        client = LlamaSlotClient(
+        client = open_client(
+            args,
             engine.base_url,
             api_key=engine.api_key,
             status=engine.status,
@@ -708,9 +720,12 @@ async def _serve(args: argparse.Namespace) -> None:
         )
         try:
             if args.upstream:
-                logs.say(f"waiting for llama-server at {engine.base_url}")
+                logs.say(f"waiting for the {args.engine_kind} engine at {engine.base_url}")
             await client.wait_ready(600.0)
-            n_slots, ctx_per_slot = await _engine_shape(client, args.slots, engine.ctx_per_slot)
+            if isinstance(client, OpenAIEngineClient):
+                n_slots, ctx_per_slot = await engine_shape(client, args.slots, engine.ctx_per_slot)
+            else:
+                n_slots, ctx_per_slot = await _engine_shape(client, args.slots, engine.ctx_per_slot)
             store_dir, store_note = await _check_store(client, engine, ctx_per_slot)
             server_config = _server_config(args)
             runtime_config = _from_args(
@@ -743,9 +758,13 @@ async def _serve(args: argparse.Namespace) -> None:
                 supervisor.on_give_up = lambda _: setattr(server, "should_exit", True)
             url = f"http://{server_config.host}:{server_config.port}"
             fields = logs.startup_fields(
-                engine=engine.base_url,
+                engine=engine.base_url
+                if not isinstance(client, OpenAIEngineClient)
+                else f"{engine.base_url} ({client.engine_name})",
                 launched=not args.upstream,
-                model=str(engine.model) if engine.model is not None else None,
+                model=str(engine.model)
+                if engine.model is not None
+                else getattr(client, "model", None),
                 slots=n_slots,
                 ctx_per_slot=ctx_per_slot,
                 store=str(store_dir) if store_dir is not None else None,
@@ -791,6 +810,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format)
     if args.slots < 1:
         raise SystemExit("agentkv-server: --slots must be at least 1")
+    check_engine_kind(args)
     try:
         anyio.run(_serve, args)
     except KeyboardInterrupt:

@@ -36,7 +36,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import attrs
@@ -60,6 +60,9 @@ from agentkv.exceptions import (
     EngineUnavailableError,
 )
 from agentkv.runtime.status import EngineStatus
+
+if TYPE_CHECKING:
+    from agentkv.runtime.hints import EngineHints
 
 __all__ = [
     "HTTPX_ERROR_MAP",
@@ -330,6 +333,11 @@ class LlamaSlotClient:
     caller cancelled while waiting never sends its call.
     """
 
+    #: The engine has slots agentkv pins requests to, and saves and restores their KV cache as
+    #: files (the prefix store). An engine that places requests itself
+    #: (:mod:`agentkv.runtime.adapters`) has neither.
+    slot_files: ClassVar[bool] = True
+
     def __init__(
         self,
         base_url: str,
@@ -371,9 +379,16 @@ class LlamaSlotClient:
             "cache_prompt": True,
         }
 
-    async def chat(self, body: Mapping[str, Any], *, slot: int | None) -> dict[str, Any]:
+    async def chat(
+        self,
+        body: Mapping[str, Any],
+        *,
+        slot: int | None,
+        hints: EngineHints | None = None,
+    ) -> dict[str, Any]:
         """Non-streaming chat completion on ``slot`` (None: any idle slot); the JSON reply with
-        ``timings``."""
+        ``timings``. ``hints`` are for engines that place requests themselves; llama-server is
+        placed by agentkv and needs none."""
         payload = self._chat_body(body, slot, stream=False)
         data = await self._request_json(
             "POST", _CHAT_PATH, "chat completion", json_body=payload, safe=False
@@ -384,9 +399,14 @@ class LlamaSlotClient:
 
     @contextlib.asynccontextmanager
     async def stream(
-        self, body: Mapping[str, Any], *, slot: int | None
+        self,
+        body: Mapping[str, Any],
+        *,
+        slot: int | None,
+        hints: EngineHints | None = None,
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        """Streaming chat completion on ``slot``; yields an iterator of parsed chunk dicts.
+        """Streaming chat completion on ``slot``; yields an iterator of parsed chunk dicts
+        (``hints``: as for :meth:`chat`).
 
         Leaving the ``async with`` block (also by cancellation) closes the upstream response, which
         makes llama-server stop generating and free the slot.
@@ -661,11 +681,13 @@ class LlamaSlotClient:
         params: Mapping[str, str] | None = None,
         stream: bool = False,
         safe: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         """Send one request, retrying only the safe cases; a 2xx response or an agentkv error.
 
         With ``stream=True`` the returned response body is unread and the caller must close it;
         otherwise the body is read here (and, when ``safe``, asked for again if it broke).
+        ``headers`` are sent besides the client's own (an adapter's per-request hints).
         """
         dropped: _DroppedError | None = None
         while True:
@@ -679,7 +701,7 @@ class LlamaSlotClient:
             )
             try:
                 return await retrying(
-                    self._send_once, method, path, what, json_body, params, stream, safe
+                    self._send_once, method, path, what, json_body, params, stream, safe, headers
                 )
             except _NotReadyError as exc:
                 # Callers see the public type; the private subclass only steers the retries.
@@ -700,8 +722,9 @@ class LlamaSlotClient:
         json_body: Any,
         params: Mapping[str, str] | None,
         stream: bool,
+        extra: Mapping[str, str] | None = None,
     ) -> httpx.Request:
-        headers = dict(self._headers)
+        headers = {**(extra or {}), **self._headers}
         if stream:
             # A stream's connection is never used again: llama-server may close it once the
             # stream ends, though it advertised keep-alive, and a pool would hand it out dead.
@@ -724,12 +747,13 @@ class LlamaSlotClient:
         params: Mapping[str, str] | None,
         stream: bool,
         safe: bool,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         if self.status is not None and (refused := self.status.error()) is not None:
             raise refused
         self.link.requests += 1
         try:
-            request = self._build(method, path, json_body, params, stream)
+            request = self._build(method, path, json_body, params, stream, headers)
             # Always sent as a stream: what failed before the reply's first byte (safe to send
             # again) is then told apart from what failed while reading it.
             response = await self._http.send(request, stream=True)
