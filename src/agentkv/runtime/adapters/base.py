@@ -145,8 +145,8 @@ def estimated_tokens(body: Mapping[str, Any]) -> list[int]:
 
 
 class _UsageStream:
-    """The chunks of one streamed completion, with the last chunk's ``usage`` turned into a
-    ``timings`` block (see :meth:`Usage.timings`)."""
+    """The chunks of one streamed completion, with the last chunk's ``usage`` turned into the
+    ``timings`` block the runtime reads (see :meth:`Usage.timings`)."""
 
     def __init__(self, client: OpenAIEngineClient, chunks: _ChunkStream) -> None:
         self._client = client
@@ -162,7 +162,9 @@ class _UsageStream:
         if self._first is None and chunk.get("choices"):
             self._first = now
         usage = self._client.read_usage(chunk)
-        if usage is not None and "timings" not in chunk:
+        if usage is not None:
+            # The usage is the engine's documented report; a ``timings`` block of its own
+            # (llama-server sends one too) is not part of the contract and is replaced.
             decode = None if self._first is None else now - self._first
             chunk = {**chunk, "timings": usage.timings(decode)}
         return chunk
@@ -330,7 +332,7 @@ class OpenAIEngineClient(LlamaSlotClient):
         if not isinstance(data, dict):
             raise EngineResponseError(f"{self.engine_name} chat completion returned {data!r:.200}")
         usage = self.read_usage(data)
-        if usage is not None and "timings" not in data:
+        if usage is not None:
             data["timings"] = usage.timings(None)
         return data
 
