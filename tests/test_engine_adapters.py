@@ -368,6 +368,22 @@ def test_the_estimate_counts_about_four_characters_a_token_and_keeps_shared_head
     assert estimated_tokens(other)[:2] != a[:2]  # the role tag, then the words
 
 
+async def test_the_estimate_learns_the_engine_count_from_usage() -> None:
+    """After a reply whose usage counted 2048 prompt tokens for a prompt of about 6000
+    characters, that prompt is estimated at about 2048 tokens, not 1500."""
+    engine = Engine("sglang")
+    words = "Refactor the parser so that every error names its line. " * 107
+    body = {**BODY, "messages": [{"role": "user", "content": words}]}
+    async with connected(engine, SGLangClient) as client:
+        before = len(await client.prompt_tokens(body))
+        async with client.stream(body, slot=None, hints=SUB) as chunks:
+            _ = [c async for c in chunks]
+        after = len(await client.prompt_tokens(body))
+    assert before == len(estimated_tokens(body))
+    assert abs(before - 1536) < 40
+    assert abs(after - 2048) <= 2
+
+
 @pytest.mark.parametrize("kind", ["vllm", "sglang", "dynamo"])
 async def test_there_are_no_slots_to_save_restore_or_pin(kind: str) -> None:
     """Slot files, raw completions and prefills are refused without a call to the engine."""
@@ -443,3 +459,64 @@ async def test_the_runtime_records_the_engine_cache_hit_and_hands_it_the_tree(
     sent = json.loads(chat.content)
     assert sent["nvext"]["agent_hints"]["priority"] == 3 - place.priority
     assert not list(tmp_path.glob("store/*"))
+
+
+# -- agentkv-server --engine-kind ----------------------------------------------------------------
+
+
+def test_another_engine_kind_needs_an_upstream() -> None:
+    """agentkv launches only llama-server: another kind without --upstream is refused."""
+    from agentkv_server.cli import main
+
+    with pytest.raises(SystemExit, match="needs --upstream"):
+        main(["--engine-kind", "sglang"])
+
+
+async def test_the_command_line_picks_the_adapter_its_model_and_the_context() -> None:
+    """``--engine-kind vllm --model NAME``: the vLLM adapter for that model; the context comes
+    from /v1/models unless ``--ctx-per-slot`` says otherwise; ``--slots`` stays as given."""
+    from agentkv_server.cli import build_parser
+    from agentkv_server.engine_kind import engine_shape, open_client
+
+    args = build_parser().parse_args(
+        [
+            "--upstream",
+            "http://engine",
+            "--engine-kind",
+            "vllm",
+            "--model",
+            "Qwen/Qwen2.5-Coder-7B-Instruct",
+        ]
+    )
+    engine = Engine("vllm")
+    http = httpx.AsyncClient(transport=httpx.MockTransport(engine.handler))
+    client = open_client(args, "http://engine", http=http, connect_retries=0)
+    assert isinstance(client, VLLMClient) and client.model == "Qwen/Qwen2.5-Coder-7B-Instruct"
+    async with http, client:
+        assert await engine_shape(client, 16, None) == (16, 32768)
+        assert await engine_shape(client, 16, 8192) == (16, 8192)
+    llama = open_client(build_parser().parse_args([]), "http://engine")
+    assert type(llama).__name__ == "LlamaSlotClient" and llama.slot_files
+    await llama.aclose()
+
+
+def test_the_banner_names_the_engine_and_what_slots_mean_there() -> None:
+    from agentkv_server import logs
+
+    fields = logs.startup_fields(
+        engine="http://gpu-box:8000",
+        engine_name="vLLM",
+        launched=False,
+        model="Qwen/Qwen2.5-Coder-7B-Instruct",
+        slots=16,
+        ctx_per_slot=32768,
+        store=None,
+        store_budget=None,
+        url="http://127.0.0.1:8788",
+        api_key=False,
+        claude_code="",
+    )
+    block = logs.startup_block(fields)
+    assert "vLLM at http://gpu-box:8000" in block
+    assert "16 requests at once, placed by vLLM (32768 tokens each)" in block
+    assert "llama-server" not in block

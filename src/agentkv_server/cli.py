@@ -720,7 +720,7 @@ async def _serve(args: argparse.Namespace) -> None:
         )
         try:
             if args.upstream:
-                logs.say(f"waiting for the {args.engine_kind} engine at {engine.base_url}")
+                logs.say(f"waiting for {client.engine_name} at {engine.base_url}")
             await client.wait_ready(600.0)
             if isinstance(client, OpenAIEngineClient):
                 n_slots, ctx_per_slot = await engine_shape(client, args.slots, engine.ctx_per_slot)
@@ -758,9 +758,8 @@ async def _serve(args: argparse.Namespace) -> None:
                 supervisor.on_give_up = lambda _: setattr(server, "should_exit", True)
             url = f"http://{server_config.host}:{server_config.port}"
             fields = logs.startup_fields(
-                engine=engine.base_url
-                if not isinstance(client, OpenAIEngineClient)
-                else f"{engine.base_url} ({client.engine_name})",
+                engine=engine.base_url,
+                engine_name=client.engine_name,
                 launched=not args.upstream,
                 model=str(engine.model)
                 if engine.model is not None

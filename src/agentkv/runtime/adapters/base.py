@@ -18,14 +18,17 @@ client's transport, retries and error map, and changes what the engine is asked:
 
 The runtime still needs a prompt's size in tokens (the length check, ``max_tokens`` capping,
 compaction, ``count_tokens``): an adapter whose engine tokenizes chat bodies asks it
-(:mod:`agentkv.runtime.adapters.vllm`); the others estimate (:func:`estimated_tokens`).
+(:mod:`agentkv.runtime.adapters.vllm`); the others estimate (:func:`estimated_tokens`), at the
+characters per token the engine's own ``usage.prompt_tokens`` showed so far (:class:`Calibration`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
+import math
 import time
 import zlib
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -42,6 +45,7 @@ from agentkv.runtime.hints import EngineHints
 
 __all__ = [
     "CHARS_PER_TOKEN",
+    "Calibration",
     "EngineCard",
     "OpenAIEngineClient",
     "Usage",
@@ -132,25 +136,51 @@ def _estimate_text(body: Mapping[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def estimated_tokens(body: Mapping[str, Any]) -> list[int]:
+def estimated_tokens(
+    body: Mapping[str, Any], *, chars_per_token: float = CHARS_PER_TOKEN
+) -> list[int]:
     """A stand-in for the prompt tokens of a chat ``body`` for an engine that does not tokenize
-    chat bodies: one value per :data:`CHARS_PER_TOKEN` characters of its text, each a digest of
+    chat bodies: one value per ``chars_per_token`` characters of its text, each a digest of
     those characters, so that the count is about right and two prompts that begin alike begin
     with the same values."""
     text = _estimate_text(body)
-    return [
-        zlib.crc32(text[i : i + CHARS_PER_TOKEN].encode())
-        for i in range(0, len(text), CHARS_PER_TOKEN)
-    ]
+    step = max(1.0, chars_per_token)
+    cuts = [round(k * step) for k in range(math.ceil(len(text) / step) + 1)]
+    return [zlib.crc32(text[a:b].encode()) for a, b in itertools.pairwise(cuts)]
+
+
+@attrs.define
+class Calibration:
+    """How many tokens the engine counts for the text of a prompt, learnt from the
+    ``usage.prompt_tokens`` of its replies (recent ones weigh more)."""
+
+    #: Reported prompt tokens and the text's characters, decayed sums.
+    tokens: float = 0.0
+    chars: float = 0.0
+    keep: float = 0.9
+
+    def observe(self, chars: int, tokens: int) -> None:
+        if chars > 0 and tokens > 0:
+            self.tokens = self.tokens * self.keep + tokens
+            self.chars = self.chars * self.keep + chars
+
+    @property
+    def chars_per_token(self) -> float:
+        """Characters of prompt text per engine token: :data:`CHARS_PER_TOKEN` until a reply
+        says otherwise (bounded to 1–16)."""
+        if self.tokens <= 0:
+            return float(CHARS_PER_TOKEN)
+        return min(max(self.chars / self.tokens, 1.0), 16.0)
 
 
 class _UsageStream:
     """The chunks of one streamed completion, with the last chunk's ``usage`` turned into the
     ``timings`` block the runtime reads (see :meth:`Usage.timings`)."""
 
-    def __init__(self, client: OpenAIEngineClient, chunks: _ChunkStream) -> None:
+    def __init__(self, client: OpenAIEngineClient, chunks: _ChunkStream, chars: int) -> None:
         self._client = client
         self._chunks = chunks
+        self._chars = chars
         self._first: float | None = None
 
     def __aiter__(self) -> _UsageStream:
@@ -167,6 +197,7 @@ class _UsageStream:
             # (llama-server sends one too) is not part of the contract and is replaced.
             decode = None if self._first is None else now - self._first
             chunk = {**chunk, "timings": usage.timings(decode)}
+            self._client.calibration.observe(self._chars, usage.prompt_tokens)
         return chunk
 
 
@@ -179,7 +210,6 @@ class OpenAIEngineClient(LlamaSlotClient):
 
     #: The ``--engine-kind`` of ``agentkv-server``.
     kind: ClassVar[str] = "openai"
-    #: The engine, in words.
     engine_name: ClassVar[str] = "the OpenAI-compatible engine"
     slot_files: ClassVar[bool] = False
     #: The engine's launch flag without which it reports no cached tokens (for the log line).
@@ -192,6 +222,8 @@ class OpenAIEngineClient(LlamaSlotClient):
         super().__init__(base_url, **kwargs)
         self.model = model
         self.card: EngineCard | None = None
+        #: What the engine's usage says about the estimate's characters per token.
+        self.calibration = Calibration()
         self._told_no_cache = False
 
     # -- what each engine adds ------------------------------------------------------------------
@@ -334,6 +366,7 @@ class OpenAIEngineClient(LlamaSlotClient):
         usage = self.read_usage(data)
         if usage is not None:
             data["timings"] = usage.timings(None)
+            self.calibration.observe(len(_estimate_text(body)), usage.prompt_tokens)
         return data
 
     @contextlib.asynccontextmanager
@@ -349,7 +382,8 @@ class OpenAIEngineClient(LlamaSlotClient):
         generating."""
         response = await self._open(body, hints, stream=True)
         try:
-            yield _UsageStream(self, _ChunkStream(self, response, "chat completion"))
+            chunks = _ChunkStream(self, response, "chat completion")
+            yield _UsageStream(self, chunks, len(_estimate_text(body)))
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
@@ -357,12 +391,16 @@ class OpenAIEngineClient(LlamaSlotClient):
     # -- prompt accounting --------------------------------------------------------------------
 
     async def prompt_tokens(self, body: Mapping[str, Any]) -> list[int]:
-        """The prompt's tokens as far as agentkv can know them: :func:`estimated_tokens`."""
-        return estimated_tokens(body)
+        """The prompt's tokens as far as agentkv can know them: :func:`estimated_tokens`, at the
+        characters per token the engine's replies showed (:attr:`calibration`)."""
+        return estimated_tokens(body, chars_per_token=self.calibration.chars_per_token)
 
     async def tokenize(self, content: str, *, add_special: bool = False) -> list[int]:
         """An estimate of ``content``'s tokens (see :func:`estimated_tokens`)."""
-        return estimated_tokens({"messages": [{"role": "", "content": content}]})
+        return estimated_tokens(
+            {"messages": [{"role": "", "content": content}]},
+            chars_per_token=self.calibration.chars_per_token,
+        )
 
     async def apply_template(self, body: Mapping[str, Any]) -> str:
         raise self._unsupported("templating a prompt")

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from agentkv.exceptions import EngineResponseError
-from agentkv.runtime.adapters.base import OpenAIEngineClient, estimated_tokens
+from agentkv.runtime.adapters.base import OpenAIEngineClient
 from agentkv.runtime.hints import EngineHints
 
 __all__ = ["VLLMClient"]
@@ -99,7 +99,7 @@ class VLLMClient(OpenAIEngineClient):
         if body.get("tools"):
             request["tools"] = body["tools"]
         tokens = await self._tokenize(request)
-        return estimated_tokens(body) if tokens is None else tokens
+        return await super().prompt_tokens(body) if tokens is None else tokens
 
     async def tokenize(self, content: str, *, add_special: bool = False) -> list[int]:
         request = {
