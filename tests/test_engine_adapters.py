@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv.exceptions import EngineResponseError
+from agentkv.exceptions import EngineError, EngineResponseError
 from agentkv.runtime.adapters import (
     ADAPTERS,
     DynamoClient,
@@ -405,6 +405,26 @@ async def test_there_are_no_slots_to_save_restore_or_pin(kind: str) -> None:
     assert engine.requests == []
 
 
+async def test_errors_name_the_engine() -> None:
+    """The client's error map speaks of llama-server; an adapter's errors name its engine."""
+    engine = Engine("sglang")
+    engine.refusals.append((500, {"error": {"message": "CUDA out of memory", "code": 500}}))
+    async with connected(engine, SGLangClient) as client:
+        with pytest.raises(EngineResponseError) as caught:
+            await streamed(client, SUB)
+    assert "SGLang chat completion failed with HTTP 500: CUDA out of memory" in caught.value.message
+    assert "llama-server" not in caught.value.message
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(refuse))
+    async with http, VLLMClient("http://gpu:8000", http=http, connect_retries=0, model="m") as vllm:
+        with pytest.raises(EngineError, match="cannot reach vLLM") as unreachable:
+            await streamed(vllm, SUB)
+    assert "llama-server" not in str(unreachable.value)
+
+
 def test_header_values_are_ascii() -> None:
     assert header_value("sess-1/agent-7") == "sess-1/agent-7"
     assert header_value("café…#0a1b").isascii()
@@ -520,3 +540,30 @@ def test_the_banner_names_the_engine_and_what_slots_mean_there() -> None:
     assert "vLLM at http://gpu-box:8000" in block
     assert "16 requests at once, placed by vLLM (32768 tokens each)" in block
     assert "llama-server" not in block
+
+
+async def test_an_overlong_prompt_is_compacted_on_the_agents_own_worker() -> None:
+    """Compaction works on an engine that places requests itself: the summary and the warm-up
+    go to the engine with the agent's routing key (SGLang keeps them where its context is), and
+    the request that follows fits."""
+    engine = Engine("sglang")
+    http = httpx.AsyncClient(transport=httpx.MockTransport(engine.handler))
+    client = SGLangClient("http://engine", http=http, connect_retries=0)
+    config = RuntimeConfig(n_slots=2, ctx_per_slot=1200, compact_keep_messages=2)
+    turns: list[dict[str, Any]] = []
+    for i in range(12):
+        turns += [
+            {"role": "user", "content": f"question {i} " + "detail " * 30},
+            {"role": "assistant", "content": f"answer {i} " + "fact " * 30},
+        ]
+    body = {"model": "m", "max_tokens": 8, "messages": [*turns, {"role": "user", "content": "go"}]}
+    async with http, Runtime(client, config) as runtime:
+        assert len(await client.prompt_tokens(body)) > 1200  # too long as it stands
+        prepared = await runtime.prepare(body, agent="coder", priority=1)
+        await runtime.submit(prepared).message()
+    chat = [r for r in engine.requests if r.url.path == "/v1/chat/completions"]
+    summary, warm, reply = (json.loads(r.content) for r in chat)
+    assert summary["stream"] is False and warm["max_tokens"] == 1
+    assert all(r.headers["x-smg-routing-key"] == "coder" for r in chat)
+    assert reply["messages"][-1]["content"] == "go"
+    assert "question 0" not in json.dumps(reply["messages"])

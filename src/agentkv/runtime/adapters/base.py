@@ -187,7 +187,10 @@ class _UsageStream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
-        chunk = await self._chunks.__anext__()
+        try:
+            chunk = await self._chunks.__anext__()
+        except EngineError as exc:
+            raise self._client.renamed(exc) from exc.__cause__
         now = time.monotonic()
         if self._first is None and chunk.get("choices"):
             self._first = now
@@ -266,6 +269,38 @@ class OpenAIEngineClient(LlamaSlotClient):
                 flag,
             )
         return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
+
+    # -- errors in the engine's name ----------------------------------------------------------
+
+    def renamed(self, error: EngineError) -> EngineError:
+        """``error`` with this engine's name where the client's error map says llama-server."""
+        if "llama-server" in error.message:
+            error.message = error.message.replace("llama-server", self.engine_name)
+            error.args = (error.message,)
+        return error
+
+    async def _engine_error(
+        self, exc: Exception | None, what: str, *, started: bool
+    ) -> EngineError:
+        return self.renamed(await super()._engine_error(exc, what, started=started))
+
+    async def _send_once(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        json_body: Any,
+        params: Mapping[str, str] | None,
+        stream: bool,
+        safe: bool,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        try:
+            return await super()._send_once(
+                method, path, what, json_body, params, stream, safe, headers
+            )
+        except EngineError as exc:
+            raise self.renamed(exc) from exc.__cause__
 
     # -- the engine's model -------------------------------------------------------------------
 
