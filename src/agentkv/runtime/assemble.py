@@ -33,6 +33,7 @@ import anyio.to_thread
 import attrs
 
 from agentkv.exceptions import AgentKVError
+from agentkv.runtime.adapters import ENGINE_KINDS, LLAMA, OpenAIEngineClient, adapter, adapter_shape
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig, setting
 from agentkv.runtime.engine import parse_size
@@ -48,6 +49,7 @@ __all__ = [
     "assemble",
     "check_store",
     "engine_shape",
+    "open_client",
     "open_engine",
 ]
 
@@ -67,10 +69,21 @@ class EngineSettings:
         metavar="URL",
         group="engine",
     )
+    engine_kind: str = setting(
+        LLAMA,
+        "the engine at --upstream: llama-server (default), or an engine that places "
+        "requests itself, reached through its OpenAI-compatible API (vllm, sglang, dynamo, or "
+        "openai for any other; then --slots is how many requests agentkv sends it at once, "
+        "--model names its model, and there is no prefix store; see docs/engines.md)",
+        validator=attrs.validators.in_(ENGINE_KINDS),
+        choices=ENGINE_KINDS,
+        group="engine",
+    )
     model: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
         None,
         "GGUF model to launch llama-server with (default: the bundled "
-        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled on first use)",
+        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled on first use); with another "
+        "--engine-kind, the name of the model the engine serves (default: the first it lists)",
         metavar="PATH",
         group="engine",
     )
@@ -146,6 +159,13 @@ class EngineSettings:
         group="engine",
     )
 
+    def __attrs_post_init__(self) -> None:
+        if self.engine_kind != LLAMA and not self.upstream:
+            raise ValueError(
+                f"--engine-kind {self.engine_kind} needs --upstream URL "
+                "(agentkv launches only llama-server)"
+            )
+
 
 @attrs.frozen
 class EngineHandle:
@@ -203,15 +223,17 @@ async def assemble(
     client are closed on the way out."""
     config = config if config is not None else RuntimeConfig()
     async with open_engine(settings, on_progress=on_progress) as engine:
-        client = LlamaSlotClient(
-            engine.base_url,
-            api_key=engine.api_key,
-            status=engine.status,
-            templating_limit=settings.templating_limit,
-        )
+        client = open_client(settings, engine)
         try:
             await client.wait_ready(READY_TIMEOUT)
-            n_slots, ctx_per_slot = await engine_shape(client, settings.slots, engine.ctx_per_slot)
+            if isinstance(client, OpenAIEngineClient):
+                n_slots, ctx_per_slot = await adapter_shape(
+                    client, settings.slots, engine.ctx_per_slot
+                )
+            else:
+                n_slots, ctx_per_slot = await engine_shape(
+                    client, settings.slots, engine.ctx_per_slot
+                )
             store_dir, store_note = await check_store(client, engine, ctx_per_slot)
             config = attrs.evolve(
                 config, n_slots=n_slots, ctx_per_slot=ctx_per_slot, store_dir=store_dir
@@ -236,7 +258,8 @@ async def open_engine(
         yield EngineHandle(
             settings.upstream.rstrip("/"),
             settings.ctx_per_slot,
-            settings.store_dir if settings.store else None,
+            # An engine that places requests itself has no slot files: no store.
+            settings.store_dir if settings.store and settings.engine_kind == LLAMA else None,
             f"upstream:{settings.upstream}",
             probe_tokens=probe_length(None),
         )
@@ -342,6 +365,26 @@ async def open_engine(
             if len(group.exceptions) == 1:
                 raise group.exceptions[0] from None
             raise
+
+
+def open_client(settings: EngineSettings, engine: EngineHandle) -> LlamaSlotClient:
+    """The engine's client: llama-server's, or the adapter for ``settings.engine_kind``
+    (:mod:`agentkv.runtime.adapters`), which names ``settings.model`` as the engine's model."""
+    if settings.engine_kind == LLAMA:
+        return LlamaSlotClient(
+            engine.base_url,
+            api_key=engine.api_key,
+            status=engine.status,
+            templating_limit=settings.templating_limit,
+        )
+    return adapter(
+        settings.engine_kind,
+        engine.base_url,
+        model=str(settings.model) if settings.model is not None else None,
+        api_key=engine.api_key,
+        status=engine.status,
+        templating_limit=settings.templating_limit,
+    )
 
 
 async def engine_shape(
