@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from agentkv.runtime.adapters import OpenAIEngineClient
+from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.engine import EngineConfig, LlamaServerProcess
 from agentkv.runtime.lifecycle import Runtime
@@ -44,8 +45,9 @@ async def engine(
     binary, model = locate_engine()
     root = tmp_path_factory.mktemp("openai-engine")
     config = EngineConfig(model=model, slots=1, ctx_per_slot=CTX, port=0, cache_ram_mib=0)
+    # No API key: an engine reached with --upstream is asked without one.
     async with LlamaServerProcess(
-        config, binary=binary, log_dir=root / "logs", startup_timeout=300
+        config, binary=binary, log_dir=root / "logs", startup_timeout=300, api_key=None
     ) as process:
         yield process
 
@@ -100,3 +102,29 @@ async def test_anthropic_requests_through_the_openai_path_record_the_engine_cach
         if line.startswith("agentkv_prompt_tokens_total") and 'kind="reused"' in line
     )
     assert float(reused.rsplit(" ", 1)[1]) == second.cached_tokens
+
+
+async def test_assemble_reaches_another_engine_kind_through_its_adapter(
+    engine: LlamaServerProcess, tmp_path: Path
+) -> None:
+    """``EngineSettings(engine_kind="openai")`` (``--engine-kind openai``): ``assemble`` builds
+    the adapter, keeps ``--slots`` as requests at once (the engine has one slot), turns the
+    store off although one was asked for, and a request through it is answered."""
+    settings = EngineSettings(
+        upstream=engine.base_url,
+        engine_kind="openai",
+        slots=3,
+        ctx_per_slot=CTX,
+        store_dir=tmp_path / "store",
+    )
+    async with assemble(settings) as built, built.runtime as runtime:
+        assert isinstance(built.client, OpenAIEngineClient)
+        assert built.engine.store_dir is None and runtime.store is None
+        assert (runtime.config.n_slots, runtime.config.ctx_per_slot) == (3, CTX)
+        assert built.client.model  # the first model the engine lists
+        prepared = await runtime.prepare(question("Name a tree."), agent="gamma", priority=1)
+        message = await runtime.submit(prepared).message()
+    assert message["content"] and message["content"][0]["type"] == "text"
+    (record,) = runtime.records()
+    assert record.status.value == "ok" and record.agent == "gamma"
+    assert not (tmp_path / "store").exists()
