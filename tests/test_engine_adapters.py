@@ -497,7 +497,7 @@ async def test_the_command_line_picks_the_adapter_its_model_and_the_context() ->
     """``--engine-kind vllm --model NAME``: the vLLM adapter for that model, with no store; the
     context comes from /v1/models unless ``--ctx-per-slot`` says otherwise; ``--slots`` stays as
     given."""
-    from agentkv.runtime.assemble import EngineSettings, open_client, open_engine
+    from agentkv.runtime.assemble import EngineSettings, engine_shape, open_client, open_engine
     from agentkv_server.cli import _from_args, build_parser
 
     args = build_parser().parse_args(
@@ -525,6 +525,8 @@ async def test_the_command_line_picks_the_adapter_its_model_and_the_context() ->
     async with http, client:
         assert await adapter_shape(client, 16, None) == (16, 32768)
         assert await adapter_shape(client, 16, 8192) == (16, 8192)
+        # assemble's engine_shape reads an adapter's shape so, not from /slots.
+        assert await engine_shape(client, 16, None) == (16, 32768)
     llama_settings = _from_args(EngineSettings, build_parser().parse_args(["--upstream", "x"]))
     async with open_engine(llama_settings) as handle:
         llama = open_client(llama_settings, handle)

@@ -226,14 +226,7 @@ async def assemble(
         client = open_client(settings, engine)
         try:
             await client.wait_ready(READY_TIMEOUT)
-            if isinstance(client, OpenAIEngineClient):
-                n_slots, ctx_per_slot = await adapter_shape(
-                    client, settings.slots, engine.ctx_per_slot
-                )
-            else:
-                n_slots, ctx_per_slot = await engine_shape(
-                    client, settings.slots, engine.ctx_per_slot
-                )
+            n_slots, ctx_per_slot = await engine_shape(client, settings.slots, engine.ctx_per_slot)
             store_dir, store_note = await check_store(client, engine, ctx_per_slot)
             config = attrs.evolve(
                 config, n_slots=n_slots, ctx_per_slot=ctx_per_slot, store_dir=store_dir
@@ -390,7 +383,11 @@ def open_client(settings: EngineSettings, engine: EngineHandle) -> LlamaSlotClie
 async def engine_shape(
     client: LlamaSlotClient, slots: int, ctx_per_slot: int | None
 ) -> tuple[int, int | None]:
-    """The engine's real slot count and context per slot, read from its /slots."""
+    """The engine's real slot count and context per slot, read from its /slots; for an engine
+    that places requests itself (an adapter), ``slots`` as given and the model's context from
+    its /v1/models (:func:`~agentkv.runtime.adapters.adapter_shape`)."""
+    if isinstance(client, OpenAIEngineClient):
+        return await adapter_shape(client, slots, ctx_per_slot)
     try:
         table = await client.slots()
     except AgentKVError as exc:
