@@ -164,6 +164,14 @@ class Gateway:
         self._waiters[ticket.id] = waiter
         if not background:
             waiter.blocked_on = self._worth_waiting_for(ticket.tokens)
+            if waiter.blocked_on is not None:
+                log.debug(
+                    "ticket %d (agent %s, priority %d) waits for checkpoint %d",
+                    ticket.id,
+                    agent,
+                    priority,
+                    waiter.blocked_on.id,
+                )
         self._dispatch()
         if not background and waiter.lease is None and waiter.blocked_on is None:
             self._preempt_for(ticket)
@@ -181,6 +189,8 @@ class Gateway:
         its aging credit and the starvation bound hold at the new priority)."""
         for ticket, _ in self._scheduler.queued(self.clock()):
             if ticket.agent == agent and ticket.priority != priority:
+                log.debug("ticket %d (agent %s): priority %d → %d", ticket.id, agent,
+                          ticket.priority, priority)
                 self._scheduler.cancel(ticket.id)
                 self._scheduler.submit(attrs.evolve(ticket, priority=priority), ticket.arrival)
                 waiter = self._waiters.get(ticket.id)
@@ -336,6 +346,14 @@ class Gateway:
         )
         self._checkpoints[checkpoint.id] = checkpoint
         self._lease_checkpoint[lease.id] = checkpoint
+        log.debug(
+            "checkpoint %d: %d tokens on slot %d (lease %d, agent %s)",
+            checkpoint.id,
+            len(checkpoint.tokens),
+            lease.slot,
+            lease.id,
+            lease.agent,
+        )
         # Requests already queued may prefer to wait for it.
         for waiter in self._waiters.values():
             if waiter.lease is None and waiter.blocked_on is None:
@@ -347,7 +365,8 @@ class Gateway:
     def end_checkpoint(self, checkpoint: Checkpoint) -> None:
         """The checkpoint is saved (or failed): requests waiting for it may go."""
         checkpoint.done = True
-        self._checkpoints.pop(checkpoint.id, None)
+        if self._checkpoints.pop(checkpoint.id, None) is not None:
+            log.debug("checkpoint %d ended at %d tokens", checkpoint.id, checkpoint.progress)
         for lease_id, planned in list(self._lease_checkpoint.items()):
             if planned is checkpoint:
                 del self._lease_checkpoint[lease_id]
@@ -562,6 +581,19 @@ class Gateway:
             lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
             waiter.lease = lease
             self._lease_seq[lease.id] = next(self._dispatched)
+            log.debug(
+                "lease %d: ticket %d (agent %s, priority %d, waited %.1f s) on slot %d, %s, "
+                "reuses %d of %d tokens",
+                lease.id,
+                ticket.id,
+                ticket.agent,
+                ticket.priority,
+                now - ticket.arrival,
+                lease.slot,
+                placement.source.value,
+                placement.reuse,
+                len(ticket.tokens),
+            )
             self._plan_checkpoint(ticket, lease)
             waiter.event.set()
 
