@@ -15,6 +15,12 @@ Two things make waiting deliberate rather than first come, first served:
 - **Pre-emption.** A request that finds every slot busy with less urgent work may have one of
   them suspended: the runtime saves what that request has computed so far, gives the slot up and
   resumes it later from where it stopped, so nothing is computed twice.
+- **Urgency lent to a checkpoint.** A request that waits for a checkpoint waits for the request
+  computing it: that request runs at the waiter's urgency until the checkpoint is saved. A
+  priority-0 sub-agent waiting for the head its background sibling computes therefore gets the
+  engine to itself for that head (less urgent prefills are suspended), and the checkpoint is
+  never suspended for it; when the head is saved, the waiter may suspend less urgent work to get
+  a slot, as on arrival.
 - **Quiet while urgent.** On one engine, prompts computed next to an urgent request share its
   batches (a CPU computes them in turns of hundreds of tokens), so the urgent request's first
   token waits for everyone's prefill. While a priority-0 request holds a slot, less urgent
@@ -76,7 +82,11 @@ class _Running:
     """A leased request, as far as pre-emption is concerned."""
 
     lease: Lease
+    #: The urgency it runs at now: its own, or that of a more urgent request waiting for the
+    #: checkpoint it computes (see :meth:`Gateway._lend`).
     priority: int
+    #: Its own priority.
+    own: int
     #: Suspends the request (it saves its progress and gives the slot up); None: not now.
     suspend: Callable[[], None] | None = None
     decoding: bool = False
@@ -163,15 +173,7 @@ class Gateway:
         waiter = _Waiter(ticket)
         self._waiters[ticket.id] = waiter
         if not background:
-            waiter.blocked_on = self._worth_waiting_for(ticket.tokens)
-            if waiter.blocked_on is not None:
-                log.debug(
-                    "ticket %d (agent %s, priority %d) waits for checkpoint %d",
-                    ticket.id,
-                    agent,
-                    priority,
-                    waiter.blocked_on.id,
-                )
+            self._block(waiter)
         self._dispatch()
         if not background and waiter.lease is None and waiter.blocked_on is None:
             self._preempt_for(ticket)
@@ -189,13 +191,20 @@ class Gateway:
         its aging credit and the starvation bound hold at the new priority)."""
         for ticket, _ in self._scheduler.queued(self.clock()):
             if ticket.agent == agent and ticket.priority != priority:
-                log.debug("ticket %d (agent %s): priority %d → %d", ticket.id, agent,
-                          ticket.priority, priority)
+                log.debug(
+                    "ticket %d (agent %s): priority %d → %d",
+                    ticket.id,
+                    agent,
+                    ticket.priority,
+                    priority,
+                )
                 self._scheduler.cancel(ticket.id)
                 self._scheduler.submit(attrs.evolve(ticket, priority=priority), ticket.arrival)
                 waiter = self._waiters.get(ticket.id)
                 if waiter is not None:
                     waiter.ticket = attrs.evolve(waiter.ticket, priority=priority)
+                    if waiter.blocked_on is not None:
+                        self._lend(waiter.blocked_on)
         self._dispatch()
 
     async def wait(self, ticket: Ticket) -> Lease:
@@ -266,15 +275,26 @@ class Gateway:
         An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
         are computing prompts on other slots, so that it has the engine to itself.
         """
-        self._running[lease.id] = _Running(lease, priority, suspend)
-        if self.config.preempt_from is not None and priority == 0:
-            for other in list(self._running.values()):
-                if (
-                    other.lease.id != lease.id
-                    and not other.decoding
-                    and other.priority >= max(self.config.preempt_from, 1)
-                ):
-                    self._suspend(other, f"lease {lease.id} (priority 0) runs")
+        running = _Running(lease, priority, priority, suspend)
+        self._running[lease.id] = running
+        checkpoint = self._lease_checkpoint.get(lease.id)
+        if checkpoint is not None:
+            running.priority = min(priority, self._waiting_urgency(checkpoint))
+        if running.priority == 0:
+            self._quiet_for(running)
+
+    def _quiet_for(self, urgent: _Running) -> None:
+        """An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
+        are computing prompts on other slots, so that it has the engine to itself."""
+        if self.config.preempt_from is None:
+            return
+        for other in list(self._running.values()):
+            if (
+                other.lease.id != urgent.lease.id
+                and not other.decoding
+                and other.priority >= max(self.config.preempt_from, 1)
+            ):
+                self._suspend(other, f"lease {urgent.lease.id} (priority 0) runs")
 
     def decoding(self, lease: Lease, *, suspendable: bool = False) -> None:
         """The request's prompt is computed; it now generates. Unless ``suspendable`` (its reply
@@ -355,9 +375,49 @@ class Gateway:
             lease.agent,
         )
         # Requests already queued may prefer to wait for it.
-        for waiter in self._waiters.values():
+        for waiter in list(self._waiters.values()):
             if waiter.lease is None and waiter.blocked_on is None:
-                waiter.blocked_on = self._worth_waiting_for(waiter.ticket.tokens)
+                self._block(waiter)
+
+    def _waiting_urgency(self, checkpoint: Checkpoint) -> int:
+        """The most urgent priority among the tickets waiting for ``checkpoint`` (4: none)."""
+        return min(
+            (w.ticket.priority for w in self._waiters.values() if w.blocked_on is checkpoint),
+            default=4,
+        )
+
+    def _lend(self, checkpoint: Checkpoint) -> None:
+        """The request computing ``checkpoint`` runs at the urgency of its most urgent waiter
+        (never less urgent than its own); at priority 0 it quiets the engine for itself."""
+        for lease_id, planned in self._lease_checkpoint.items():
+            running = self._running.get(lease_id)
+            if planned is not checkpoint or running is None:
+                continue
+            urgency = min(running.own, self._waiting_urgency(checkpoint))
+            if urgency < running.priority:
+                log.info(
+                    "lease %d (agent %s) computes checkpoint %d at priority %d for its waiters",
+                    lease_id,
+                    running.lease.agent,
+                    checkpoint.id,
+                    urgency,
+                )
+                running.priority = urgency
+                if urgency == 0:
+                    self._quiet_for(running)
+
+    def _block(self, waiter: _Waiter) -> None:
+        """``waiter`` waits for the checkpoint it is estimated to gain most from, if any."""
+        waiter.blocked_on = self._worth_waiting_for(waiter.ticket.tokens)
+        if waiter.blocked_on is not None:
+            log.debug(
+                "ticket %d (agent %s, priority %d) waits for checkpoint %d",
+                waiter.ticket.id,
+                waiter.ticket.agent,
+                waiter.ticket.priority,
+                waiter.blocked_on.id,
+            )
+            self._lend(waiter.blocked_on)
 
     def checkpoint_progress(self, checkpoint: Checkpoint, computed: int) -> None:
         checkpoint.progress = max(checkpoint.progress, computed)
@@ -370,10 +430,19 @@ class Gateway:
         for lease_id, planned in list(self._lease_checkpoint.items()):
             if planned is checkpoint:
                 del self._lease_checkpoint[lease_id]
+                running = self._running.get(lease_id)
+                if running is not None:
+                    running.priority = running.own
+        released = []
         for waiter in self._waiters.values():
             if waiter.blocked_on is checkpoint:
                 waiter.blocked_on = None
+                released.append(waiter)
         self._dispatch()
+        # An urgent waiter that found no free slot takes one, as it would have on arrival.
+        for waiter in released:
+            if waiter.lease is None and waiter.ticket.id in self._waiters:
+                self._preempt_for(waiter.ticket)
 
     def best_source(self, tokens: Tokens) -> tuple[str, int, tuple[tuple[str, str], ...]] | None:
         """What cached sequence shares the most with ``tokens``: a description, the shared
@@ -570,7 +639,7 @@ class Gateway:
                 continue
             if queue is self._scheduler:
                 # A checkpoint planned earlier in this same pass may be worth waiting for.
-                waiter.blocked_on = self._worth_waiting_for(ticket.tokens)
+                self._block(waiter)
                 if waiter.blocked_on is not None:
                     queue.submit(ticket, ticket.arrival)
                     continue
