@@ -105,3 +105,21 @@ def test_a_checkpoint_nobody_urgent_waits_for_keeps_its_own_priority() -> None:
     gateway.submit("s/bg2", 2, (*HEAD, 9201), head=len(HEAD))
     assert gateway._running[sibling.id].priority == 1
     assert other_suspended == []
+
+
+def test_the_slot_a_suspension_frees_goes_to_the_request_it_was_freed_for() -> None:
+    """With aging, an older P1 ticket outranks a fresh P0 one; but the slot the P0 ticket had a
+    P2 request suspended for is the P0 ticket's."""
+    gateway = _gateway()
+    clock = gateway.clock
+    assert isinstance(clock, Clock)
+    busy, _ = _start(gateway, "busy", 1, BACKGROUND, head=None)
+    victim, victim_suspended = _start(gateway, "victim", 2, OTHER, head=None)
+    old = gateway.submit("old", 1, tuple(range(70_001, 71_001)))  # queued: no slot free
+    clock.now = 60.0  # it has aged: 1 - 0.1 x 60 = -5, below any fresh P0 ticket's score
+    urgent = gateway.submit("urgent", 0, tuple(range(80_001, 81_001)))
+    assert victim_suspended == ["victim"]
+    gateway.release(victim, holds=OTHER[:512])
+    assert gateway._waiters[urgent.id].lease is not None
+    assert gateway._waiters[old.id].lease is None
+    del busy

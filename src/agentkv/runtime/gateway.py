@@ -125,6 +125,9 @@ class Gateway:
     _running: dict[int, _Running] = attrs.field(init=False, factory=dict)
     _checkpoints: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
     _lease_checkpoint: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
+    #: Lease id of a request being suspended → the ticket it is suspended for: the slot it
+    #: gives back goes to that ticket, not to whoever ranks first then.
+    _reserved: dict[int, int] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._slots = SlotManager(self.config.n_slots, lease_ttl=self.config.lease_ttl)
@@ -238,8 +241,11 @@ class Gateway:
         there by a prompt of ``sections``."""
         self._lease_seq.pop(lease.id, None)
         self._running.pop(lease.id, None)
+        reserved = self._reserved.pop(lease.id, None)
         checkpoint = self._lease_checkpoint.pop(lease.id, None)
         self._slots.release(lease, self.clock(), holds=holds, sections=sections)
+        if reserved is not None:
+            self._dispatch_reserved(reserved)
         if checkpoint is not None and not checkpoint.done:
             # Not saved: requests waiting for it go now, and find the head in this slot if the
             # request ended well (its save failed) — so the slot is given back first.
@@ -319,6 +325,7 @@ class Gateway:
             return
         # The least urgent; among those, one still computing its prompt, then the latest started.
         victim = max(victims, key=lambda r: (r.priority, not r.decoding, r.lease.acquired_at))
+        self._reserved[victim.lease.id] = ticket.id
         self._suspend(victim, f"ticket {ticket.id} (priority {ticket.priority}) needs a slot")
 
     def _suspend(self, running: _Running, reason: str) -> None:
@@ -503,6 +510,7 @@ class Gateway:
         reclaimed = self._slots.sweep(self.clock())
         for lease in reclaimed:
             self._running.pop(lease.id, None)
+            self._reserved.pop(lease.id, None)
             self._lease_seq.pop(lease.id, None)
             log.warning(
                 "watchdog reclaimed lease %d on slot %d (agent %s), held since %.1f",
@@ -626,6 +634,50 @@ class Gateway:
             keep=self.warm() if self.warm is not None else frozenset(),
         )
 
+    def _dispatch_reserved(self, ticket_id: int) -> None:
+        """A slot given back by a request suspended for ``ticket_id``: that ticket takes it (if
+        it still waits and may go), whatever the order of the queue says now. With aging, older
+        less urgent tickets would otherwise take the slot the urgent one made free."""
+        waiter = self._waiters.get(ticket_id)
+        if (
+            waiter is None
+            or waiter.lease is not None
+            or waiter.blocked_on is not None
+            or not self._slots.free
+            or not self._ready(waiter.ticket)
+        ):
+            return
+        ticket = self._scheduler.cancel(ticket_id)
+        if ticket is None:
+            return
+        if not self._grant(waiter, ticket, self.clock()):
+            self._scheduler.submit(ticket, ticket.arrival)
+
+    def _grant(self, waiter: _Waiter, ticket: Ticket, now: float) -> bool:
+        """Lease ``ticket`` the slot placement chooses; False when no slot is free."""
+        placement = self._place(ticket)
+        if placement is None:
+            return False
+        lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
+        waiter.lease = lease
+        self._lease_seq[lease.id] = next(self._dispatched)
+        log.debug(
+            "lease %d: ticket %d (agent %s, priority %d, waited %.1f s) on slot %d, %s, "
+            "reuses %d of %d tokens",
+            lease.id,
+            ticket.id,
+            ticket.agent,
+            ticket.priority,
+            now - ticket.arrival,
+            lease.slot,
+            placement.source.value,
+            placement.reuse,
+            len(ticket.tokens),
+        )
+        self._plan_checkpoint(ticket, lease)
+        waiter.event.set()
+        return True
+
     def _dispatch(self) -> None:
         now = self.clock()
         while self._slots.free and (len(self._scheduler) or len(self._background)):
@@ -643,28 +695,9 @@ class Gateway:
                 if waiter.blocked_on is not None:
                     queue.submit(ticket, ticket.arrival)
                     continue
-            placement = self._place(ticket)
-            if placement is None:  # cannot happen while free > 0; keep the ticket
+            if not self._grant(waiter, ticket, now):  # cannot happen while free > 0
                 queue.submit(ticket, ticket.arrival)
                 return
-            lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
-            waiter.lease = lease
-            self._lease_seq[lease.id] = next(self._dispatched)
-            log.debug(
-                "lease %d: ticket %d (agent %s, priority %d, waited %.1f s) on slot %d, %s, "
-                "reuses %d of %d tokens",
-                lease.id,
-                ticket.id,
-                ticket.agent,
-                ticket.priority,
-                now - ticket.arrival,
-                lease.slot,
-                placement.source.value,
-                placement.reuse,
-                len(ticket.tokens),
-            )
-            self._plan_checkpoint(ticket, lease)
-            waiter.event.set()
 
     def _withdraw(self, waiter: _Waiter) -> None:
         self._waiters.pop(waiter.ticket.id, None)
