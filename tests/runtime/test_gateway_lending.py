@@ -123,3 +123,26 @@ def test_the_slot_a_suspension_frees_goes_to_the_request_it_was_freed_for() -> N
     assert gateway._waiters[urgent.id].lease is not None
     assert gateway._waiters[old.id].lease is None
     del busy
+
+
+def test_a_request_suspended_for_urgent_work_counts_its_quiet_aging_from_the_suspension() -> None:
+    """A P2 request that had waited long is suspended for a P0 waiter's head; queued again with
+    its old arrival, it does not start next to the head at once (its queue order keeps its whole
+    wait), but the quiet rule still lets it go once it has waited its priority's worth again."""
+    gateway = _gateway()
+    clock = gateway.clock
+    assert isinstance(clock, Clock)
+    sibling, _ = _start(gateway, "s/bg", 1, BACKGROUND, head=len(HEAD))
+    other, other_suspended = _start(gateway, "other", 2, OTHER, head=None)
+    arrival = 0.0
+    clock.now = 146.0
+    gateway.submit("s/fg", 0, FOREGROUND, head=len(HEAD))
+    assert other_suspended == ["other"]
+    clock.now = 160.0  # its batch ended, its progress is saved: it queues again
+    gateway.release(other, holds=OTHER[:512])
+    again = gateway.submit("other", 2, OTHER, arrival=arrival)
+    assert gateway._waiters[again.id].lease is None  # 2 - 0.1 x (160 - 146) > 0: quiet
+    clock.now = 167.0  # 2 - 0.1 x 21 < 0: the bound holds
+    gateway._dispatch()  # as any event does
+    assert gateway._waiters[again.id].lease is not None
+    del sibling

@@ -128,6 +128,11 @@ class Gateway:
     #: Lease id of a request being suspended → the ticket it is suspended for: the slot it
     #: gives back goes to that ticket, not to whoever ranks first then.
     _reserved: dict[int, int] = attrs.field(init=False, factory=dict)
+    #: The ticket each lease was granted for (its agent and arrival name the request).
+    _lease_ticket: dict[int, Ticket] = attrs.field(init=False, factory=dict)
+    #: (agent, arrival) of a request suspended for urgent work → when: while urgent work runs,
+    #: the quiet rule counts its aging from then (its queue order keeps its whole wait).
+    _quiet_since: dict[tuple[str, float], float] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._slots = SlotManager(self.config.n_slots, lease_ttl=self.config.lease_ttl)
@@ -241,6 +246,7 @@ class Gateway:
         there by a prompt of ``sections``."""
         self._lease_seq.pop(lease.id, None)
         self._running.pop(lease.id, None)
+        self._lease_ticket.pop(lease.id, None)
         reserved = self._reserved.pop(lease.id, None)
         checkpoint = self._lease_checkpoint.pop(lease.id, None)
         self._slots.release(lease, self.clock(), holds=holds, sections=sections)
@@ -332,6 +338,11 @@ class Gateway:
         if running.suspend is None or running.suspending:
             return
         running.suspending = True
+        ticket = self._lease_ticket.get(running.lease.id)
+        if ticket is not None:
+            self._quiet_since[(ticket.agent, ticket.arrival)] = self.clock()
+            while len(self._quiet_since) > 1024:  # requests that never came back
+                self._quiet_since.pop(next(iter(self._quiet_since)))
         log.info(
             "suspending lease %d (agent %s, priority %d): %s",
             running.lease.id,
@@ -511,6 +522,7 @@ class Gateway:
         for lease in reclaimed:
             self._running.pop(lease.id, None)
             self._reserved.pop(lease.id, None)
+            self._lease_ticket.pop(lease.id, None)
             self._lease_seq.pop(lease.id, None)
             log.warning(
                 "watchdog reclaimed lease %d on slot %d (agent %s), held since %.1f",
@@ -610,10 +622,12 @@ class Gateway:
         waiter = self._waiters.get(ticket.id)
         if waiter is None or waiter.blocked_on is not None:
             return False
+        now = self.clock()
+        since = self._quiet_since.get((ticket.agent, ticket.arrival), ticket.arrival)
         if (
             self.config.preempt_from is not None
             and ticket.priority >= max(self.config.preempt_from, 1)
-            and self._scheduler.score(ticket, self.clock()) > 0
+            and ticket.priority - self._scheduler.aging * (now - since) > 0
             and self._urgent_running()
         ):
             # Quiet while urgent: only a ticket with (nearly) nothing to compute may start.
@@ -661,6 +675,8 @@ class Gateway:
         lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
         waiter.lease = lease
         self._lease_seq[lease.id] = next(self._dispatched)
+        self._lease_ticket[lease.id] = ticket
+        self._quiet_since.pop((ticket.agent, ticket.arrival), None)
         log.debug(
             "lease %d: ticket %d (agent %s, priority %d, waited %.1f s) on slot %d, %s, "
             "reuses %d of %d tokens",
@@ -707,3 +723,4 @@ class Gateway:
             return
         self._scheduler.cancel(waiter.ticket.id)
         self._background.cancel(waiter.ticket.id)
+        self._quiet_since.pop((waiter.ticket.agent, waiter.ticket.arrival), None)
