@@ -20,13 +20,13 @@ Two things make waiting deliberate rather than first come, first served:
   priority-0 sub-agent waiting for the head its background sibling computes therefore gets the
   engine to itself for that head (less urgent prefills are suspended), and the checkpoint is
   never suspended for it; when the head is saved, the waiter may suspend less urgent work to get
-  a slot, as on arrival.
+  a slot, as on arrival. The slot a suspension frees goes to the request it was suspended for.
 - **Quiet while urgent.** On one engine, prompts computed next to an urgent request share its
   batches (a CPU computes them in turns of hundreds of tokens), so the urgent request's first
   token waits for everyone's prefill. While a priority-0 request holds a slot, less urgent
   requests do not compute prompts: those computing one are suspended, queued ones wait — unless
   their prompt is (nearly) all cached, or aging has brought them to priority 0, which keeps every
-  wait bounded.
+  wait bounded (for a suspended request, aging counted from its suspension).
 """
 
 from __future__ import annotations
