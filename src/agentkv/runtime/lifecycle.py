@@ -54,6 +54,7 @@ from agentkv.exceptions import (
     PromptTooLongError,
 )
 from agentkv.fingerprint import PrefixFingerprinter, canonical_json
+from agentkv.runtime.broadcast import Broadcast, Emitted, Event, Failed, KeepAlive
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
@@ -62,7 +63,7 @@ from agentkv.runtime.record import RequestRecord, RequestStatus, request_fields,
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
 from agentkv.runtime.tree import AgentTree
-from agentkv.sse import RetryWithTools, SSEAssembler, accumulate
+from agentkv.sse import RetryWithTools, SSEAssembler
 from agentkv.store import EntryKind, StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 from agentkv.translate import EngineRequest, MessagesTranslator, first_difference, has_images
@@ -104,28 +105,6 @@ class Prepared:
     key: str = ""
 
 
-@attrs.frozen
-class Emitted:
-    """Anthropic stream events, in order."""
-
-    events: list[dict[str, Any]]
-
-
-@attrs.frozen
-class KeepAlive:
-    """Nothing happened for a while; a stream sends a ping."""
-
-
-@attrs.frozen
-class Failed:
-    """The request ended with this error (after the events already emitted)."""
-
-    error: AgentKVError
-
-
-Event = Emitted | KeepAlive | Failed
-
-
 # -- the exchange ---------------------------------------------------------------------------
 
 
@@ -139,15 +118,10 @@ class Exchange:
     assembler: SSEAssembler
     record: RequestRecord
     started: float
-    _events: list[dict[str, Any]] = attrs.field(factory=list)
-    _changed: anyio.Event = attrs.field(factory=anyio.Event)
-    _failure: AgentKVError | None = None
+    #: The replayable events and the clients following them.
+    broadcast: Broadcast = attrs.field(init=False)
     _done: bool = False
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
-    _subscribers: int = 0
-    #: A client followed the reply to its end.
-    _delivered: bool = False
-    _orphaned_at: float | None = None
     finished_at: float | None = None
     #: The cached sequence that shared most with the prompt when it got its slot.
     _candidate: tuple[str, int, tuple[tuple[str, str], ...]] | None = None
@@ -157,13 +131,23 @@ class Exchange:
     #: The exact tokens a reply suspended mid-way left in its slot (prompt and reply so far).
     _resume_from: Tokens | None = None
 
+    def __attrs_post_init__(self) -> None:
+        runtime = self.runtime
+        self.broadcast = Broadcast(
+            abandon=self._abandoned,
+            grace=runtime.config.retry_grace,
+            ping_interval=runtime.config.ping_interval,
+            spawn=runtime.later,
+            clock=runtime.clock,
+        )
+
     @property
     def done(self) -> bool:
         return self._done
 
     @property
     def failure(self) -> AgentKVError | None:
-        return self._failure
+        return self.broadcast.failure
 
     @property
     def cancelled(self) -> bool:
@@ -172,73 +156,45 @@ class Exchange:
     @property
     def joinable(self) -> bool:
         """A retry of this request may take it over: nobody receives it, it has not failed."""
+        broadcast = self.broadcast
         return (
-            self._subscribers == 0
-            and not self._delivered
-            and self._failure is None
+            broadcast.followers == 0
+            and not broadcast.delivered
+            and broadcast.failure is None
             and not self.cancelled
         )
 
     # -- subscribers ------------------------------------------------------------------------------
 
-    async def events(self, ping_interval: float | None = None) -> AsyncIterator[Event]:
+    def events(self, ping_interval: float | None = None) -> AsyncIterator[Event]:
         """Everything emitted so far, then live events until the end; ``KeepAlive`` on silence.
 
         Leaving the iteration early (the client went away) detaches: with no client left, the
         exchange is cancelled after the runtime's ``retry_grace`` unless a retry joins it.
         """
-        interval = self.runtime.config.ping_interval if ping_interval is None else ping_interval
-        self._subscribers += 1
-        self._orphaned_at = None
-        sent = 0
-        try:
-            while True:
-                if sent < len(self._events):
-                    batch = self._events[sent:]
-                    sent = len(self._events)
-                    yield Emitted(batch)
-                    continue
-                if self._done:
-                    if self._failure is not None:
-                        yield Failed(self._failure)
-                    self._delivered = True
-                    return
-                changed = self._changed
-                with anyio.move_on_after(interval) as idle:
-                    await changed.wait()
-                if idle.cancelled_caught:
-                    yield KeepAlive()
-        finally:
-            self._subscribers -= 1
-            if self._subscribers == 0 and not self._done:
-                self._orphaned_at = self.runtime.clock()
-                self.runtime._orphaned(self)
+        return self.broadcast.follow(ping_interval)
 
     async def message(self) -> dict[str, Any]:
         """The whole reply as one Message (non-streaming); raises the error that ended it."""
-        events: list[dict[str, Any]] = []
-        async for item in self.events(ping_interval=3600):
-            if isinstance(item, Emitted):
-                events.extend(item.events)
-            elif isinstance(item, Failed):
-                raise item.error
-        return accumulate(events)
+        return await self.broadcast.message()
 
     def cancel(self) -> None:
         """Stop the request now (the engine stops generating; the lease is released)."""
         self._scope.cancel()
 
+    def _abandoned(self) -> None:
+        log.info("client of agent %s is gone; stopping its request", self.prepared.agent)
+        self.cancel()
+
     # -- producing --------------------------------------------------------------------------------
 
     def _emit(self, events: list[dict[str, Any]]) -> None:
-        if events:
-            self._events.extend(events)
-            self._changed.set()
-            self._changed = anyio.Event()
+        self.broadcast.emit(events)
 
     async def drive(self) -> None:
         """Run the request to its end. Never raises; the outcome is in the events."""
         runtime = self.runtime
+        failure: AgentKVError | None = None
         try:
             with self._scope:
                 self._emit(self.assembler.start())
@@ -246,16 +202,14 @@ class Exchange:
             if self._scope.cancelled_caught:
                 self.record.advance(RequestStatus.CANCELLED)
                 # Only a client that is still listening (agentkv is stopping) reads this.
-                self._failure = EngineUnavailableError(
-                    "the request was cancelled: agentkv is stopping"
-                )
+                failure = EngineUnavailableError("the request was cancelled: agentkv is stopping")
         except AgentKVError as exc:
             log.warning("request of agent %s failed: %s", self.prepared.agent, exc.message)
-            self._failure = exc
+            failure = exc
             self.record.advance(RequestStatus.FAILED, exc.error_type)
         except Exception:
             log.exception("request of agent %s failed unexpectedly", self.prepared.agent)
-            self._failure = AgentKVError("internal error in agentkv; see the server log")
+            failure = AgentKVError("internal error in agentkv; see the server log")
             self.record.advance(RequestStatus.FAILED, "api_error")
         finally:
             self.runtime.gateway.withdraw(self.ticket)
@@ -266,7 +220,7 @@ class Exchange:
             usage = self.assembler.usage
             self.record.output_tokens = int(usage.get("output_tokens", 0) or 0)
             self._done = True
-            self._changed.set()
+            self.broadcast.close(failure)
             runtime._finished(self)
 
     async def _run(self) -> None:
@@ -976,23 +930,12 @@ class Runtime:
         )
         return len(removed)
 
-    def later(self, work: Callable[..., Any], *args: Any) -> None:
-        """Run ``work(*args)`` in the background (best effort: dropped when stopping)."""
-        if self._tg is not None:
-            self._tg.start_soon(work, *args)
-
-    def _orphaned(self, exchange: Exchange) -> None:
-        """No client follows the exchange any more: cancel it unless a retry joins in time."""
+    def later(self, work: Callable[..., Any], *args: Any) -> bool:
+        """Run ``work(*args)`` in the background; False (dropped) when the runtime is stopping."""
         if self._tg is None:
-            exchange.cancel()
-            return
-        self._tg.start_soon(self._cancel_if_still_orphaned, exchange)
-
-    async def _cancel_if_still_orphaned(self, exchange: Exchange) -> None:
-        await anyio.sleep(self.config.retry_grace)
-        if not exchange.done and exchange._subscribers == 0:
-            log.info("client of agent %s is gone; stopping its request", exchange.prepared.agent)
-            exchange.cancel()
+            return False
+        self._tg.start_soon(work, *args)
+        return True
 
     def add_listener(self, listener: Callable[[RequestRecord], None]) -> None:
         """Call ``listener`` with the record of every request when it ends (metrics, logs)."""
@@ -1014,7 +957,7 @@ class Runtime:
     def _finished(self, exchange: Exchange) -> None:
         record = exchange.record
         if exchange.failure is None:
-            self.tree.replied(record.agent, exchange._events)
+            self.tree.replied(record.agent, exchange.broadcast.emitted)
         # A sub-agent may have been linked to its call since it started (its parent's request).
         self.tree.relabel([record])
         for listener in self._listeners:
