@@ -46,9 +46,7 @@ from agentkv.costs import CostModel
 from agentkv.exceptions import (
     AgentKVError,
     EngineError,
-    EngineResponseError,
     EngineRestartingError,
-    EngineStreamBrokenError,
     EngineTimeoutError,
     EngineUnavailableError,
     PromptTooLongError,
@@ -60,10 +58,11 @@ from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Checkpoint, Gateway
 from agentkv.runtime.record import RequestRecord, RequestStatus, request_fields, request_line
+from agentkv.runtime.relay import Relay
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
 from agentkv.runtime.tree import AgentTree
-from agentkv.sse import RetryWithTools, SSEAssembler
+from agentkv.sse import SSEAssembler
 from agentkv.store import EntryKind, StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 from agentkv.translate import EngineRequest, MessagesTranslator, first_difference, has_images
@@ -81,8 +80,6 @@ __all__ = [
 
 log = logging.getLogger("agentkv.runtime")
 
-#: Seconds kept in hand before the client's timeout: the reply must be complete by then.
-_DEADLINE_MARGIN = 10.0
 #: Most agents whose totals the runtime keeps (the least recently seen are dropped).
 _MAX_AGENTS = 256
 _MAX_RECENT = 64
@@ -120,12 +117,13 @@ class Exchange:
     started: float
     #: The replayable events and the clients following them.
     broadcast: Broadcast = attrs.field(init=False)
+    #: The engine calls of the reply.
+    relay: Relay = attrs.field(init=False)
     _done: bool = False
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
     finished_at: float | None = None
     #: The cached sequence that shared most with the prompt when it got its slot.
     _candidate: tuple[str, int, tuple[tuple[str, str], ...]] | None = None
-    _prompt_ms: float = 0.0
     #: Store entries holding this request's saved progress (pinned until it ends).
     _suspended: list[str] = attrs.field(factory=list)
     #: The exact tokens a reply suspended mid-way left in its slot (prompt and reply so far).
@@ -138,6 +136,20 @@ class Exchange:
             grace=runtime.config.retry_grace,
             ping_interval=runtime.config.ping_interval,
             spawn=runtime.later,
+            clock=runtime.clock,
+        )
+        self.relay = Relay(
+            client=runtime.client,
+            translator=runtime.translator,
+            engine=self.prepared.engine,
+            prompt=self.prepared.tokens,
+            assembler=self.assembler,
+            record=self.record,
+            costs=runtime.costs,
+            emit=self.broadcast.emit,
+            started=self.started,
+            client_timeout=runtime.config.client_timeout,
+            coalesce_seconds=runtime.config.coalesce_seconds,
             clock=runtime.clock,
         )
 
@@ -275,7 +287,7 @@ class Exchange:
         divergence: dict[str, Any] = {
             "reused": record.cached_tokens,
             "computed": record.computed_tokens,
-            "seconds": round(self._prompt_ms / 1000, 3),
+            "seconds": round(self.relay.prompt_ms / 1000, 3),
         }
         candidate = self._candidate
         if candidate is None:
@@ -374,7 +386,7 @@ class Exchange:
                     if isinstance(progress, Mapping):
                         done = int(progress.get("cache", 0)) + int(progress.get("processed", 0))
                         gateway.checkpoint_progress(checkpoint, done)
-                    runtime.observe_timings(chunk.get("timings"))
+                    runtime.costs.observe_timings(chunk.get("timings"))
             entry = None
             for _ in range(2):  # a save that failed is tried once more: others wait for it
                 entry = await runtime.guard_store(
@@ -400,244 +412,20 @@ class Exchange:
         # Else the save failed, but this slot holds the head: whoever waits for it keeps waiting
         # until this request gives the slot back, and then reuses it there (Gateway.release).
 
-    def _engine_body(self) -> dict[str, Any]:
-        """The chat body for the engine, with generation bounded by the client's patience.
-
-        A reply that was suspended mid-way continues: its text so far is the last (assistant)
-        message, which llama-server extends instead of starting a new turn.
-        """
-        runtime, asm = self.runtime, self.assembler
-        body = dict(self.prepared.engine.body)
-        body["stream"] = True
-        body["return_progress"] = True
-        requested = int(body.get("max_tokens") or 1)
-        so_far = asm.generated_text
-        if so_far:
-            asm.begin_continuation()
-            prefill = _continuation_prefill(so_far)
-            if prefill:
-                body["messages"] = [*body["messages"], {"role": "assistant", "content": prefill}]
-            requested -= asm.usage["output_tokens"]
-        left = self.deadline - runtime.clock()
-        affordable = int(max(1.0, left) * runtime.costs.decode.rate)
-        body["max_tokens"] = max(1, min(requested, affordable))
-        return body
-
-    @property
-    def deadline(self) -> float:
-        """When the reply must be complete: the client's timeout, less a margin."""
-        return self.started + self.runtime.config.client_timeout - _DEADLINE_MARGIN
-
     async def _reply(self, lease: Lease) -> Tokens:
-        """Stream the reply into the assembler; one constrained retry for a broken tool call."""
+        """Stream the reply (the relay), then end it; the slot then holds the prompt."""
         runtime, asm = self.runtime, self.assembler
-        so_far = asm.generated_text
-        body = self._engine_body()
-        resumed = so_far and await self._resume_exactly(lease, body)
-        if not resumed:
-            # llama-server streams a continued reply's given beginning back first, then
-            # generates the last, cut-off word again: the client has both already, so skip them.
-            try:
-                await self._relay(body, lease, echo=so_far)
-            except EngineStreamBrokenError as exc:
-                if asm.generated_text and not asm.continuable:
-                    raise
-                # The link broke mid-reply, not the engine: what it computed is in the slot, so
-                # the same call again (continuing any text the client has) costs a few tokens.
-                log.info("continuing a reply after the engine link broke: %s", exc.message)
-                so_far = asm.generated_text
-                await self._relay(self._engine_body(), lease, echo=so_far)
-        if isinstance(asm.verdict(), RetryWithTools):
-            # The reply tried to call a tool and got it wrong: ask once more, with decoding
-            # constrained to a valid call of a declared tool.
-            self.record.retried = True
-            asm.begin_retry()
-            plain = {**self.prepared.engine.body, "stream": True, "max_tokens": body["max_tokens"]}
-            forced = runtime.translator.force_any_tool(self.prepared.engine, plain)
-            await self._relay(forced, lease)
+        resume_from, self._resume_from = self._resume_from, None
+
+        def on_output() -> None:
+            suspendable = runtime.store is not None and asm.continuable
+            runtime.gateway.decoding(lease, suspendable=suspendable)
+
+        await self.relay.reply(lease.slot, resume_from=resume_from, on_output=on_output)
         self._emit(asm.finish(runtime.clock()))
         if self.record.status is RequestStatus.RUNNING:
             self.record.advance(RequestStatus.OK)
         return self.prepared.tokens
-
-    async def _resume_exactly(self, lease: Lease, body: Mapping[str, Any]) -> bool:
-        """Continue a reply suspended mid-way from the exact tokens its slot held (restored from
-        the store): a raw ``/completion`` of those tokens, plus the few the client got that were
-        not yet in the cache. Text re-tokenized is not what the model generated, and a small
-        model continues it differently (or not at all). False when the saved tokens do not
-        match; the caller then continues from the text."""
-        saved, self._resume_from = self._resume_from, None
-        prompt = self.prepared.tokens
-        if saved is None or len(saved) <= len(prompt) or tuple(saved[: len(prompt)]) != prompt:
-            return False  # no reply tokens were saved (or not this prompt's)
-        client, so_far = self.runtime.client, self.assembler.generated_text
-        try:
-            cached_text = await client.detokenize(saved[len(prompt) :])
-            if not so_far.startswith(cached_text):
-                return False
-            tail = so_far[len(cached_text) :]
-            tail_tokens = await client.tokenize(tail) if tail else []
-        except (EngineResponseError, EngineTimeoutError) as exc:
-            log.info("resuming a reply from its text: %s", exc.message)
-            return False
-        payload: dict[str, Any] = {
-            "prompt": [*saved, *tail_tokens],
-            "n_predict": body["max_tokens"],
-            "return_progress": True,
-        }
-        for name in _SAMPLING:
-            if name in body:
-                payload[name] = body[name]
-        await self._relay(payload, lease, raw=True)
-        return True
-
-    async def _relay(
-        self, body: dict[str, Any], lease: Lease, *, echo: str = "", raw: bool = False
-    ) -> None:
-        """One engine call: chunks in, Anthropic events out, until the engine ends, the client's
-        deadline comes or the assembler asks to stop (a degenerate loop)."""
-        runtime, asm, record = self.runtime, self.assembler, self.record
-        config = runtime.config
-        send, receive = anyio.create_memory_object_stream[dict[str, Any]](64)
-        failure: list[AgentKVError] = []
-
-        async def produce() -> None:
-            try:
-                if raw:
-                    async with send, runtime.client.complete(body, slot=lease.slot) as chunks:
-                        async for chunk in chunks:
-                            await send.send(_as_chat_chunk(chunk))
-                    return
-                async with send, runtime.client.stream(body, slot=lease.slot) as chunks:
-                    async for chunk in chunks:
-                        await send.send(chunk)
-            except AgentKVError as exc:  # handed to the consumer, not wrapped in a group
-                failure.append(exc)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(produce)
-            async with receive:
-                while True:
-                    now = runtime.clock()
-                    if now >= self.deadline:
-                        # The client would give up before the reply ends: end it now, whole.
-                        record.stopped = "deadline"
-                        asm.feed({"choices": [{"delta": {}, "finish_reason": "length"}]}, now)
-                        tg.cancel_scope.cancel()
-                        break
-                    wait = min(config.coalesce_seconds or 1.0, self.deadline - now)
-                    with anyio.move_on_after(max(0.0, wait)):
-                        try:
-                            chunk = await receive.receive()
-                        except anyio.EndOfStream:
-                            break
-                        now = runtime.clock()
-                        runtime.observe_timings(chunk.get("timings"))
-                        if echo:
-                            chunk, echo = _without_echo(chunk, echo)
-                        if _generates(chunk):
-                            runtime.gateway.decoding(
-                                lease, suspendable=runtime.store is not None and asm.continuable
-                            )
-                            record.generated += 1
-                        events = asm.feed(chunk, now)
-                        if events:
-                            if record.ttft_s is None:
-                                record.ttft_s = round(now - self.started, 4)
-                            self._emit(events)
-                        self._account(chunk)
-                        if asm.stop is not None:
-                            # A degenerate loop: closing the stream stops llama-server generating.
-                            record.stopped = asm.stop.reason
-                            tg.cancel_scope.cancel()
-                            break
-                        continue
-                    self._emit(asm.flush(runtime.clock()))
-        if failure:
-            raise failure[0]
-
-    def _account(self, chunk: Mapping[str, Any]) -> None:
-        progress = chunk.get("prompt_progress")
-        if isinstance(progress, Mapping):
-            done = int(progress.get("cache", 0) or 0) + int(progress.get("processed", 0) or 0)
-            self.record.prefilled = done
-        timings = chunk.get("timings")
-        if isinstance(timings, Mapping) and "prompt_n" in timings:
-            self.record.computed_tokens += int(timings.get("prompt_n", 0))
-            self._prompt_ms += float(timings.get("prompt_ms", 0.0) or 0.0)
-            self.record.cached_tokens = max(
-                self.record.cached_tokens, int(timings.get("cache_n", 0))
-            )
-
-
-#: Chat body fields that a raw /completion takes as they are.
-_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "repeat_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
-
-
-def _as_chat_chunk(chunk: Mapping[str, Any]) -> dict[str, Any]:
-    """A raw ``/completion`` chunk in the shape of a chat-completion chunk."""
-    finish = None
-    if chunk.get("stop"):
-        finish = "length" if chunk.get("stop_type") == "limit" else "stop"
-    out: dict[str, Any] = {
-        "choices": [{"delta": {"content": chunk.get("content") or None}, "finish_reason": finish}]
-    }
-    for name in ("timings", "prompt_progress"):
-        if name in chunk:
-            out[name] = chunk[name]
-    return out
-
-
-def _continuation_prefill(text: str) -> str:
-    """What a suspended reply resumes from: its text up to the last whitespace.
-
-    The reply's own tokens are not kept, only its text, and the text re-tokenized at a cut in the
-    middle of a word is not what the model generated: given "... 19 20" the default model ends
-    the reply at once, given "... 19 " it goes on with "20 21". So the last word is generated
-    again (and skipped, since the client has it).
-    """
-    cut = max(text.rfind(" "), text.rfind("\n"), text.rfind("\t"))
-    return text[: cut + 1]
-
-
-def _without_echo(chunk: dict[str, Any], echo: str) -> tuple[dict[str, Any], str]:
-    """``chunk`` without the part of ``echo`` (a continued reply's given beginning, which
-    llama-server streams back) it starts with; and what of ``echo`` is still to come."""
-    choices: list[dict[str, Any]] = list(chunk.get("choices") or [])
-    delta = (choices[0].get("delta") or {}) if choices else {}
-    content = delta.get("content")
-    if not isinstance(content, str) or not content:
-        return chunk, echo
-    if echo.startswith(content):
-        rest, echo = "", echo[len(content) :]
-    elif content.startswith(echo):
-        rest, echo = content[len(echo) :], ""
-    else:
-        log.warning("a continued reply did not start with its own beginning; streaming it as is")
-        return chunk, ""
-    choice = {**choices[0], "delta": {**delta, "content": rest or None}}
-    return {**chunk, "choices": [choice, *choices[1:]]}, echo
-
-
-def _generates(chunk: Mapping[str, Any]) -> bool:
-    """Whether an engine chunk carries output (not just the role, or prompt progress)."""
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
-            return True
-        if choice.get("finish_reason"):
-            return True
-    return False
 
 
 # -- the runtime ------------------------------------------------------------------------------
@@ -875,23 +663,6 @@ class Runtime:
         return len(await self.client.prompt_tokens(engine.body))
 
     # -- bookkeeping ------------------------------------------------------------------------------
-
-    def observe_timings(self, timings: Any) -> None:
-        """Learn prefill and decode speeds from llama-server's ``timings``."""
-        if not isinstance(timings, Mapping):
-            return
-        try:
-            cache = int(timings.get("cache_n", 0))
-            computed = int(timings.get("prompt_n", 0))
-            prompt_ms = float(timings.get("prompt_ms", 0.0))
-            predicted = int(timings.get("predicted_n", 0))
-            predicted_ms = float(timings.get("predicted_ms", 0.0))
-        except (TypeError, ValueError):
-            return
-        if computed > 1:
-            self.costs.prefill.observe(cache, computed, prompt_ms / 1000)
-        if predicted > 1:
-            self.costs.decode.observe(predicted, predicted_ms / 1000)
 
     async def guard_store(self, work: Any) -> Any:
         """Run a store operation; None when it failed. Never fatal to the request, unless the
