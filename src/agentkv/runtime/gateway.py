@@ -372,7 +372,7 @@ class Gateway:
                 best = (f"stored {entry.kind.value} {entry.id}", shared, entry.sections)
         return best
 
-    def _available(self, tokens: Tokens) -> int:
+    def available(self, tokens: Tokens) -> int:
         """Tokens of ``tokens`` that could be had now without computing them."""
         best = max((common_prefix(tokens, row.tokens) for row in self._slots.table()), default=0)
         if self.store is not None:
@@ -385,7 +385,7 @@ class Gateway:
         """The checkpoint this request should wait for, if waiting is estimated to be sooner."""
         if not tokens or not self._checkpoints or self.store is None:
             return None
-        available = self._available(tokens)
+        available = self.available(tokens)
         costs = self.costs
         # Computing alone would run next to the prompts being computed now (the checkpoint's at
         # least), which share the engine: each goes about that many times slower.
