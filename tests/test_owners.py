@@ -3,8 +3,8 @@ leases only ``runtime.gateway``.
 
 The scan reads every module of ``src/`` and finds calls of ``SlotManager``'s writing methods.
 The content writers have names no other class in ``src/`` uses, so any call of them counts; the
-lease writers (``acquire``, ``release``, ``sweep``) share their names with the gateway's own
-methods, so only calls on a slot table (an expression ending in ``slots``) count.
+lease writers (``acquire``, ``release``, ``sweep``, ``touch``) share their names with the
+gateway's own methods, so only calls on a slot table (an expression ending in ``slots``) count.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ SLOTS = SRC / "agentkv" / "slots.py"
 CONTENT_WRITERS = frozenset({"set_content", "mark_stored", "forget_entry", "invalidate"})
 #: Who holds a slot. ``release`` also takes what the slot holds when its lease ends: the lease's
 #: holder states it, the gateway passes it on with the lease.
-LEASE_WRITERS = frozenset({"acquire", "release", "sweep"})
+LEASE_WRITERS = frozenset({"acquire", "release", "sweep", "touch"})
 READERS = frozenset({"idle", "place", "lease", "table", "stats", "free"})
 
 

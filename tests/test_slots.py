@@ -200,6 +200,33 @@ def test_sweep_reclaims_expired_leases_and_forgets_their_content() -> None:
     assert not manager.release(lease, 12, holds=(1,))
 
 
+def test_a_lease_that_reports_progress_is_never_reclaimed_mid_way() -> None:
+    """A prefill that outlasts lease_ttl but keeps reporting progress keeps its slot; once it
+    falls silent for lease_ttl, the watchdog takes the slot back."""
+    manager = SlotManager(1, lease_ttl=10)
+    placement = manager.place((1, 2), COSTS)
+    assert placement is not None
+    lease = manager.acquire(placement, 0, agent="slow", tokens=(1, 2))
+    for now in range(8, 100, 8):  # progress every 8 s, for 96 s: ten times the TTL
+        assert manager.touch(lease.id, now)
+        assert manager.sweep(now + 1) == []
+    assert manager.sweep(96 + 10) == []  # silent for exactly the TTL: not yet
+    assert manager.sweep(96 + 11) == [lease]
+    assert not manager.touch(lease.id, 120)  # no longer live
+    assert manager.stats().reclaimed == 1
+
+
+def test_touch_never_moves_a_lease_s_clock_back() -> None:
+    manager = SlotManager(1, lease_ttl=10)
+    placement = manager.place((1,), COSTS)
+    assert placement is not None
+    lease = manager.acquire(placement, 0, agent="a", tokens=(1,))
+    manager.touch(lease.id, 30)
+    manager.touch(lease.id, 5)  # a late report of older progress
+    assert manager.sweep(39) == []
+    assert manager.sweep(41) == [lease]
+
+
 def test_invalidate_forgets_content() -> None:
     manager = SlotManager(1)
     run(manager, (1, 2), 0)
@@ -225,7 +252,7 @@ def test_place_on_no_idle_slot_is_none() -> None:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["acquire", "release", "release-unknown", "sweep"]),
+        st.sampled_from(["acquire", "release", "release-unknown", "sweep", "touch"]),
         st.lists(st.integers(0, 3), max_size=8),
     ),
     max_size=40,
@@ -252,6 +279,8 @@ def test_random_sequences_keep_the_table_consistent(sequence: list[tuple[str, li
             manager.release(lease, now, holds=None if op == "release-unknown" else tuple(tokens))
         elif op == "sweep":
             manager.sweep(now)
+        elif op == "touch" and leases:
+            manager.touch(leases[0].id, now)
         rows = manager.table()
         assert all(row.refcount in (0, 1) for row in rows)
         assert manager.free == sum(1 for row in rows if row.refcount == 0)

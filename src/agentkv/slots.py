@@ -9,7 +9,9 @@ slot's present content: saved first when it is worth it, or lost). The cheapest 
 shares 1,300 tokens with the request beats an empty one, unless overwriting it costs more later.
 
 A request that dies without releasing (a bug, a lost task) would pin its slot forever, so
-:meth:`SlotManager.sweep` is a watchdog that reclaims leases held past ``lease_ttl``.
+:meth:`SlotManager.sweep` is a watchdog that reclaims leases that have shown no sign of life
+(acquisition, or engine progress reported with :meth:`SlotManager.touch`) for ``lease_ttl``
+seconds. A long prefill that keeps reporting progress is never taken back mid-way.
 
 Pure and single-threaded: time is passed in, nothing awaits, and callers serialise access.
 """
@@ -28,7 +30,8 @@ from agentkv.tokens import Tokens, common_prefix
 
 __all__ = ["DEFAULT_LEASE_TTL", "SlotManager", "SlotStats", "place"]
 
-#: Seconds after which a lease counts as leaked (the runtime's setting takes it from here).
+#: Seconds without a sign of life after which a lease counts as leaked (the runtime's setting
+#: takes it from here).
 DEFAULT_LEASE_TTL = 900.0
 
 #: Chance that the owner of overwritten content comes back for it: what a destroyed token is
@@ -154,6 +157,8 @@ class SlotManager:
     )
     _slots: list[_Slot] = attrs.field(init=False)
     _leases: dict[int, Lease] = attrs.field(init=False, factory=dict)
+    #: When each live lease last showed a sign of life (engine progress), if after acquisition.
+    _alive_at: dict[int, float] = attrs.field(init=False, factory=dict)
     _next_lease: int = attrs.field(init=False, default=1)
     _stats: SlotStats = attrs.field(init=False, factory=SlotStats)
 
@@ -289,14 +294,28 @@ class SlotManager:
         self._slots[slot].stored = None
         self._slots[slot].sections = ()
 
-    def sweep(self, now: float) -> list[Lease]:
-        """Reclaim and return leases held longer than ``lease_ttl``, oldest id first.
+    def touch(self, lease_id: int, now: float) -> bool:
+        """The request holding ``lease_id`` made progress at ``now`` (the engine reported
+        computed or generated tokens): the watchdog's clock for it starts again. False when
+        the lease is no longer live."""
+        if lease_id not in self._leases:
+            return False
+        self._alive_at[lease_id] = max(now, self._alive_at.get(lease_id, now))
+        return True
 
-        A reclaimed slot's cache is forgotten: the request may still be running on the engine,
+    def sweep(self, now: float) -> list[Lease]:
+        """Reclaim and return leases silent for longer than ``lease_ttl``, oldest id first.
+
+        Silent means: neither acquired nor touched (:meth:`touch`) within ``lease_ttl``. A
+        reclaimed slot's cache is forgotten: the request may still be running on the engine,
         and nobody knows what the slot will hold when it stops.
         """
         expired = sorted(
-            (lease for lease in self._leases.values() if now - lease.acquired_at > self.lease_ttl),
+            (
+                lease
+                for lease in self._leases.values()
+                if now - self._alive_at.get(lease.id, lease.acquired_at) > self.lease_ttl
+            ),
             key=lambda lease: lease.id,
         )
         for lease in expired:
@@ -328,6 +347,7 @@ class SlotManager:
 
     def _drop(self, lease: Lease) -> _Slot:
         del self._leases[lease.id]
+        self._alive_at.pop(lease.id, None)
         slot = self._slots[lease.slot]
         slot.refcount = max(0, slot.refcount - 1)
         slot.lease_ids.remove(lease.id)

@@ -386,3 +386,31 @@ async def test_a_store_switched_off_by_a_park_is_not_used_for_the_restore(tmp_pa
         assert runtime.store is None  # switched off by the refused park
         assert [action for _, action, _ in fake.slot_actions] == ["save"]
         assert record.source == "none"
+
+
+async def test_the_watchdog_leaves_a_request_alone_while_the_engine_reports_progress() -> None:
+    """A request that runs for four times lease_ttl, its engine sending a chunk every 0.1 s,
+    keeps its lease and gets its whole reply; the watchdog reclaims nothing."""
+    reply = "tick " * 16  # 20 chunks of 4 characters, 0.1 s apart: about 2 s
+    fake = FakeLlama(reply=reply, chunk_chars=4, delay=0.1)
+    async with running(fake, n_slots=1, lease_ttl=0.5, watchdog_interval=0.05) as runtime:
+        body = {**first_request("go"), "max_tokens": 200}
+        assert await ask(runtime, body, "slow") == reply
+        assert runtime.gateway.table()["placements"]["reclaimed"] == 0
+
+
+async def test_the_watchdog_reclaims_a_lease_whose_engine_falls_silent() -> None:
+    """An engine that sends nothing for longer than lease_ttl loses the lease: the watchdog's
+    reason to exist (a hung engine, a leaked lease) still holds."""
+    fake = FakeLlama(reply="late", prefill_delay=2.4)  # progress 0.6 s apart
+    async with running(fake, n_slots=1, lease_ttl=0.5, watchdog_interval=0.05) as runtime:
+        task_done = anyio.Event()
+
+        async def slow() -> None:
+            await ask(runtime, first_request("go"), "silent")
+            task_done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(slow)
+            await wait_for(lambda: runtime.gateway.table()["placements"]["reclaimed"] >= 1, 3.0)
+            await task_done.wait()

@@ -85,7 +85,8 @@ class RuntimeConfig:
     )
     lease_ttl: float = setting(
         DEFAULT_LEASE_TTL,
-        "seconds after which the watchdog reclaims a slot lease (a leak or a hung engine)",
+        "seconds a slot lease may go without engine progress before the watchdog reclaims it "
+        "(a leak or a hung engine)",
         group="scheduling",
     )
     watchdog_interval: float = setting(15.0, "seconds between watchdog sweeps", flag=False)

@@ -266,6 +266,11 @@ class Gateway:
                 ):
                     self._suspend(other, f"lease {lease.id} (priority 0) runs")
 
+    def alive(self, lease: Lease) -> None:
+        """The engine reported progress for ``lease`` (prompt computed, tokens generated): the
+        watchdog leaves it alone for another ``lease_ttl``, however long its prefill runs."""
+        self._slots.touch(lease.id, self.clock())
+
     def decoding(self, lease: Lease, *, suspendable: bool = False) -> None:
         """The request's prompt is computed; it now generates. Unless ``suspendable`` (its reply
         can be continued by a later engine call), it keeps its slot to the end."""

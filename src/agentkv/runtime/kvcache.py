@@ -9,9 +9,9 @@ cannot serve it, and every step reads the store as it is *now*, so a store switc
 step is not used by the next.
 
 Leases are not content: :class:`~agentkv.runtime.gateway.Gateway` hands them out and takes them
-back (``SlotManager.acquire``, ``release`` with what the slot holds when its lease ends, and the
-watchdog's ``sweep``). ``tests/test_owners.py`` fails when anything else calls a writing method
-of ``SlotManager``.
+back (``SlotManager.acquire``; ``release``, with what the slot holds when its lease ends; the
+watchdog's ``touch`` and ``sweep``). ``tests/test_owners.py`` fails when anything else calls a
+writing method of ``SlotManager``.
 """
 
 from __future__ import annotations
@@ -223,6 +223,7 @@ class KVCache:
         try:
             async with self.client.prefill(checkpoint.tokens, slot=lease.slot) as chunks:
                 async for chunk in chunks:
+                    gateway.alive(lease)
                     progress = chunk.get("prompt_progress")
                     if isinstance(progress, Mapping):
                         done = int(progress.get("cache", 0)) + int(progress.get("processed", 0))

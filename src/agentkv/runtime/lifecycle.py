@@ -262,11 +262,13 @@ class Exchange:
         runtime, asm = self.runtime, self.assembler
         resume_from, self._resume_from = self._resume_from, None
 
-        def on_output() -> None:
-            suspendable = runtime.kvcache.enabled and asm.continuable
-            runtime.gateway.decoding(lease, suspendable=suspendable)
+        def on_chunk(output: bool) -> None:
+            runtime.gateway.alive(lease)  # the watchdog leaves a lease alone while it progresses
+            if output:
+                suspendable = runtime.kvcache.enabled and asm.continuable
+                runtime.gateway.decoding(lease, suspendable=suspendable)
 
-        await self.relay.reply(lease.slot, resume_from=resume_from, on_output=on_output)
+        await self.relay.reply(lease.slot, resume_from=resume_from, on_chunk=on_chunk)
         self.broadcast.emit(asm.finish(runtime.clock()))
         if self.record.status is RequestStatus.RUNNING:
             self.record.advance(RequestStatus.OK)

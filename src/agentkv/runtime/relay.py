@@ -90,21 +90,22 @@ class Relay:
         return self.started + self.client_timeout - DEADLINE_MARGIN
 
     async def reply(
-        self, slot: int, *, resume_from: Tokens | None, on_output: Callable[[], None]
+        self, slot: int, *, resume_from: Tokens | None, on_chunk: Callable[[bool], None]
     ) -> None:
         """Stream the reply on ``slot`` into the assembler (continuing what a suspension cut
         off, from the exact tokens ``resume_from`` when the slot holds them); one constrained
-        retry for a broken tool call. ``on_output`` is called for every chunk that carries
-        output (the request generates: its prompt is computed)."""
+        retry for a broken tool call. ``on_chunk(output)`` is called for every chunk the engine
+        sends (it is alive); ``output`` says whether the chunk carries output (the request
+        generates: its prompt is computed)."""
         asm = self.assembler
         so_far = asm.generated_text
         body = self.engine_body()
-        resumed = bool(so_far) and await self._resume_exactly(slot, body, resume_from, on_output)
+        resumed = bool(so_far) and await self._resume_exactly(slot, body, resume_from, on_chunk)
         if not resumed:
             # llama-server streams a continued reply's given beginning back first, then
             # generates the last, cut-off word again: the client has both already, so skip them.
             try:
-                await self._relay(body, slot, on_output, echo=so_far)
+                await self._relay(body, slot, on_chunk, echo=so_far)
             except EngineStreamBrokenError as exc:
                 if asm.generated_text and not asm.continuable:
                     raise
@@ -112,7 +113,7 @@ class Relay:
                 # the same call again (continuing any text the client has) costs a few tokens.
                 log.info("continuing a reply after the engine link broke: %s", exc.message)
                 so_far = asm.generated_text
-                await self._relay(self.engine_body(), slot, on_output, echo=so_far)
+                await self._relay(self.engine_body(), slot, on_chunk, echo=so_far)
         if isinstance(asm.verdict(), RetryWithTools):
             # The reply tried to call a tool and got it wrong: ask once more, with decoding
             # constrained to a valid call of a declared tool.
@@ -120,7 +121,7 @@ class Relay:
             asm.begin_retry()
             plain = {**self.engine.body, "stream": True, "max_tokens": body["max_tokens"]}
             forced = self.translator.force_any_tool(self.engine, plain)
-            await self._relay(forced, slot, on_output)
+            await self._relay(forced, slot, on_chunk)
 
     def engine_body(self) -> dict[str, Any]:
         """The chat body for the engine, with generation bounded by the client's patience.
@@ -150,7 +151,7 @@ class Relay:
         slot: int,
         body: Mapping[str, Any],
         saved: Tokens | None,
-        on_output: Callable[[], None],
+        on_chunk: Callable[[bool], None],
     ) -> bool:
         """Continue a reply suspended mid-way from the exact tokens its slot held (restored from
         the store): a raw ``/completion`` of those tokens, plus the few the client got that were
@@ -178,14 +179,14 @@ class Relay:
         for name in _SAMPLING:
             if name in body:
                 payload[name] = body[name]
-        await self._relay(payload, slot, on_output, raw=True)
+        await self._relay(payload, slot, on_chunk, raw=True)
         return True
 
     async def _relay(
         self,
         body: dict[str, Any],
         slot: int,
-        on_output: Callable[[], None],
+        on_chunk: Callable[[bool], None],
         *,
         echo: str = "",
         raw: bool = False,
@@ -230,8 +231,9 @@ class Relay:
                         self.costs.observe_timings(chunk.get("timings"))
                         if echo:
                             chunk, echo = without_echo(chunk, echo)
-                        if generates(chunk):
-                            on_output()
+                        output = generates(chunk)
+                        on_chunk(output)
+                        if output:
                             record.generated += 1
                         events = asm.feed(chunk, now)
                         if events:
