@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from agentkv.exceptions import PromptTooLongError
-from agentkv.fingerprint import PrefixFingerprinter, canonical_json
+from agentkv.fingerprint import canonical_json
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
@@ -59,8 +59,8 @@ class Admission:
     config: RuntimeConfig
     client: LlamaSlotClient
     translator: MessagesTranslator
+    #: Its store holds the agents' compactions, rewritten into their requests.
     compactor: Compactor
-    fingerprinter: PrefixFingerprinter
     gateway: Gateway
     kvcache: KVCache
 
@@ -107,10 +107,11 @@ class Admission:
 
     async def _fit(self, agent: str, priority: int, engine: EngineRequest, key: str) -> Prepared:
         config, compactor = self.config, self.compactor
+        rewrite, fingerprinter = compactor.store.rewrite, compactor.fingerprinter
         body = engine.body
         compacted = False
         if config.compaction:
-            body, _, applied = compactor.store.rewrite(agent, body, self.fingerprinter)
+            body, _, applied = rewrite(agent, body, fingerprinter)
             compacted = bool(applied)
         tokens = tuple(await self.client.prompt_tokens(body))
         ctx = config.ctx_per_slot
@@ -123,7 +124,9 @@ class Admission:
                 await compactor.compact(
                     agent, body, len(tokens), priority=priority, background=False
                 )
-                body, _, applied = compactor.store.rewrite(agent, engine.body, self.fingerprinter)
+                body, _, applied = compactor.store.rewrite(
+                    agent, engine.body, compactor.fingerprinter
+                )
                 compacted = bool(applied)
                 tokens = tuple(await self.client.prompt_tokens(body))
             if len(tokens) > limit:

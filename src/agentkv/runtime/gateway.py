@@ -169,6 +169,13 @@ class Gateway:
             self._preempt_for(ticket)
         return ticket
 
+    def requeue(self, ticket: Ticket) -> Ticket:
+        """Queue a suspended request's ticket again: same agent, priority, tokens and head, and
+        its original arrival (it keeps its aging credit)."""
+        return self.submit(
+            ticket.agent, ticket.priority, ticket.tokens, head=ticket.head, arrival=ticket.arrival
+        )
+
     def promote(self, ticket: Ticket, priority: int) -> None:
         """A queued background ticket becomes foreground work of ``priority`` (same arrival)."""
         if self._background.cancel(ticket.id) is None:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
+import anyio
 import attrs
 
 from agentkv._types import Lease, Source
@@ -73,7 +74,6 @@ class KVCache:
         gateway: Gateway,
         client: LlamaSlotClient,
         costs: CostModel,
-        *,
         compat: str,
         clock: Callable[[], float] = time.monotonic,
         later: Callable[..., bool] = lambda *_: False,
@@ -143,11 +143,14 @@ class KVCache:
         )
         return len(removed)
 
-    async def expire(self) -> None:
-        """Delete the saved contexts of agents that are gone (best effort)."""
-        if self.store is not None:
-            with contextlib.suppress(AgentKVError, OSError):
-                await self.store.expire()
+    async def run_upkeep(self, interval: float) -> None:
+        """Every ``interval`` seconds, forever: delete the saved contexts of agents that are
+        gone (best effort). Run it in the runtime's task group."""
+        while True:
+            await anyio.sleep(interval)
+            if self.store is not None:
+                with contextlib.suppress(AgentKVError, OSError):
+                    await self.store.expire()
 
     async def follow_engine_restarts(self, status: EngineStatus) -> None:
         """A restarted engine's slots are all empty: forget what they held, every time."""

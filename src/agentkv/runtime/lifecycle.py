@@ -87,9 +87,7 @@ class Exchange:
     broadcast: Broadcast = attrs.field(init=False)
     #: The engine calls of the reply.
     relay: Relay = attrs.field(init=False)
-    _done: bool = False
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
-    finished_at: float | None = None
     #: The cached sequence that shared most with the prompt when it got its slot.
     _candidate: Candidate | None = None
     #: Store entries holding this request's saved progress (pinned until it ends).
@@ -99,12 +97,9 @@ class Exchange:
 
     def __attrs_post_init__(self) -> None:
         runtime = self.runtime
+        config = runtime.config
         self.broadcast = Broadcast(
-            abandon=self._abandoned,
-            grace=runtime.config.retry_grace,
-            ping_interval=runtime.config.ping_interval,
-            spawn=runtime.later,
-            clock=runtime.clock,
+            self._abandoned, config.retry_grace, config.ping_interval, runtime.later, runtime.clock
         )
         self.relay = Relay(
             client=runtime.client,
@@ -116,36 +111,30 @@ class Exchange:
             costs=runtime.costs,
             emit=self.broadcast.emit,
             started=self.started,
-            client_timeout=runtime.config.client_timeout,
-            coalesce_seconds=runtime.config.coalesce_seconds,
+            client_timeout=config.client_timeout,
+            coalesce_seconds=config.coalesce_seconds,
             clock=runtime.clock,
         )
 
     @property
     def done(self) -> bool:
-        return self._done
+        return self.broadcast.closed
 
     @property
     def failure(self) -> AgentKVError | None:
         return self.broadcast.failure
 
     @property
-    def cancelled(self) -> bool:
-        return self._scope.cancel_called
-
-    @property
     def joinable(self) -> bool:
         """A retry of this request may take it over: nobody receives it, it has not failed."""
-        return self.broadcast.unclaimed and not self.cancelled
+        return self.broadcast.unclaimed and not self._scope.cancel_called
 
     # -- followers --------------------------------------------------------------------------------
 
     def events(self, ping_interval: float | None = None) -> AsyncIterator[Event]:
         """Everything emitted so far, then live events until the end; ``KeepAlive`` on silence.
-
-        Leaving the iteration early (the client went away) detaches: with no client left, the
-        exchange is cancelled after the runtime's ``retry_grace`` unless a retry joins it.
-        """
+        Leaving early (the client went away) detaches: with no client left, the exchange is
+        cancelled after the runtime's ``retry_grace`` unless a retry joins it."""
         return self.broadcast.follow(ping_interval)
 
     async def message(self) -> dict[str, Any]:
@@ -186,12 +175,7 @@ class Exchange:
             self.runtime.gateway.withdraw(self.ticket)
             runtime.kvcache.forget_progress(self._suspended)
             self._suspended.clear()
-            self.finished_at = runtime.clock()
-            if self.record.total_s is None:
-                self.record.total_s = round(self.finished_at - self.started, 4)
-            usage = self.assembler.usage
-            self.record.output_tokens = int(usage.get("output_tokens", 0) or 0)
-            self._done = True
+            self.record.ended(runtime.clock() - self.started, self.assembler.usage)
             self.broadcast.close(failure)
 
     async def _run(self) -> None:
@@ -205,24 +189,15 @@ class Exchange:
             # Suspended for a more urgent request: queue again, keeping the original arrival.
             self.record.suspended += 1
             self.record.advance(RequestStatus.SUSPENDED)
-            ticket = self.ticket = runtime.gateway.submit(
-                self.prepared.agent,
-                self.prepared.priority,
-                self.prepared.tokens,
-                head=self.prepared.boundary,
-                arrival=self.ticket.arrival,
-            )
+            ticket = self.ticket = runtime.gateway.requeue(ticket)
 
     async def _on_slot(self, lease: Lease) -> bool:
         """Use the leased slot; True when the request is finished, False when suspended."""
         runtime, record = self.runtime, self.record
         gateway = runtime.gateway
-        record.slot = lease.slot
-        record.dispatch_seq = gateway.dispatch_seq(lease)
-        record.source = lease.placement.source.value
-        record.planned_reuse = lease.placement.reuse
-        record.queued_s = round(runtime.clock() - self.started, 4)
-        record.advance(RequestStatus.RUNNING)
+        placement, queued_s = lease.placement, runtime.clock() - self.started
+        seq = gateway.dispatch_seq(lease)
+        record.leased(lease.slot, placement.source.value, placement.reuse, seq, queued_s)
         self._candidate = gateway.best_source(self.prepared.tokens)
         holds: Tokens | None = None
         try:
@@ -313,18 +288,10 @@ class Runtime:
         )
         self.gateway = Gateway(config, costs=self.costs, clock=self.clock)
         self.kvcache = KVCache.create(
-            self.gateway,
-            self.client,
-            self.costs,
-            compat=self.store_compat,
-            clock=self.clock,
-            later=self.later,
+            self.gateway, self.client, self.costs, self.store_compat, self.clock, self.later
         )
         self.tree = AgentTree(
-            gateway=self.gateway,
-            clock=self.clock,
-            enabled=config.agent_tree,
-            background_offset=config.background_agent_offset,
+            self.gateway, self.clock, config.agent_tree, config.background_agent_offset
         )
         self.compactor = Compactor(
             gateway=self.gateway,
@@ -334,13 +301,7 @@ class Runtime:
             clock=self.clock,
         )
         self.admission = Admission(
-            config,
-            self.client,
-            self.translator,
-            self.compactor,
-            self.fingerprinter,
-            self.gateway,
-            self.kvcache,
+            config, self.client, self.translator, self.compactor, self.gateway, self.kvcache
         )
 
     @property
@@ -352,7 +313,7 @@ class Runtime:
         await self.kvcache.open()
         self._tg = await anyio.create_task_group().__aenter__()
         self._tg.start_soon(self.gateway.run_watchdog, self.config.watchdog_interval)
-        self._tg.start_soon(self._upkeep)
+        self._tg.start_soon(self.kvcache.run_upkeep, 60.0)
         if self.client.status is not None:
             self._tg.start_soon(self.kvcache.follow_engine_restarts, self.client.status)
         self.compactor.attach(self._tg)
@@ -383,10 +344,6 @@ class Runtime:
         """Validate and fit a Messages request; raises a 4xx :class:`AgentKVError` before any
         response starts (a prompt that cannot fit gets ``prompt is too long``)."""
         return await self.admission.prepare(body, agent=agent, priority=priority)
-
-    async def count_tokens(self, body: Mapping[str, Any]) -> int:
-        """``count_tokens``: the prompt size of a Messages request, as the engine counts it."""
-        return await self.admission.count_tokens(body)
 
     # -- submitting -------------------------------------------------------------------------------
 
@@ -461,16 +418,6 @@ class Runtime:
         self._tg.start_soon(work, *args)
         return True
 
-    async def _upkeep(self) -> None:
-        while True:
-            await anyio.sleep(60)
-            await self.kvcache.expire()
-
-    async def clear_store(self, *, agent: str | None = None) -> int:
-        """Delete the prefix store's entries (every one, or one agent's) and their files; slots
-        whose content they covered count as unsaved again. Returns how many were deleted."""
-        return await self.kvcache.clear(agent=agent)
-
     def add_listener(self, listener: Callable[[RequestRecord], None]) -> None:
         """Call ``listener`` with the record of every request when it ends (metrics, logs)."""
         self.history.add_listener(listener)
@@ -480,12 +427,9 @@ class Runtime:
         now = self.clock()
         records = []
         for exchange in self._exchanges.values():
-            if exchange.done:
-                continue
-            record = exchange.record
-            if record.ttft_s is not None:
-                record.generating_s = round(now - exchange.started - record.ttft_s, 3)
-            records.append(record)
+            if not exchange.done:
+                exchange.record.running_for(now - exchange.started)
+                records.append(exchange.record)
         return records
 
     def records(self) -> list[RequestRecord]:

@@ -152,6 +152,25 @@ class RequestRecord:
         if status is RequestStatus.FAILED:
             self.error_type = error_type or "api_error"
 
+    def leased(self, slot: int, source: str, reuse: int, seq: int | None, queued_s: float) -> None:
+        """The request got ``slot`` (the ``seq``-th lease handed out) after ``queued_s`` seconds
+        in the queue, with ``reuse`` tokens planned from ``source``: it runs."""
+        self.slot, self.source, self.planned_reuse = slot, source, reuse
+        self.dispatch_seq, self.queued_s = seq, round(queued_s, 4)
+        self.advance(RequestStatus.RUNNING)
+
+    def running_for(self, seconds: float) -> None:
+        """The request has run ``seconds`` since it arrived (what is generating for, live)."""
+        if self.ttft_s is not None:
+            self.generating_s = round(seconds - self.ttft_s, 3)
+
+    def ended(self, seconds: float, usage: Mapping[str, Any]) -> None:
+        """The request ended ``seconds`` after it arrived, having generated what ``usage`` says
+        (the assembler's)."""
+        if self.total_s is None:
+            self.total_s = round(seconds, 4)
+        self.output_tokens = int(usage.get("output_tokens", 0) or 0)
+
     def explain(
         self,
         seconds: float,
