@@ -2,23 +2,23 @@
 
 ::
 
-    Runtime.prepare(body, agent, priority)                      before any response is sent
-        admission: translate (400 naming the field) → the agent's compactions → prompt tokens
+    Runtime.prepare(body, agent, priority)        before any response is sent    admission
+        translate (400 naming the field) → the agent's compactions → prompt tokens
         → "prompt is too long" or compact now → cap max_tokens → the shareable head
-    Runtime.submit(prepared) → Exchange                          queued (529 when full)
+    Runtime.submit(prepared) → Exchange            queued (529 when full)         gateway
     Exchange.drive(), a task of the runtime:
-        message_start at once                                   → broadcast
-        wait for a lease: the scheduler's order, the slot chosen by cost   gateway
-        on the slot:                                                       kvcache
-            park   the slot's present content, if worth it (slot save → prefix store)
-            restore a saved state that holds more of the prompt (verified, else prefill)
-            checkpoint  compute a long shareable head alone and save it for other agents
-        the reply: engine chunks → SSEAssembler → Anthropic events         relay
+        message_start at once                                                     broadcast
+        wait for a lease: the scheduler's order, the slot chosen by cost          gateway
+        on the slot:                                                              kvcache
+            park        the slot's present content, if worth it (save → store)
+            restore     a saved state holding more of the prompt (verified, else prefill)
+            checkpoint  compute a long shareable head alone and save it for others
+        the reply: engine chunks → SSEAssembler → Anthropic events                relay
             bounded by the client's timeout; a degenerate loop is cut
-            once more, constrained to a declared tool, when a tool call came out broken
-        suspended by a more urgent request: save progress (kvcache), queue again, resume
-        release the lease (always, synchronously), record the request      gateway, record
-    Exchange.events(): replays what was emitted and follows it live     broadcast
+            once more, constrained to a declared tool, when a tool call broke
+        suspended by a more urgent request: save progress, queue again, resume    kvcache
+        release the lease (always, synchronously), record the request     gateway, record
+    Exchange.events(): replays what was emitted and follows it live               broadcast
 
 An exchange belongs to the runtime, not to an HTTP connection: a client that goes away only
 detaches, and a retry of the same request within ``retry_grace`` seconds joins the running
