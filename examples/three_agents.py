@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 
-from agentkv.runtime.client import LlamaSlotClient
-from agentkv.runtime.config import RuntimeConfig
+from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.record import RequestRecord
 
@@ -29,24 +27,6 @@ AGENTS = {  # name: (priority, the two questions it asks)
     "frontend": (1, ["Which component holds the discount input?", "Which hook stores it?"]),
     "tests": (2, ["Name one test for the discount endpoint.", "What status for a bad code?"]),
 }
-
-
-@asynccontextmanager
-async def engine(
-    upstream: str | None, progress: Callable[[str], None]
-) -> AsyncIterator[LlamaSlotClient]:
-    """A client for ``upstream``, or for a llama-server launched here with the default model."""
-    if upstream:
-        async with LlamaSlotClient(upstream) as client:
-            yield client
-        return
-    from agentkv.runtime.engine import EngineConfig, LlamaServerProcess
-    from agentkv.runtime.model import default_model_path
-
-    model = await anyio.to_thread.run_sync(default_model_path)
-    config = EngineConfig(model=model, slots=2, ctx_per_slot=4096, port=0)
-    async with LlamaServerProcess(config, on_progress=progress) as process, process.client() as c:
-        yield c
 
 
 async def agent(runtime: Runtime, name: str, echo: Callable[[str], None]) -> None:
@@ -69,11 +49,14 @@ async def main(
     echo: Callable[[str], None] = print,
     progress: Callable[[str], None] = print,
 ) -> list[RequestRecord]:
-    """Run the three agents at once; return the runtime's record of every request."""
-    async with engine(upstream, progress) as client:
-        await client.wait_ready(600.0)
-        config = RuntimeConfig(n_slots=len(await client.slots()), ctx_per_slot=4096)
-        async with Runtime(client, config) as runtime, anyio.create_task_group() as tg:
+    """Run the three agents at once; return the runtime's record of every request.
+
+    Without ``upstream``, llama-server is launched with the default model, two slots of 4096
+    tokens and no prefix store; ``assemble`` reads the engine's real slots either way.
+    """
+    settings = EngineSettings(upstream=upstream, slots=2, ctx_per_slot=4096, store=False)
+    async with assemble(settings, on_progress=progress) as built:
+        async with built.runtime as runtime, anyio.create_task_group() as tg:
             for name in AGENTS:
                 tg.start_soon(agent, runtime, name, echo)
         table = runtime.table()

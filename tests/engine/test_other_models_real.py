@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from agentkv.runtime.assemble import EngineHandle, EngineSettings, check_store, open_engine
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.engine import LlamaServerProcess
 from agentkv.runtime.model import read_model_shape
@@ -51,7 +52,7 @@ async def test_without_swa_full_a_restore_gives_no_reuse_and_the_store_is_off(
     args = ["-m", str(gemma), "-np", "2", "-c", "8192", "--slot-save-path", str(store)]
     args += ["-b", "512", "-ub", "512", "--cache-ram", "0"]
     async with LlamaServerProcess.with_args(args, binary=binary, log_dir=tmp_path) as process:
-        engine = cli._Engine(
+        engine = EngineHandle(
             process.base_url,
             4096,
             store,
@@ -59,7 +60,7 @@ async def test_without_swa_full_a_restore_gives_no_reuse_and_the_store_is_off(
             probe_tokens=probe_length(None),
         )
         async with LlamaSlotClient(process.base_url) as client:
-            kept, note = await cli._check_store(client, engine, 4096)
+            kept, note = await check_store(client, engine, 4096)
     assert kept is None
     assert note is not None and "gives no reuse" in note
     record = json.loads((store / PROBE_FILE).read_text())
@@ -75,12 +76,12 @@ async def test_agentkv_launches_a_sliding_window_model_so_that_the_store_works(
         patch.setenv("AGENTKV_CACHE_DIR", str(tmp_path / "cache"))
         flags = ["--model", str(gemma), "--slots", "2", "--ctx-per-slot", "4096"]
         args = cli.build_parser().parse_args([*flags, "--store-dir", str(tmp_path / "store")])
-        async with cli._engine(args) as engine:
+        async with open_engine(cli._from_args(EngineSettings, args)) as engine:
             assert engine.supervisor is not None
             assert "--swa-full" in engine.supervisor.process._command
             assert engine.compat.endswith("|swa=full")
             async with LlamaSlotClient(engine.base_url, api_key=engine.api_key) as client:
-                kept, note = await cli._check_store(client, engine, engine.ctx_per_slot)
+                kept, note = await check_store(client, engine, engine.ctx_per_slot)
     assert kept == tmp_path / "store" and note is None
     record = json.loads((tmp_path / "store" / PROBE_FILE).read_text())
     assert record["tokens"] == record["restored"] == record["reused"] > 512

@@ -14,6 +14,7 @@ import anyio
 import httpx
 import pytest
 
+from agentkv.runtime.assemble import EngineHandle, EngineSettings, open_engine
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.model import read_model_shape
@@ -29,7 +30,7 @@ SLOTS = 2
 @pytest.fixture(scope="module")
 async def launched(
     anyio_backend: str, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[cli._Engine]:
+) -> AsyncIterator[EngineHandle]:
     """The engine exactly as agentkv-server launches it (no --ctx-per-slot), caches under tmp."""
     _, model = locate_engine()
     root = tmp_path_factory.mktemp("launched")
@@ -38,11 +39,11 @@ async def launched(
         args = cli.build_parser().parse_args(
             ["--model", str(model), "--slots", str(SLOTS), "--kv-budget", "2GiB"]
         )
-        async with cli._engine(args) as engine:
+        async with open_engine(cli._from_args(EngineSettings, args)) as engine:
             yield engine
 
 
-def process_of(engine: cli._Engine):  # type: ignore[no-untyped-def]
+def process_of(engine: EngineHandle):  # type: ignore[no-untyped-def]
     assert engine.supervisor is not None
     return engine.supervisor.process
 
@@ -61,7 +62,7 @@ def find_key(data: Any, key: str) -> Any:
     return None
 
 
-async def test_context_per_slot_follows_the_gguf(launched: cli._Engine) -> None:
+async def test_context_per_slot_follows_the_gguf(launched: EngineHandle) -> None:
     """The default model is trained for 32768 tokens and 2 slots of it fit 2 GiB: each slot has
     32768, as llama-server itself reports; its training context is what the GGUF said, and a saved
     slot takes the KV bytes per token computed from the GGUF."""
@@ -85,7 +86,7 @@ async def test_context_per_slot_follows_the_gguf(launched: cli._Engine) -> None:
     assert "n_ctx_slot = 32768" in log
 
 
-async def test_launched_engine_requires_its_key(launched: cli._Engine) -> None:
+async def test_launched_engine_requires_its_key(launched: EngineHandle) -> None:
     """Without agentkv's key llama-server refuses a request; the key is not in ps or the log."""
     process = process_of(launched)
     assert launched.api_key
@@ -108,7 +109,7 @@ async def test_launched_engine_requires_its_key(launched: cli._Engine) -> None:
 
 
 async def test_kill_9_is_restarted_and_serves_within_30_s(
-    launched: cli._Engine, tmp_path: Path
+    launched: EngineHandle, tmp_path: Path
 ) -> None:
     """kill -9 of llama-server: requests get 529 meanwhile, then agentkv serves again by itself."""
     process = process_of(launched)

@@ -24,26 +24,23 @@ Requests are retried only where a retry cannot repeat work or costs nothing:
 
 Nothing is retried once a response body has started to reach the caller.
 
-Low-level httpx errors are mapped by one table, :data:`HTTPX_ERROR_MAP`, in one place. Streams are
-parsed with httpx-sse. When agentkv supervises the engine (``status``), a request made while it
-restarts fails at once with :class:`EngineRestartingError` (529, ``retry-after``).
+Low-level httpx errors are mapped by one table, :data:`HTTPX_ERROR_MAP`, in one place
+(:mod:`agentkv.runtime.error_map`). Streams are parsed with httpx-sse
+(:mod:`agentkv.runtime.chunks`); readiness is :mod:`agentkv.runtime.health`'s. When agentkv
+supervises the engine (``status``), a request made while it restarts fails at once with
+:class:`EngineRestartingError` (529, ``retry-after``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 import anyio
 import attrs
 import httpx
-
-# httpx-sse's decoders: its EventSource would drop the `error:` field older llama-servers use.
-from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -56,15 +53,27 @@ from agentkv.exceptions import (
     EngineError,
     EngineResponseError,
     EngineStreamBrokenError,
-    EngineTimeoutError,
     EngineUnavailableError,
 )
+from agentkv.runtime.chunks import ChunkStream
+from agentkv.runtime.error_map import (
+    GATEWAY_STATUSES,
+    HTTPX_ERROR_MAP,
+    HTTPX_ERRORS,
+    DroppedError,
+    NotReadyError,
+    map_httpx_error,
+    parse_json,
+    status_error,
+)
+from agentkv.runtime.health import probe, wait_until_ready
 from agentkv.runtime.status import EngineStatus
 
 __all__ = [
     "HTTPX_ERROR_MAP",
     "LinkStats",
     "LlamaSlotClient",
+    "map_httpx_error",
     "new_http_client",
     "probe",
     "wait_until_ready",
@@ -81,218 +90,6 @@ _CONNECT_TIMEOUT = 10.0
 #: While an engine restart is under way, a mid-stream break waits this long for the supervisor to
 #: notice, so that the caller hears "restarting" rather than "truncated".
 _SETTLE_SECONDS = 1.0
-
-
-class _NotReadyError(EngineUnavailableError):
-    """Raised for the retryable cases only: refused/failed connection or 503 while loading."""
-
-
-class _DroppedError(EngineUnavailableError):
-    """The connection closed before any byte of the response arrived (or, for a call that is
-    safe to repeat, while its reply was read): sent once more on a new connection."""
-
-
-#: Statuses from something between agentkv and llama-server (a proxy) that say nothing about the
-#: request itself; a call that is safe to repeat is sent once more.
-_GATEWAY_STATUSES = frozenset({502, 504})
-
-#: How llama-server refuses an image for a model without a multimodal projector.
-_NO_IMAGES_WORDS = "image input is not supported"
-
-
-#: Every httpx failure, most specific first, and the agentkv error it becomes, with words for the
-#: message. The first entry the exception is an instance of wins (like httpx's own
-#: ``HTTPCORE_EXC_MAP``). ``_NotReadyError`` is retried: nothing reached llama-server.
-HTTPX_ERROR_MAP: tuple[tuple[type[Exception], type[EngineError], str], ...] = (
-    (httpx.ConnectTimeout, _NotReadyError, "cannot reach llama-server (connect timed out)"),
-    (httpx.ConnectError, _NotReadyError, "cannot reach llama-server"),
-    # No pooled connection came free in time: too many requests are in flight already.
-    (httpx.PoolTimeout, EngineUnavailableError, "no free connection to llama-server"),
-    # Read or write timeout: llama-server accepted the request and then went silent.
-    (httpx.TimeoutException, EngineTimeoutError, "llama-server timed out"),
-    # The connection closed or was reset before the response: on a pooled connection, llama-server
-    # had closed it after a stream; sent once more on a new connection.
-    (httpx.RemoteProtocolError, _DroppedError, "llama-server dropped the connection"),
-    (httpx.LocalProtocolError, EngineError, "agentkv sent llama-server an invalid request"),
-    (httpx.ReadError, _DroppedError, "the connection to llama-server broke"),
-    (httpx.WriteError, _DroppedError, "the connection to llama-server broke"),
-    (httpx.NetworkError, EngineUnavailableError, "the connection to llama-server broke"),
-    (httpx.ProxyError, EngineUnavailableError, "a proxy refused the way to llama-server"),
-    (httpx.UnsupportedProtocol, EngineUnavailableError, "the llama-server URL is not http(s)"),
-    (httpx.TransportError, EngineUnavailableError, "the connection to llama-server failed"),
-    (httpx.DecodingError, EngineResponseError, "llama-server sent an undecodable body"),
-    (httpx.TooManyRedirects, EngineResponseError, "llama-server redirected too often"),
-    (httpx.HTTPStatusError, EngineResponseError, "llama-server answered with an error status"),
-    (httpx.InvalidURL, EngineUnavailableError, "the llama-server URL is invalid"),
-    (httpx.StreamError, EngineError, "agentkv misread a llama-server response"),
-    (httpx.HTTPError, EngineError, "the request to llama-server failed"),
-)
-_HTTPX_ERRORS = tuple(kind for kind, _, _ in HTTPX_ERROR_MAP)
-
-
-def map_httpx_error(exc: Exception, what: str, base_url: str, *, started: bool) -> EngineError:
-    """The agentkv error for an httpx failure of request ``what`` (the one mapping).
-
-    ``started``: the response body had begun to reach the caller. A connection lost then is a
-    truncated reply (never retried), not an unreachable engine.
-    """
-    error, words = next(
-        ((error, words) for kind, error, words in HTTPX_ERROR_MAP if isinstance(exc, kind)),
-        (EngineError, "the request to llama-server failed"),
-    )
-    message = f"{words} ({what} at {base_url}): {exc!r}"
-    if started and issubclass(error, EngineUnavailableError):
-        return EngineStreamBrokenError(f"{message}; the reply is truncated")
-    return error(message)
-
-
-def _error_message(response: httpx.Response) -> str:
-    """llama-server's own error text (``{"error": {"message": ...}}``), else the raw body."""
-    text = response.text
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text.strip()[:500] or response.reason_phrase
-    if isinstance(data, Mapping):
-        error = data.get("error")
-        if isinstance(error, Mapping) and isinstance(error.get("message"), str):
-            return str(error["message"])
-        if isinstance(error, str):
-            return error
-    return text.strip()[:500]
-
-
-def _status_error(response: httpx.Response, what: str) -> EngineError:
-    """The agentkv error for a non-2xx answer (the body must already be read)."""
-    message = (
-        f"llama-server {what} failed with HTTP {response.status_code}: {_error_message(response)}"
-    )
-    if response.status_code == 503:
-        # llama-server answers 503 while it loads the model; the request was not processed.
-        return _NotReadyError(message)
-    if _NO_IMAGES_WORDS in message:
-        # llama-server answers an image for a model without vision with a 500; it is the
-        # request that cannot be served (reached only where /props did not say so first).
-        return EngineResponseError(f"this model does not accept images: {message}", 400)
-    return EngineResponseError(message, upstream_status=response.status_code)
-
-
-def _parse_json(text: str, what: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError as exc:
-        raise EngineResponseError(f"llama-server {what} returned malformed JSON: {exc}") from exc
-
-
-def _check_chunk(chunk: Any) -> dict[str, Any]:
-    """A parsed stream chunk, or the engine error it reports."""
-    if not isinstance(chunk, dict):
-        raise EngineResponseError(f"llama-server stream sent a non-object chunk: {chunk!r:.200}")
-    error = chunk.get("error")
-    if error is not None:
-        message = error.get("message") if isinstance(error, Mapping) else str(error)
-        code = error.get("code") if isinstance(error, Mapping) else None
-        raise EngineResponseError(
-            f"llama-server stream failed: {message}",
-            upstream_status=code if isinstance(code, int) else None,
-        )
-    return chunk
-
-
-def _finish_reason(chunk: Mapping[str, Any]) -> Any:
-    if chunk.get("stop") is True:  # llama-server's native /completion stream
-        return chunk.get("stop_type") or "stop"
-    choices = chunk.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
-        return choices[0].get("finish_reason")
-    return None
-
-
-class _Decoder(SSEDecoder):
-    """httpx-sse's event decoder, plus the ``error:`` field older llama-servers send.
-
-    The SSE spec ignores unknown fields; llama-server versions of early 2025 report a failure
-    mid-stream as ``error: {json}``, which must not be mistaken for a merely truncated stream.
-    """
-
-    def decode(self, line: str) -> Any:
-        if line.startswith("error:"):
-            super().decode("event: error")
-            line = "data:" + line[len("error:") :]
-        return super().decode(line)
-
-
-async def _events(response: httpx.Response) -> AsyncGenerator[tuple[str, str], None]:
-    """``(event, data)`` of each server-sent event of ``response``."""
-    lines = SSELineDecoder()
-    decoder = _Decoder()
-
-    def decoded(batch: list[str]) -> list[tuple[str, str]]:
-        events = (decoder.decode(line.rstrip("\n")) for line in batch)
-        return [(event.event, event.data) for event in events if event is not None]
-
-    async for text in response.aiter_text():
-        for item in decoded(lines.decode(text)):
-            yield item
-    # A last event without its closing blank line still counts.
-    for item in decoded([*lines.flush(), ""]):
-        yield item
-
-
-class _ChunkStream:
-    """Async iterator over the chunk dicts of one streamed completion.
-
-    Ends at ``data: [DONE]``. A stream that stops before ``[DONE]`` without having reported a
-    finish reason (``finish_reason``, or ``stop: true`` on ``/completion``) is truncated and
-    raises :class:`EngineResponseError`; an ``error`` (field or chunk key) raises the engine's.
-    """
-
-    def __init__(self, client: LlamaSlotClient, response: httpx.Response, what: str) -> None:
-        self._client = client
-        self._events = _events(response)
-        self._what = what
-        self._done = False
-        self._finished = False
-
-    def __aiter__(self) -> _ChunkStream:
-        return self
-
-    async def _next_event(self) -> tuple[str, str] | None:
-        try:
-            return await self._events.__anext__()
-        except StopAsyncIteration:
-            return None
-        except _HTTPX_ERRORS as exc:
-            self._done = True
-            raise await self._client._engine_error(exc, self._what, started=True) from exc
-
-    async def __anext__(self) -> dict[str, Any]:
-        while not self._done:
-            item = await self._next_event()
-            if item is None:
-                self._done = True
-                if self._finished:
-                    break
-                raise await self._client._engine_error(None, self._what, started=True)
-            event, data = item
-            if not data and event != "error":
-                continue
-            if event == "error":
-                self._done = True
-                _check_chunk({"error": _parse_json(data, "stream")})
-            if data == "[DONE]":
-                self._done = True
-                break
-            try:
-                chunk = _check_chunk(_parse_json(data, "stream"))
-            except EngineError:
-                self._done = True
-                raise
-            if _finish_reason(chunk) is not None:
-                self._finished = True
-            return chunk
-        await self._events.aclose()
-        raise StopAsyncIteration
 
 
 def new_http_client(timeout: httpx.Timeout | float = 600.0) -> httpx.AsyncClient:
@@ -394,7 +191,7 @@ class LlamaSlotClient:
         payload = self._chat_body(body, slot, stream=True)
         response = await self._send("POST", _CHAT_PATH, "chat completion", payload, stream=True)
         try:
-            yield _ChunkStream(self, response, "chat completion")
+            yield self._chunks(response, "chat completion")
         finally:
             # Shielded: closing must happen even when the caller is being cancelled, or the
             # engine would keep generating into a connection nobody reads.
@@ -466,7 +263,7 @@ class LlamaSlotClient:
                     "POST", "/completion", "prefill", payload, stream=True, safe=True
                 )
                 try:
-                    async for chunk in _ChunkStream(self, response, "prefill"):
+                    async for chunk in self._chunks(response, "prefill"):
                         yield chunk
                     return
                 except EngineStreamBrokenError as exc:
@@ -495,7 +292,7 @@ class LlamaSlotClient:
         body = {**payload, "id_slot": slot, "cache_prompt": True, "stream": True}
         response = await self._send("POST", "/completion", "completion", body, stream=True)
         try:
-            yield _ChunkStream(self, response, "completion")
+            yield self._chunks(response, "completion")
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
@@ -620,7 +417,15 @@ class LlamaSlotClient:
         """One call with a JSON reply. ``safe``: the call may be repeated (everything but a chat
         completion), so a reply that breaks while it is read is asked for once more."""
         response = await self._send(method, path, what, json_body, params=params, safe=safe)
-        return _parse_json(response.text, what)
+        return parse_json(response.text, what)
+
+    def _chunks(self, response: httpx.Response, what: str) -> ChunkStream:
+        """The chunks of a streamed reply to ``what``; a read that fails is this client's error."""
+
+        async def engine_error(exc: Exception | None) -> EngineError:
+            return await self._engine_error(exc, what, started=True)
+
+        return ChunkStream(response, engine_error)
 
     async def _engine_error(
         self, exc: Exception | None, what: str, *, started: bool
@@ -662,13 +467,13 @@ class LlamaSlotClient:
         With ``stream=True`` the returned response body is unread and the caller must close it;
         otherwise the body is read here (and, when ``safe``, asked for again if it broke).
         """
-        dropped: _DroppedError | None = None
+        dropped: DroppedError | None = None
         while True:
             retrying = AsyncRetrying(
                 stop=stop_after_attempt(self._connect_retries + 1)
                 | stop_after_delay(self._retry_seconds),
                 wait=wait_exponential(multiplier=self._retry_backoff, max=2.0),
-                retry=retry_if_exception_type(_NotReadyError),
+                retry=retry_if_exception_type(NotReadyError),
                 sleep=anyio.sleep,
                 reraise=True,
             )
@@ -676,10 +481,10 @@ class LlamaSlotClient:
                 return await retrying(
                     self._send_once, method, path, what, json_body, params, stream, safe
                 )
-            except _NotReadyError as exc:
+            except NotReadyError as exc:
                 # Callers see the public type; the private subclass only steers the retries.
                 raise EngineUnavailableError(exc.message) from exc.__cause__
-            except _DroppedError as exc:
+            except DroppedError as exc:
                 if dropped is not None:
                     raise EngineUnavailableError(
                         f"{exc.message} (also when sent again on a new connection)"
@@ -728,82 +533,20 @@ class LlamaSlotClient:
             # Always sent as a stream: what failed before the reply's first byte (safe to send
             # again) is then told apart from what failed while reading it.
             response = await self._http.send(request, stream=True)
-        except _HTTPX_ERRORS as exc:
+        except HTTPX_ERRORS as exc:
             raise await self._engine_error(exc, what, started=False) from exc
         if response.is_success and stream:
             return response
         try:
             await response.aread()
-        except _HTTPX_ERRORS as exc:
+        except HTTPX_ERRORS as exc:
             error = await self._engine_error(exc, what, started=not safe)
             raise error from exc
         finally:
             await response.aclose()
         if response.is_success:
             return response
-        error = _status_error(response, what)
-        if safe and response.status_code in _GATEWAY_STATUSES:
-            raise _DroppedError(error.message) from error
+        error = status_error(response, what)
+        if safe and response.status_code in GATEWAY_STATUSES:
+            raise DroppedError(error.message) from error
         raise error
-
-
-async def probe(
-    http: httpx.AsyncClient,
-    base_url: str,
-    *,
-    timeout: float = 5.0,  # noqa: ASYNC109 - passed on to httpx
-) -> tuple[str, str]:
-    """One ``GET /health``: ``("ready" | "loading" | "down", detail in words)``.
-
-    ``/health`` needs no API key on llama-server.
-    """
-    url = f"{base_url.rstrip('/')}/health"
-    try:
-        try:
-            response = await http.get(url, timeout=timeout)
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
-            # Closed before the answer (a pooled connection llama-server had closed): once more.
-            response = await http.get(url, timeout=timeout)
-    except httpx.ConnectError:
-        return "down", "not accepting connections yet"
-    except httpx.HTTPError as exc:
-        return "down", f"health check failed ({exc!r})"
-    if response.status_code == 200:
-        return "ready", "ready"
-    if response.status_code == 503:
-        return "loading", f"loading the model ({_error_message(response)})"
-    return "down", f"health check answered HTTP {response.status_code}: {_error_message(response)}"
-
-
-async def wait_until_ready(
-    http: httpx.AsyncClient,
-    base_url: str,
-    *,
-    timeout: float,  # noqa: ASYNC109 - a deadline for the whole wait, reported in the error
-    on_progress: Callable[[str], None] | None = None,
-    check: Callable[[], None] | None = None,
-    interval: float = 0.25,
-) -> None:
-    """The one readiness wait: poll ``/health`` until llama-server has loaded its model.
-
-    ``on_progress`` hears each change of state in words; ``check`` runs before each probe and
-    may raise (a launcher's "the process has exited"). After ``timeout`` seconds:
-    :class:`EngineUnavailableError` naming the last state.
-    """
-    deadline = time.monotonic() + timeout
-    last = ""
-    while True:
-        if check is not None:
-            check()
-        state, detail = await probe(http, base_url)
-        if state == "ready":
-            if on_progress is not None:
-                on_progress(f"llama-server at {base_url} is ready")
-            return
-        message = f"llama-server at {base_url}: {detail}"
-        if on_progress is not None and message != last:
-            on_progress(message)
-        last = message
-        if time.monotonic() >= deadline:
-            raise EngineUnavailableError(f"{message} (still not ready after {timeout:g} s)")
-        await anyio.sleep(min(interval, max(0.0, deadline - time.monotonic())))

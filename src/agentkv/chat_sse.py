@@ -1,0 +1,198 @@
+"""Anthropic stream events in, Chat Completions chunks out (``POST /v1/chat/completions``).
+
+Fed the whole event list at once, :class:`ChatAssembler` gives the non-streaming reply too
+(:attr:`ChatAssembler.completion`), so both modes share one code path. Pure: events and the
+creation time go in, dicts come out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from agentkv.exceptions import AgentKVError
+from agentkv.openai_reply import (
+    EventWalk,
+    digest,
+    openai_call_id,
+    openai_error,
+    tool_origin,
+    usage_counts,
+)
+from agentkv.openai_request import OpenAIRequest
+
+__all__ = ["ChatAssembler"]
+
+_STOP_TO_FINISH: Final = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+}
+
+
+@attrs.define
+class ChatAssembler(EventWalk):
+    """Turns one Anthropic event stream into Chat Completions chunks.
+
+    Promises: the first chunk carries ``role``; each tool call's first chunk carries its ``index``,
+    ``id``, ``type`` and name, later ones only arguments; the last choice chunk carries the
+    ``finish_reason``; with ``include_usage`` every chunk has ``usage: null`` and one more chunk,
+    with no choices, carries the usage. :attr:`completion` is the non-streaming reply.
+    """
+
+    request: OpenAIRequest
+    created: int
+
+    _id: str = attrs.field(default="", init=False)
+    _text: str = attrs.field(default="", init=False)
+    _reasoning: str = attrs.field(default="", init=False)
+    _calls: list[dict[str, Any]] = attrs.field(factory=list, init=False)
+    _block: str | None = attrs.field(default=None, init=False)
+
+    def fail(self, exc: AgentKVError) -> list[dict[str, Any]]:
+        """The error as a chunk of its own (the ``openai`` SDK raises it)."""
+        if self._ended:
+            return []
+        self._ended = True
+        return [openai_error(exc)]
+
+    @property
+    def finish_reason(self) -> str:
+        return _STOP_TO_FINISH.get(self._stop_reason or "", "stop")
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        prompt, cached, output = usage_counts(self._usage)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": output,
+            "total_tokens": prompt + output,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    @property
+    def completion(self) -> dict[str, Any]:
+        """The ``chat.completion`` object for everything fed so far."""
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": self._text if self._text or not self._calls else None,
+            "refusal": None,
+        }
+        if self._reasoning:
+            message["reasoning_content"] = self._reasoning
+        if self._calls:
+            message["tool_calls"] = [
+                {
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": call["arguments"] or "{}"},
+                }
+                for call in self._calls
+            ]
+        return {
+            "id": self._id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.request.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": self.finish_reason,
+                }
+            ],
+            "usage": self.usage,
+        }
+
+    # -- the walk --------------------------------------------------------------------------------
+
+    @property
+    def _started(self) -> bool:
+        return bool(self._id)
+
+    def _start(self, message: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        if self._started:
+            return
+        source = str(message.get("id") or digest(self.created))
+        self._id = "chatcmpl-" + source.removeprefix("msg_")
+        out.append(self._chunk({"role": "assistant", "content": ""}))
+
+    def _close(self, out: list[dict[str, Any]]) -> None:
+        self._block = None
+
+    def _finish(self, out: list[dict[str, Any]]) -> None:
+        self._ended = True
+        out.append(self._chunk({}, finish_reason=self.finish_reason))
+        if self.request.include_usage:
+            out.append(self._usage_chunk())
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        chunk = self._header(
+            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        )
+        if self.request.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        return {**self._header([]), "usage": self.usage}
+
+    def _header(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self._id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.request.model,
+            "choices": choices,
+        }
+
+    def _open(self, block: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        kind = block.get("type")
+        self._block = kind if isinstance(kind, str) else None
+        if kind != "tool_use":
+            return
+        origin = tool_origin(self.request, str(block.get("name") or ""))
+        index = len(self._calls)
+        call = {
+            "id": openai_call_id(str(block.get("id") or f"toolu_{digest(self._id, index)}")),
+            "name": origin.name,
+            "arguments": "",
+        }
+        self._calls.append(call)
+        out.append(
+            self._chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": index,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": call["name"], "arguments": ""},
+                        }
+                    ]
+                }
+            )
+        )
+
+    def _delta(self, delta: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        kind = delta.get("type")
+        if kind == "text_delta" and self._block == "text":
+            text = str(delta.get("text") or "")
+            self._text += text
+            out.append(self._chunk({"content": text}))
+        elif kind == "thinking_delta" and self._block == "thinking":
+            text = str(delta.get("thinking") or "")
+            self._reasoning += text
+            out.append(self._chunk({"reasoning_content": text}))
+        elif kind == "input_json_delta" and self._block == "tool_use" and self._calls:
+            text = str(delta.get("partial_json") or "")
+            call = self._calls[-1]
+            call["arguments"] += text
+            index = len(self._calls) - 1
+            out.append(
+                self._chunk({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
+            )

@@ -1,0 +1,175 @@
+"""What the Responses stream and the Chat Completions chunks share: the error body, the framing,
+ids and usage, and the walk over an Anthropic event stream.
+
+:mod:`agentkv.responses_sse` and :mod:`agentkv.chat_sse` build on these; :mod:`agentkv.openai_sse`
+is where the server finds them all. Pure: values in, values out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+import attrs
+
+from agentkv.exceptions import AgentKVError, InvalidRequestError, PromptTooLongError
+from agentkv.openai_request import CUSTOM_INPUT, OpenAIRequest, ToolOrigin
+
+__all__ = [
+    "CHAT_DONE",
+    "CHAT_KEEPALIVE",
+    "EventWalk",
+    "encode_chat_chunk",
+    "encode_response_event",
+    "openai_error",
+]
+
+#: The line that ends a Chat Completions stream.
+CHAT_DONE: Final = b"data: [DONE]\n\n"
+#: A comment line: OpenAI clients skip it, and it keeps the connection from looking idle.
+CHAT_KEEPALIVE: Final = b": keep-alive\n\n"
+
+# error.type of an AgentKVError -> (OpenAI error type, code). Codex reads the code:
+# context_length_exceeded means "compact", server_is_overloaded means "retry later".
+_ERRORS: Final[Mapping[str, tuple[str, str | None]]] = {
+    "invalid_request_error": ("invalid_request_error", None),
+    "authentication_error": ("invalid_request_error", "invalid_api_key"),
+    "permission_error": ("invalid_request_error", "permission_denied"),
+    "not_found_error": ("invalid_request_error", "not_found"),
+    "request_too_large": ("invalid_request_error", "request_too_large"),
+    "rate_limit_error": ("rate_limit_error", "rate_limit_exceeded"),
+    "overloaded_error": ("server_error", "server_is_overloaded"),
+    "api_error": ("server_error", None),
+}
+
+
+def openai_error(exc: AgentKVError, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error body: ``{"error": {"message", "type", "param", "code"}}``.
+
+    ``param`` defaults to the field an :class:`InvalidRequestError` names. A prompt that does not
+    fit gets the code ``context_length_exceeded``; an error with ``retry_after`` says when to try
+    again in words ("Please try again in 5s."), which Codex reads as the retry delay.
+    """
+    kind, code = _ERRORS.get(exc.error_type, ("server_error", None))
+    if isinstance(exc, PromptTooLongError):
+        code = "context_length_exceeded"
+    message = exc.message
+    if param is None and isinstance(exc, InvalidRequestError):
+        param = exc.path
+    if exc.retry_after is not None:
+        message += f" Please try again in {max(1, math.ceil(exc.retry_after))}s."
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# Characters that JSON leaves as they are but that line splitters modelled on str.splitlines()
+# (httpx's iter_lines among them) take for line ends, which would cut an SSE data line in two.
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _json(value: Mapping[str, Any]) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).translate(_LINE_ENDS)
+
+
+def encode_response_event(event: Mapping[str, Any]) -> bytes:
+    """One Responses SSE frame: ``event: <type>\\ndata: <json>\\n\\n``."""
+    return f"event: {event['type']}\ndata: {_json(event)}\n\n".encode()
+
+
+def encode_chat_chunk(chunk: Mapping[str, Any]) -> bytes:
+    """One Chat Completions SSE frame: ``data: <json>\\n\\n``."""
+    return f"data: {_json(chunk)}\n\n".encode()
+
+
+def digest(*parts: object) -> str:
+    return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
+def openai_call_id(tool_use_id: str) -> str:
+    """An OpenAI call id for a tool_use id (``toolu_x`` -> ``call_x``); Codex echoes it back."""
+    return "call_" + tool_use_id.removeprefix("toolu_")
+
+
+def usage_counts(usage: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(prompt tokens, of which cached, output tokens) from Anthropic usage."""
+    cached = int(usage.get("cache_read_input_tokens") or 0)
+    uncached = int(usage.get("input_tokens") or 0) + int(
+        usage.get("cache_creation_input_tokens") or 0
+    )
+    return uncached + cached, cached, int(usage.get("output_tokens") or 0)
+
+
+def tool_origin(request: OpenAIRequest, engine_name: str) -> ToolOrigin:
+    return request.tools.get(engine_name) or ToolOrigin(engine_name)
+
+
+def custom_input(arguments: str) -> str:
+    """A custom tool's input: the ``input`` string of the engine's call, else the raw JSON."""
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get(CUSTOM_INPUT), str):
+        return str(value[CUSTOM_INPUT])
+    return arguments
+
+
+@attrs.define
+class EventWalk:
+    """One Anthropic event stream, walked in order: what both OpenAI streams do with it.
+
+    A subclass says what each event becomes (:meth:`_start`, :meth:`_open`, :meth:`_delta`,
+    :meth:`_close`, :meth:`_finish`); the walk keeps the stop reason and the usage, and passes
+    nothing on before ``message_start`` or after the end.
+    """
+
+    _stop_reason: str | None = attrs.field(default=None, init=False)
+    _usage: dict[str, Any] = attrs.field(factory=dict, init=False)
+    _ended: bool = attrs.field(default=False, init=False)
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def feed(self, events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """What these Anthropic events become, in order."""
+        out: list[dict[str, Any]] = []
+        for event in events:
+            kind = event.get("type")
+            if kind == "message_start":
+                self._start(event.get("message") or {}, out)
+            elif not self._started or self._ended:
+                continue
+            elif kind == "content_block_start":
+                self._open(event.get("content_block") or {}, out)
+            elif kind == "content_block_delta":
+                self._delta(event.get("delta") or {}, out)
+            elif kind == "content_block_stop":
+                self._close(out)
+            elif kind == "message_delta":
+                self._stop_reason = (event.get("delta") or {}).get("stop_reason")
+                self._usage.update(event.get("usage") or {})
+            elif kind == "message_stop":
+                self._finish(out)
+        return out
+
+    @property
+    def _started(self) -> bool:
+        raise NotImplementedError
+
+    def _start(self, message: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def _open(self, block: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def _delta(self, delta: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def _close(self, out: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def _finish(self, out: list[dict[str, Any]]) -> None:
+        raise NotImplementedError

@@ -1,0 +1,342 @@
+"""Anthropic stream events in, the Responses event stream out (``POST /v1/responses``).
+
+Fed the whole event list at once, :class:`ResponsesAssembler` gives the non-streaming reply too
+(:attr:`ResponsesAssembler.response`), so both modes share one code path. A tool call arrives from
+the runtime whole (its input is known to be a JSON object), so its arguments go out as one delta.
+Pure: events and the creation time go in, dicts come out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from agentkv.exceptions import AgentKVError, SSEProtocolError
+from agentkv.openai_reply import (
+    EventWalk,
+    custom_input,
+    digest,
+    openai_call_id,
+    openai_error,
+    tool_origin,
+    usage_counts,
+)
+from agentkv.openai_request import OpenAIRequest
+
+__all__ = ["ResponsesAssembler"]
+
+#: Per output item kind: the Anthropic delta that adds to it, and the key that holds its text.
+_DELTAS: Final = {
+    "text": ("text_delta", "text"),
+    "thinking": ("thinking_delta", "thinking"),
+    "function": ("input_json_delta", "partial_json"),
+    "custom": ("input_json_delta", "partial_json"),
+}
+#: The Responses events (``<name>.delta``, ``<name>.done``) of a text or reasoning part.
+_TEXT_EVENTS: Final = {"text": "response.output_text", "thinking": "response.reasoning_text"}
+
+
+def _logprobs(kind: str) -> dict[str, Any]:
+    """Output text events carry ``logprobs`` (always empty here); reasoning events do not."""
+    return {"logprobs": []} if kind == "text" else {}
+
+
+@attrs.define
+class _Item:
+    """The output item being streamed: a message, a reasoning item or a tool call."""
+
+    index: int
+    item: dict[str, Any]
+    kind: str  # "text", "thinking", "function", "custom"
+    text: str = ""
+
+
+@attrs.define
+class ResponsesAssembler(EventWalk):
+    """Turns one Anthropic event stream into one Responses event stream.
+
+    Promises: ``response.created`` and ``response.in_progress`` first; every output item is
+    ``added`` before its deltas and ``done`` after them, with ``output_index`` counting up from 0;
+    ``sequence_number`` counts every event from 0; the stream ends with exactly one of
+    ``response.completed``, ``response.incomplete`` (the reply hit its token limit) or
+    ``response.failed`` (after an ``error`` event). :attr:`response` is the Response object so far.
+    """
+
+    request: OpenAIRequest
+    #: Unix seconds (the route passes the clock's value; nothing here reads a clock).
+    created_at: int
+
+    _response: dict[str, Any] | None = attrs.field(default=None, init=False)
+    _seq: int = attrs.field(default=0, init=False)
+    _current: _Item | None = attrs.field(default=None, init=False)
+
+    @property
+    def response(self) -> dict[str, Any]:
+        """The Response object (in progress until the stream ended)."""
+        if self._response is None:
+            raise SSEProtocolError("no response yet: the stream has not started")
+        return self._response
+
+    @property
+    def _started(self) -> bool:
+        return self._response is not None
+
+    def keep_alive(self) -> list[dict[str, Any]]:
+        """A ``response.in_progress`` event: Codex counts only events (not comments) against its
+        idle timeout, and this one every client already knows."""
+        if self._response is None or self._ended:
+            return []
+        return [self._event("response.in_progress", response=self._snapshot())]
+
+    def fail(self, exc: AgentKVError) -> list[dict[str, Any]]:
+        """``error`` then ``response.failed``: the request ended with ``exc``."""
+        if self._ended:
+            return []
+        out: list[dict[str, Any]] = []
+        if self._response is None:
+            self._start({}, out)
+        error = openai_error(exc)["error"]
+        self._ended = True
+        out.append(
+            self._event("error", code=error["code"], message=error["message"], param=error["param"])
+        )
+        response = self.response
+        response["status"] = "failed"
+        response["error"] = {"code": error["code"] or error["type"], "message": error["message"]}
+        out.append(self._event("response.failed", response=self._snapshot()))
+        return out
+
+    # -- parts -------------------------------------------------------------------------------------
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def _snapshot(self) -> dict[str, Any]:
+        return json.loads(json.dumps(self.response))  # type: ignore[no-any-return]
+
+    def _start(self, message: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        if self._response is not None:
+            return
+        source = str(message.get("id") or digest(self.created_at))
+        echo = self.request.echo
+        self._response = {
+            "id": "resp_" + source.removeprefix("msg_"),
+            "object": "response",
+            "created_at": self.created_at,
+            "status": "in_progress",
+            "background": False,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": echo.get("instructions"),
+            "max_output_tokens": echo.get("max_output_tokens"),
+            "model": self.request.model,
+            "output": [],
+            "parallel_tool_calls": echo.get("parallel_tool_calls", True),
+            "previous_response_id": None,
+            "prompt_cache_key": echo.get("prompt_cache_key"),
+            "reasoning": echo.get("reasoning", {"effort": None, "summary": None}),
+            "store": False,
+            "temperature": echo.get("temperature", 1.0),
+            "text": echo.get("text", {"format": {"type": "text"}}),
+            "tool_choice": echo.get("tool_choice", "auto"),
+            "tools": echo.get("tools", []),
+            "top_p": echo.get("top_p", 1.0),
+            "truncation": "disabled",
+            "usage": None,
+            "user": echo.get("user"),
+            "metadata": echo.get("metadata", {}),
+        }
+        out.append(self._event("response.created", response=self._snapshot()))
+        out.append(self._event("response.in_progress", response=self._snapshot()))
+
+    def _item_id(self, prefix: str, index: int) -> str:
+        return f"{prefix}_{digest(self.response['id'], index)}"
+
+    def _open(self, block: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        self._close(out)  # a well-formed stream has none open; never leave one dangling
+        index = len(self.response["output"])
+        kind = block.get("type")
+        item: dict[str, Any]
+        if kind == "text":
+            item = {
+                "id": self._item_id("msg", index),
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            current = _Item(index, item, "text")
+        elif kind == "thinking":
+            item = {
+                "id": self._item_id("rs", index),
+                "type": "reasoning",
+                "summary": [],
+                "content": [],
+                "encrypted_content": None,
+                "status": "in_progress",
+            }
+            current = _Item(index, item, "thinking")
+        elif kind == "tool_use":
+            origin = tool_origin(self.request, str(block.get("name") or ""))
+            call_id = openai_call_id(str(block.get("id") or self._item_id("toolu", index)))
+            if origin.custom:
+                item = {
+                    "id": self._item_id("ctc", index),
+                    "type": "custom_tool_call",
+                    "status": "in_progress",
+                    "call_id": call_id,
+                    "name": origin.name,
+                    "input": "",
+                }
+                current = _Item(index, item, "custom")
+            else:
+                item = {
+                    "id": self._item_id("fc", index),
+                    "type": "function_call",
+                    "status": "in_progress",
+                    "call_id": call_id,
+                    "name": origin.name,
+                    "arguments": "",
+                }
+                current = _Item(index, item, "function")
+            if origin.namespace is not None:
+                item["namespace"] = origin.namespace
+        else:
+            return  # no other block kind reaches a client (redacted thinking is never produced)
+        self.response["output"].append(item)
+        self._current = current
+        out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
+        if current.kind in ("text", "thinking"):
+            out.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=self._part(current.kind, ""),
+                )
+            )
+
+    @staticmethod
+    def _part(kind: str, text: str) -> dict[str, Any]:
+        if kind == "text":
+            return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "reasoning_text", "text": text}
+
+    def _delta(self, delta: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+        current = self._current
+        if current is None:
+            return
+        wanted, key = _DELTAS[current.kind]
+        if delta.get("type") != wanted:
+            return
+        text = str(delta.get(key) or "")
+        current.text += text
+        item_id = current.item["id"]
+        if current.kind in _TEXT_EVENTS:
+            out.append(
+                self._event(
+                    f"{_TEXT_EVENTS[current.kind]}.delta",
+                    item_id=item_id,
+                    output_index=current.index,
+                    content_index=0,
+                    delta=text,
+                    **_logprobs(current.kind),
+                )
+            )
+        elif current.kind == "function":
+            out.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=item_id,
+                    output_index=current.index,
+                    delta=text,
+                )
+            )
+
+    def _close(self, out: list[dict[str, Any]]) -> None:
+        current, self._current = self._current, None
+        if current is None:
+            return
+        item, index = current.item, current.index
+        item_id = item["id"]
+        if current.kind in _TEXT_EVENTS:
+            out.append(
+                self._event(
+                    f"{_TEXT_EVENTS[current.kind]}.done",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    text=current.text,
+                    **_logprobs(current.kind),
+                )
+            )
+            part = self._part(current.kind, current.text)
+            out.append(
+                self._event(
+                    "response.content_part.done",
+                    item_id=item_id,
+                    output_index=index,
+                    content_index=0,
+                    part=dict(part),
+                )
+            )
+            item["content"] = [part]
+        elif current.kind == "function":
+            arguments = current.text or "{}"
+            item["arguments"] = arguments
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item_id,
+                    output_index=index,
+                    name=item["name"],
+                    arguments=arguments,
+                )
+            )
+        else:
+            text = custom_input(current.text)
+            item["input"] = text
+            out.append(
+                self._event(
+                    "response.custom_tool_call_input.delta",
+                    item_id=item_id,
+                    output_index=index,
+                    delta=text,
+                )
+            )
+            out.append(
+                self._event(
+                    "response.custom_tool_call_input.done",
+                    item_id=item_id,
+                    output_index=index,
+                    input=text,
+                )
+            )
+        item["status"] = "completed"
+        out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+
+    def _finish(self, out: list[dict[str, Any]]) -> None:
+        self._close(out)
+        response = self.response
+        prompt, cached, output = usage_counts(self._usage)
+        response["usage"] = {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": output,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + output,
+        }
+        self._ended = True
+        if self._stop_reason == "max_tokens":
+            response["status"] = "incomplete"
+            response["incomplete_details"] = {"reason": "max_output_tokens"}
+            out.append(self._event("response.incomplete", response=self._snapshot()))
+        else:
+            response["status"] = "completed"
+            out.append(self._event("response.completed", response=self._snapshot()))

