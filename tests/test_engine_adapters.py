@@ -352,8 +352,7 @@ async def test_engines_that_do_not_tokenize_chat_bodies_are_estimated_without_a_
     engine = Engine(kind)
     async with connected(engine, ADAPTERS[kind]) as client:
         tokens = await client.prompt_tokens(BODY)
-        count = await client.count_prompt_tokens(BODY)
-    assert tokens == estimated_tokens(BODY) and count == len(tokens)
+    assert tokens == estimated_tokens(BODY)
     assert engine.requests == []
 
 

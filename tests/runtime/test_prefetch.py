@@ -92,7 +92,7 @@ async def test_a_fan_out_prepares_a_head_seen_before_that_is_cached_nowhere(
         # the store is emptied: the head is cached nowhere when the coordinator calls again.
         await send(runtime, "fg_4_continuation.json")
         assert "coordinator/prefetch" not in by_agent(runtime)  # the head was still stored
-        assert await runtime.clear_store() > 0
+        assert await runtime.kvcache.clear() > 0
         computed = fake.computed
         reply = await send(runtime, "fg_4_continuation.json")
         assert reply["stop_reason"] == "tool_use"
@@ -127,4 +127,4 @@ async def test_no_prefetch_for_a_head_that_is_cached(tmp_path: Path) -> None:
 async def test_no_prefetch_with_the_tree_off(tmp_path: Path) -> None:
     fake = FakeLlama(script=[answer] * 32, save_dir=tmp_path)
     async with running(fake, n_slots=1, store_dir=tmp_path, agent_tree=False) as runtime:
-        assert runtime.prefetcher is None
+        assert runtime.tree.prefetcher is None

@@ -190,6 +190,13 @@ class Gateway:
             self._preempt_for(ticket)
         return ticket
 
+    def requeue(self, ticket: Ticket) -> Ticket:
+        """Queue a suspended request's ticket again: same agent, priority, tokens and head, and
+        its original arrival (it keeps its aging credit)."""
+        return self.submit(
+            ticket.agent, ticket.priority, ticket.tokens, head=ticket.head, arrival=ticket.arrival
+        )
+
     def promote(self, ticket: Ticket, priority: int) -> None:
         """A queued background ticket becomes foreground work of ``priority`` (same arrival)."""
         if self._background.cancel(ticket.id) is None:
@@ -487,7 +494,7 @@ class Gateway:
                 best = (f"stored {entry.kind.value} {entry.id}", shared, entry.sections)
         return best
 
-    def _available(self, tokens: Tokens) -> int:
+    def available(self, tokens: Tokens) -> int:
         """Tokens of ``tokens`` that could be had now without computing them."""
         best = max((common_prefix(tokens, row.tokens) for row in self._slots.table()), default=0)
         if self.store is not None:
@@ -500,7 +507,7 @@ class Gateway:
         """The checkpoint this request should wait for, if waiting is estimated to be sooner."""
         if not tokens or not self._checkpoints or self.store is None:
             return None
-        available = self._available(tokens)
+        available = self.available(tokens)
         costs = self.costs
         # Computing alone would run next to the prompts being computed now (the checkpoint's at
         # least), which share the engine: each goes about that many times slower.

@@ -88,6 +88,23 @@ class Prefetcher:
         while len(self._heads) > self.max_heads:
             self._heads.popitem(last=False)
 
+    def finished(
+        self,
+        prepared: Prepared,
+        place: AgentPlace | None,
+        calls: Sequence[AgentCall],
+        *,
+        ok: bool,
+        priority: int,
+    ) -> list[Prepared]:
+        """A request ended (``ok`` or not), its reply's turn ending in ``calls``: learn a
+        sub-agent's head from it, and prepare the heads of its fan-out."""
+        self.observe(prepared, place, ok=ok)
+        if not calls:
+            return []
+        root = place.root if place is not None and place.root else prepared.agent
+        return self.fan_out(prepared.agent, root, calls, priority)
+
     def fan_out(
         self, parent: str, root: str, calls: Sequence[AgentCall], priority: int
     ) -> list[Prepared]:

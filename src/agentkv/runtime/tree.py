@@ -17,6 +17,7 @@ import attrs
 
 from agentkv.agents import AGENT_TOOL, AgentCall, AgentDirectory, AgentPlace, AgentView
 from agentkv.runtime.gateway import Gateway
+from agentkv.runtime.prefetch import Prefetcher
 from agentkv.sse import accumulate
 
 __all__ = ["AgentTree", "Labelled"]
@@ -41,6 +42,8 @@ class AgentTree:
     enabled: bool = True
     background_offset: int = 1
     directory: AgentDirectory = attrs.field(init=False)
+    #: Fan-out prefetch (set by the runtime when there is a store to save heads in).
+    prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
     #: The last answer of :meth:`warm` and the directory version it was computed at (placement
     #: asks for every ticket it prices; an empty answer changes only with a request or a reply).
     _warm: tuple[int, frozenset[str]] = attrs.field(init=False, default=(-1, frozenset()))
@@ -92,6 +95,17 @@ class AgentTree:
 
     def view(self) -> list[AgentView]:
         return self.directory.view(self.clock()) if self.enabled else []
+
+    def ended(
+        self, prepared: Any, events: Sequence[Mapping[str, Any]], *, ok: bool, running: bool
+    ) -> None:
+        """A request of ``prepared.agent`` ended (``ok``: whole): learn the sub-agents its reply
+        starts; while the runtime is ``running``, let the prefetcher learn from the request and
+        prepare their heads."""
+        calls = self.replied(prepared.agent, events) if ok else []
+        if self.prefetcher is not None and running:
+            place = self.describe(prepared.agent)
+            self.prefetcher.finished(prepared, place, calls, ok=ok, priority=prepared.priority)
 
     def describe(self, agent: str) -> AgentPlace | None:
         """Where ``agent`` stands in the tree now (None: not known, or the tree is off)."""
