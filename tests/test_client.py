@@ -369,8 +369,8 @@ async def test_cancelling_the_caller_closes_upstream() -> None:
     assert Endless.closed
 
 
-async def test_tokenize_and_count_prompt_tokens() -> None:
-    """count_prompt_tokens templates the body, then tokenizes the prompt with special tokens."""
+async def test_prompt_tokens_templates_then_tokenizes() -> None:
+    """prompt_tokens templates the body, then tokenizes the prompt with special tokens."""
     sent: dict[str, Any] = {}
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -381,7 +381,7 @@ async def test_tokenize_and_count_prompt_tokens() -> None:
         return httpx.Response(200, json={"tokens": list(range(len(payload["content"].split())))})
 
     client = make_client(handler)
-    assert await client.count_prompt_tokens(BODY) == 2
+    assert await client.prompt_tokens(BODY) == [0, 1]
     assert sent["/apply-template"]["messages"] == BODY["messages"]
     assert sent["/tokenize"]["add_special"] is True
     assert sent["/tokenize"]["parse_special"] is True

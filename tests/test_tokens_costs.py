@@ -88,3 +88,24 @@ def test_cost_model_state_bytes_follow_saves() -> None:
         costs.observe_bytes_per_token(4_000, 4_000 * 20_000)
     assert 19_000 < costs.bytes_per_token < 21_000
     assert costs.state_bytes(10) == costs.bytes_per_token * 10
+
+
+def test_cost_model_learns_from_llama_server_timings() -> None:
+    """A reply's timings teach prefill and decode speeds; malformed timings teach nothing."""
+    costs = CostModel()
+    before = (costs.prefill.estimate(0, 1000), costs.decode.rate)
+    for junk in (None, "timings", {"prompt_n": "many"}, {"prompt_n": 1, "predicted_n": 1}):
+        costs.observe_timings(junk)
+    assert (costs.prefill.estimate(0, 1000), costs.decode.rate) == before
+    for _ in range(20):  # an engine ten times faster than the prior at both
+        costs.observe_timings(
+            {
+                "cache_n": 0,
+                "prompt_n": 1000,
+                "prompt_ms": 500.0,
+                "predicted_n": 300,
+                "predicted_ms": 1000.0,
+            }
+        )
+    assert costs.prefill.estimate(0, 1000) < before[0] / 2
+    assert costs.decode.rate > 200

@@ -16,6 +16,7 @@ Pure: observations in, estimates out.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 
@@ -127,6 +128,34 @@ class CostModel:
     restore: RateModel = attrs.field(factory=lambda: RateModel(rate=1.0e9, overhead=0.02))
     #: Bytes of saved state per token (12.3 KB for the default model's f16 KV cache).
     bytes_per_token: float = 12_300.0
+
+    def observe_timings(self, timings: object) -> None:
+        """Learn prefill and decode speeds from a llama-server reply's ``timings`` (anything
+        else, or malformed figures, teaches nothing)."""
+        if not isinstance(timings, Mapping):
+            return
+        try:
+            cache = int(timings.get("cache_n", 0))
+            computed = int(timings.get("prompt_n", 0))
+            prompt_ms = float(timings.get("prompt_ms", 0.0))
+            predicted = int(timings.get("predicted_n", 0))
+            predicted_ms = float(timings.get("predicted_ms", 0.0))
+        except (TypeError, ValueError):
+            return
+        if computed > 1:
+            self.prefill.observe(cache, computed, prompt_ms / 1000)
+        if predicted > 1:
+            self.decode.observe(predicted, predicted_ms / 1000)
+
+    def view(self) -> dict[str, float]:
+        """The prices as the operator sees them (rounded)."""
+        return {
+            "prefill_tokens_per_s_at_0": round(self.prefill.tokens_per_second(0, 1000), 1),
+            "prefill_tokens_per_s_at_10k": round(self.prefill.tokens_per_second(10_000, 1000), 1),
+            "decode_tokens_per_s": round(self.decode.rate, 1),
+            "restore_bytes_per_s": round(self.restore.rate),
+            "bytes_per_token": round(self.bytes_per_token),
+        }
 
     def observe_bytes_per_token(self, tokens: int, nbytes: int) -> None:
         if tokens > 0 and nbytes > 0:

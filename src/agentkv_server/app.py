@@ -278,7 +278,7 @@ class _Routes:
     async def count_tokens(self, request: Request) -> Response:
         self.check_auth(request)
         body = await read_json(request, self.config.body_limits)
-        counted = await _unless_gone(request, self.runtime.count_tokens(body))
+        counted = await _unless_gone(request, self.runtime.admission.count_tokens(body))
         if counted is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         return JSONResponse({"input_tokens": counted})
@@ -341,7 +341,7 @@ class _Routes:
         agent = request.query_params.get("agent") or None
         if self.runtime.store is None:
             return JSONResponse({"deleted": 0, "store": "off"})
-        deleted = await self.runtime.clear_store(agent=agent)
+        deleted = await self.runtime.kvcache.clear(agent=agent)
         return JSONResponse({"deleted": deleted, "agent": agent})
 
     async def prometheus(self, request: Request) -> Response:

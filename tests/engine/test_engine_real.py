@@ -168,8 +168,8 @@ async def test_cancelled_stream_frees_slot(engine: Engine) -> None:
         await anyio.sleep(0.1)
 
 
-async def test_count_prompt_tokens_matches_engine(engine: Engine) -> None:
-    """count_prompt_tokens equals the prompt tokens llama-server processes for the same body."""
+async def test_prompt_tokens_match_the_engine(engine: Engine) -> None:
+    """prompt_tokens counts the prompt tokens llama-server processes for the same body."""
     body = chat_body(
         "You are a coding assistant.",
         f"List the files in directory {tag()}.",
@@ -184,7 +184,7 @@ async def test_count_prompt_tokens_matches_engine(engine: Engine) -> None:
             }
         ],
     )
-    counted = await engine.client.count_prompt_tokens(body)
+    counted = len(await engine.client.prompt_tokens(body))
     reply = await engine.client.chat(body, slot=0)
     timings = reply["timings"]
     assert counted == timings["prompt_n"] + timings["cache_n"]

@@ -365,6 +365,29 @@ async def test_an_engine_restart_forgets_what_the_slots_held() -> None:
         assert runtime.records()[-1].planned_reuse == 0
 
 
+async def test_a_store_switched_off_by_a_park_is_not_used_for_the_restore(tmp_path: Path) -> None:
+    """A park whose save llama-server refuses switches the store off; the same request's restore,
+    planned with the store, is then not attempted: it prefills."""
+    fake = FakeLlama(reply="ok", save_dir=tmp_path)
+    config = {"n_slots": 1, "store_dir": tmp_path, "ctx_per_slot": 32768, "park_min": 1}
+
+    def body(words: str) -> dict[str, Any]:
+        return {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": words}]}
+
+    async with running(fake, **config) as runtime:
+        await ask(runtime, body("first " * 300), "a")
+        await ask(runtime, body("second " * 300), "b")  # parks a's context in the store
+        assert runtime.records()[-1].parked
+        fake.save_dir = None  # llama-server now refuses slot actions (HTTP 501)
+        fake.slot_actions.clear()
+        assert await ask(runtime, body("first " * 300 + "again"), "a") == "ok"
+        record = runtime.records()[-1]
+        assert record.status == "ok" and not record.parked
+        assert runtime.store is None  # switched off by the refused park
+        assert [action for _, action, _ in fake.slot_actions] == ["save"]
+        assert record.source == "none"
+
+
 async def test_the_watchdog_leaves_a_request_alone_while_the_engine_reports_progress() -> None:
     """A request that runs for four times lease_ttl, its engine sending a chunk every 0.1 s,
     keeps its lease and gets its whole reply; the watchdog reclaims nothing."""

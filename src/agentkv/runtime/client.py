@@ -233,11 +233,6 @@ class LlamaSlotClient:
         # parse_special=True; the chat template already wrote any BOS the model wants.
         return await self.tokenize(prompt, add_special=True)
 
-    async def count_prompt_tokens(self, body: Mapping[str, Any]) -> int:
-        """How many prompt tokens a chat ``body`` costs, as llama-server counts them
-        (``timings.prompt_n + timings.cache_n`` of a real request)."""
-        return len(await self.prompt_tokens(body))
-
     @contextlib.asynccontextmanager
     async def prefill(
         self, tokens: list[int] | tuple[int, ...], *, slot: int

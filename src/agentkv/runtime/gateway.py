@@ -35,7 +35,7 @@ from typing import Any
 import anyio
 import attrs
 
-from agentkv._types import Lease, Placement, Ticket
+from agentkv._types import Lease, Placement, Source, Ticket
 from agentkv.costs import CostModel
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.scheduler import FairScheduler
@@ -115,6 +115,9 @@ class Gateway:
     _running: dict[int, _Running] = attrs.field(init=False, factory=dict)
     _checkpoints: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
     _lease_checkpoint: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
+    #: The store entry each lease was placed to restore, pinned (with the index that holds
+    #: it) until the lease ends: a save on another slot meanwhile must not supersede it.
+    _lease_entry: dict[int, tuple[StoreIndex, str]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._slots = SlotManager(self.config.n_slots, lease_ttl=self.config.lease_ttl)
@@ -169,6 +172,13 @@ class Gateway:
             self._preempt_for(ticket)
         return ticket
 
+    def requeue(self, ticket: Ticket) -> Ticket:
+        """Queue a suspended request's ticket again: same agent, priority, tokens and head, and
+        its original arrival (it keeps its aging credit)."""
+        return self.submit(
+            ticket.agent, ticket.priority, ticket.tokens, head=ticket.head, arrival=ticket.arrival
+        )
+
     def promote(self, ticket: Ticket, priority: int) -> None:
         """A queued background ticket becomes foreground work of ``priority`` (same arrival)."""
         if self._background.cancel(ticket.id) is None:
@@ -219,6 +229,7 @@ class Gateway:
         there by a prompt of ``sections``."""
         self._lease_seq.pop(lease.id, None)
         self._running.pop(lease.id, None)
+        self._unpin_entry(lease.id)
         checkpoint = self._lease_checkpoint.pop(lease.id, None)
         self._slots.release(lease, self.clock(), holds=holds, sections=sections)
         if checkpoint is not None and not checkpoint.done:
@@ -377,7 +388,7 @@ class Gateway:
                 best = (f"stored {entry.kind.value} {entry.id}", shared, entry.sections)
         return best
 
-    def _available(self, tokens: Tokens) -> int:
+    def available(self, tokens: Tokens) -> int:
         """Tokens of ``tokens`` that could be had now without computing them."""
         best = max((common_prefix(tokens, row.tokens) for row in self._slots.table()), default=0)
         if self.store is not None:
@@ -390,7 +401,7 @@ class Gateway:
         """The checkpoint this request should wait for, if waiting is estimated to be sooner."""
         if not tokens or not self._checkpoints or self.store is None:
             return None
-        available = self._available(tokens)
+        available = self.available(tokens)
         costs = self.costs
         # Computing alone would run next to the prompts being computed now (the checkpoint's at
         # least), which share the engine: each goes about that many times slower.
@@ -420,6 +431,7 @@ class Gateway:
         reclaimed = self._slots.sweep(self.clock())
         for lease in reclaimed:
             self._running.pop(lease.id, None)
+            self._unpin_entry(lease.id)
             self._lease_seq.pop(lease.id, None)
             log.warning(
                 "watchdog reclaimed lease %d on slot %d (agent %s), held since %.1f",
@@ -565,10 +577,27 @@ class Gateway:
                 queue.submit(ticket, ticket.arrival)
                 return
             lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
+            self._pin_entry(lease)
             waiter.lease = lease
             self._lease_seq[lease.id] = next(self._dispatched)
             self._plan_checkpoint(ticket, lease)
             waiter.event.set()
+
+    def _pin_entry(self, lease: Lease) -> None:
+        """Keep the entry ``lease`` was placed to restore until the lease ends. Between the
+        placement and the restore the request may park the slot's content first, and another
+        slot's save may meanwhile supersede an entry that is a prefix of its own: the restore
+        would then find nothing and compute the whole prompt."""
+        entry_id = lease.placement.entry_id
+        if self.store is not None and lease.placement.source is Source.STORE and entry_id:
+            self.store.pin(entry_id)
+            self._lease_entry[lease.id] = (self.store, entry_id)
+
+    def _unpin_entry(self, lease_id: int) -> None:
+        pinned = self._lease_entry.pop(lease_id, None)
+        if pinned is not None:
+            index, entry_id = pinned
+            index.unpin(entry_id)
 
     def _withdraw(self, waiter: _Waiter) -> None:
         self._waiters.pop(waiter.ticket.id, None)

@@ -22,13 +22,30 @@ they happened.
 from __future__ import annotations
 
 import enum
+import logging
 import warnings
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
-__all__ = ["RequestRecord", "RequestStatus", "divergence_text", "request_fields", "request_line"]
+from agentkv.translate import first_difference
+
+__all__ = [
+    "RequestHistory",
+    "RequestRecord",
+    "RequestStatus",
+    "divergence_text",
+    "request_fields",
+    "request_line",
+]
+
+log = logging.getLogger("agentkv.runtime")
+
+#: A cached sequence a prompt was compared with: a description, the tokens it shared with the
+#: prompt, and its prompt sections.
+Candidate = tuple[str, int, tuple[tuple[str, str], ...]]
 
 
 class RequestStatus(enum.StrEnum):
@@ -134,6 +151,50 @@ class RequestRecord:
         self.status = status
         if status is RequestStatus.FAILED:
             self.error_type = error_type or "api_error"
+
+    def leased(self, slot: int, source: str, reuse: int, seq: int | None, queued_s: float) -> None:
+        """The request got ``slot`` (the ``seq``-th lease handed out) after ``queued_s`` seconds
+        in the queue, with ``reuse`` tokens planned from ``source``: it runs."""
+        self.slot, self.source, self.planned_reuse = slot, source, reuse
+        self.dispatch_seq, self.queued_s = seq, round(queued_s, 4)
+        self.advance(RequestStatus.RUNNING)
+
+    def running_for(self, seconds: float) -> None:
+        """The request has run ``seconds`` since it arrived (what is generating for, live)."""
+        if self.ttft_s is not None:
+            self.generating_s = round(seconds - self.ttft_s, 3)
+
+    def ended(self, seconds: float, usage: Mapping[str, Any]) -> None:
+        """The request ended ``seconds`` after it arrived, having generated what ``usage`` says
+        (the assembler's)."""
+        if self.total_s is None:
+            self.total_s = round(seconds, 4)
+        self.output_tokens = int(usage.get("output_tokens", 0) or 0)
+
+    def explain(
+        self,
+        seconds: float,
+        sections: tuple[tuple[str, str], ...],
+        candidate: Candidate | None,
+    ) -> None:
+        """Record why the prompt was not all cached, when a notable part was computed: where it
+        parted from ``candidate`` (the best cached sequence when it got its slot), in tokens and
+        in ``sections`` (the prompt's), and the ``seconds`` its computation took."""
+        if self.computed_tokens < 32:
+            return
+        divergence: dict[str, Any] = {
+            "reused": self.cached_tokens,
+            "computed": self.computed_tokens,
+            "seconds": round(seconds, 3),
+        }
+        if candidate is None:
+            divergence.update(position=0, section=None, candidate=None)
+        else:
+            described, shared, theirs = candidate
+            divergence.update(
+                position=shared, section=first_difference(sections, theirs), candidate=described
+            )
+        self.divergence = divergence
 
     @property
     def outcome(self) -> str:
@@ -280,3 +341,49 @@ def _quoted(text: str) -> str:
     if not text or any(c in text for c in ' "='):
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return text
+
+
+@attrs.define(eq=False)
+class RequestHistory:
+    """The requests that ended: the most recent records, each agent's totals (the least recently
+    seen agents are dropped past ``max_agents``), and the listeners told of every one."""
+
+    max_recent: int = 64
+    max_agents: int = 256
+    _recent: list[RequestRecord] = attrs.field(init=False, factory=list)
+    _agents: OrderedDict[str, dict[str, Any]] = attrs.field(init=False, factory=OrderedDict)
+    _listeners: list[Callable[[RequestRecord], None]] = attrs.field(init=False, factory=list)
+
+    def add_listener(self, listener: Callable[[RequestRecord], None]) -> None:
+        self._listeners.append(listener)
+
+    def add(self, record: RequestRecord) -> None:
+        """A request ended: tell the listeners, keep the record, count it, log its line."""
+        for listener in self._listeners:
+            try:
+                listener(record)
+            except Exception:  # a broken listener must not break the request path
+                log.exception("request listener failed")
+        self._recent.append(record)
+        del self._recent[: -self.max_recent]
+        totals = self._agents.pop(record.agent, None) or {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "cached_tokens": 0,
+        }
+        totals["requests"] += 1
+        totals["prompt_tokens"] += record.prompt_tokens
+        totals["cached_tokens"] += record.cached_tokens
+        totals["priority"] = record.priority
+        self._agents[record.agent] = totals
+        while len(self._agents) > self.max_agents:
+            self._agents.popitem(last=False)
+        log.info("%s", request_line(record), extra={"agentkv_request": request_fields(record)})
+
+    def records(self) -> list[RequestRecord]:
+        """The most recent records, oldest first."""
+        return list(self._recent)
+
+    def agents(self) -> dict[str, dict[str, Any]]:
+        """Per agent seen: requests, prompt and cached tokens, and the last priority."""
+        return dict(self._agents)

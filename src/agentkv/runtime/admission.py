@@ -1,0 +1,153 @@
+"""Before any response starts: a Messages body becomes a :class:`Prepared` request, or a 4xx;
+and the assembler its reply will go through.
+
+::
+
+    translate (400 naming the field; notes or a 400 for images on a text-only engine)
+    → the agent's compactions → prompt tokens (llama-server's template and tokenizer)
+    → "prompt is too long", or compact now → cap max_tokens to what the slot has left
+    → the shareable head: where the prompt's own words begin, measured when it can matter
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from agentkv.exceptions import PromptTooLongError
+from agentkv.fingerprint import canonical_json
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.compactor import Compactor
+from agentkv.runtime.config import RuntimeConfig
+from agentkv.runtime.gateway import Gateway
+from agentkv.runtime.kvcache import KVCache
+from agentkv.sse import SSEAssembler
+from agentkv.tokens import Tokens, common_prefix
+from agentkv.translate import EngineRequest, MessagesTranslator, has_images
+
+__all__ = ["Admission", "Prepared", "request_key"]
+
+
+@attrs.frozen
+class Prepared:
+    """A validated request, ready to queue: what to send, its tokens and who asks."""
+
+    agent: str
+    priority: int
+    engine: EngineRequest
+    tokens: Tokens = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
+    #: Where the shareable head of the prompt ends (the stem's tokens), when it was measured.
+    boundary: int | None = None
+    #: Identifies a client's retry of the same request.
+    key: str = ""
+
+
+def request_key(agent: str, body: Mapping[str, Any]) -> str:
+    """Two requests with this key are the same request: a client retried it."""
+    stable = {k: v for k, v in body.items() if k != "stream"}
+    return hashlib.sha256((agent + "\n" + canonical_json(stable)).encode()).hexdigest()[:32]
+
+
+@attrs.define(eq=False)
+class Admission:
+    """Validates and fits requests for one engine; it reads the other parts, writes none."""
+
+    config: RuntimeConfig
+    client: LlamaSlotClient
+    translator: MessagesTranslator
+    #: Its store holds the agents' compactions, rewritten into their requests.
+    compactor: Compactor
+    gateway: Gateway
+    kvcache: KVCache
+
+    async def prepare(self, body: Mapping[str, Any], *, agent: str, priority: int) -> Prepared:
+        """Validate and fit a Messages request; raises a 4xx :class:`AgentKVError` (a prompt
+        that cannot fit gets ``prompt is too long``)."""
+        engine = await self.translate(body)
+        return await self._fit(agent, priority, engine, request_key(agent, body))
+
+    async def translate(self, body: Mapping[str, Any]) -> EngineRequest:
+        """Translate for this engine: one that cannot see images gets notes or a 400 for them."""
+        translator = self.translator
+        if translator.limits.images and has_images(body) and not await self.client.accepts_images():
+            translator = translator.text_only()
+        return translator.translate(body)
+
+    def assembler(self, prepared: Prepared) -> SSEAssembler:
+        """The assembler that turns the engine's chunks for ``prepared`` into its events."""
+        engine, config = prepared.engine, self.config
+        return SSEAssembler(
+            message_id="msg_" + secrets.token_hex(12),
+            model=engine.model,
+            forced_tool=engine.forced_tool,
+            tool_names=engine.tool_names,
+            coalesce_chars=config.coalesce_chars,
+            coalesce_seconds=config.coalesce_seconds,
+            input_tokens_hint=len(prepared.tokens),
+            tool_schemas=self._repairable_tools(engine),
+        )
+
+    def _repairable_tools(self, engine: EngineRequest) -> dict[str, Any] | None:
+        """Declared tools for tool-call repair: auto mode only (forced calls are constrained)."""
+        if not self.config.tool_repair or "tools" not in engine.body:
+            return None
+        tools = engine.request.tools or ()
+        return {tool.name: tool.input_schema for tool in tools if tool.input_schema is not None}
+
+    async def count_tokens(self, body: Mapping[str, Any]) -> int:
+        """``count_tokens``: the prompt size of a Messages request, as the engine counts it."""
+        body = dict(body)
+        body.setdefault("max_tokens", 1)  # count_tokens takes none; the prompt does not change
+        engine = await self.translate(body)
+        return len(await self.client.prompt_tokens(engine.body))
+
+    async def _fit(self, agent: str, priority: int, engine: EngineRequest, key: str) -> Prepared:
+        config, compactor = self.config, self.compactor
+        rewrite, fingerprinter = compactor.store.rewrite, compactor.fingerprinter
+        body = engine.body
+        compacted = False
+        if config.compaction:
+            body, _, applied = rewrite(agent, body, fingerprinter)
+            compacted = bool(applied)
+        tokens = tuple(await self.client.prompt_tokens(body))
+        ctx = config.ctx_per_slot
+        requested = int(body.get("max_tokens") or 1)
+        if ctx is not None and config.check_prompt_length:
+            limit = ctx - min(requested, config.output_reserve)
+            if len(tokens) > limit and config.compaction:
+                # Too long as it stands: compact now, at the request's own priority. A background
+                # compaction of this agent that is already running is waited for instead.
+                await compactor.compact(
+                    agent, body, len(tokens), priority=priority, background=False
+                )
+                body, _, applied = compactor.store.rewrite(
+                    agent, engine.body, compactor.fingerprinter
+                )
+                compacted = bool(applied)
+                tokens = tuple(await self.client.prompt_tokens(body))
+            if len(tokens) > limit:
+                raise PromptTooLongError(len(tokens), limit)
+            threshold = config.compaction_threshold
+            if config.compaction and threshold is not None and len(tokens) > threshold:
+                compactor.schedule(agent, body, len(tokens))
+            # Claude Code asks for up to 128000 output tokens; the slot holds only what is left.
+            body = {**body, "max_tokens": max(1, min(requested, ctx - len(tokens)))}
+        boundary = None if compacted else await self._boundary(engine, tokens)
+        engine = attrs.evolve(engine, body=body)
+        return Prepared(
+            agent=agent, priority=priority, engine=engine, tokens=tokens, boundary=boundary, key=key
+        )
+
+    async def _boundary(self, engine: EngineRequest, tokens: Tokens) -> int | None:
+        """Where the shareable head ends, measured only when it could matter: a long prompt of
+        which little is cached anywhere."""
+        if not self.kvcache.enabled or engine.stem_body is None:
+            return None
+        if len(tokens) - self.gateway.available(tokens) < self.config.split_min:
+            return None
+        stem = await self.client.prompt_tokens(engine.stem_body)
+        return common_prefix(tokens, stem)

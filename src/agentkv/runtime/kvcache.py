@@ -1,0 +1,284 @@
+"""What each slot holds and what the prefix store keeps: one owner for both.
+
+Every change to a slot's recorded content goes through :class:`KVCache`: a park (the slot's
+content saved before it is overwritten), a restore (a saved state loaded into the slot), a
+checkpoint (a shareable head computed alone and saved), a suspended request's progress (saved,
+pinned until the request ends, then dropped), the store's entries deleted, and every slot
+forgotten after an engine restart. It alone also switches the store off when llama-server
+cannot serve it, and every step reads the store as it is *now*, so a store switched off in one
+step is not used by the next.
+
+Leases are not content: :class:`~agentkv.runtime.gateway.Gateway` hands them out and takes them
+back (``SlotManager.acquire``; ``release``, with what the slot holds when its lease ends; the
+watchdog's ``touch`` and ``sweep``). ``tests/test_owners.py`` fails when anything else calls a
+writing method of ``SlotManager``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
+
+import anyio
+import attrs
+
+from agentkv._types import Lease, Source
+from agentkv.costs import CostModel
+from agentkv.exceptions import (
+    AgentKVError,
+    EngineError,
+    EngineRestartingError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+)
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.gateway import Checkpoint, Gateway
+from agentkv.runtime.status import EngineStatus
+from agentkv.runtime.store import PrefixStore
+from agentkv.store import EntryKind, StoreEntry, StoreIndex
+from agentkv.tokens import Tokens, common_prefix
+
+__all__ = ["KVCache"]
+
+log = logging.getLogger("agentkv.runtime")
+
+_T = TypeVar("_T")
+
+
+@attrs.define(eq=False)
+class KVCache:
+    """The slots' recorded contents and the prefix store of one engine.
+
+    ``store`` is None when there is no store, or once it was switched off; ``later`` runs work
+    in the background (dropping files nobody waits for) and says False when it cannot.
+    """
+
+    gateway: Gateway
+    client: LlamaSlotClient
+    costs: CostModel
+    store: PrefixStore | None = None
+    clock: Callable[[], float] = time.monotonic
+    later: Callable[..., bool] = attrs.field(default=lambda *_: False)
+    _off: bool = attrs.field(init=False, default=False)
+
+    def __attrs_post_init__(self) -> None:
+        # Placement prices restores and plans checkpoints from the index, while there is one.
+        self.gateway.store = self.store.index if self.store is not None else None
+
+    @classmethod
+    def create(
+        cls,
+        gateway: Gateway,
+        client: LlamaSlotClient,
+        costs: CostModel,
+        compat: str,
+        clock: Callable[[], float] = time.monotonic,
+        later: Callable[..., bool] = lambda *_: False,
+    ) -> KVCache:
+        """The cache of one engine, with the store its config asks for (``store_dir``), bound
+        to the engine configuration ``compat``."""
+        config, store = gateway.config, None
+        if config.store_dir is not None:
+            index = StoreIndex(
+                budget=config.store_budget, compat=compat, context_ttl=config.store_context_ttl
+            )
+            store = PrefixStore(config.store_dir, client, index)
+        return cls(gateway, client, costs, store, clock=clock, later=later)
+
+    @property
+    def enabled(self) -> bool:
+        """A store is on now (parking, restores, checkpoints and suspensions are possible)."""
+        return self.store is not None
+
+    # -- the store's life -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Load the store's index of an earlier run (entries that cannot be trusted go)."""
+        if self.store is not None:
+            refused = await self.store.open()
+            if refused:
+                log.info("prefix store: %d entries refused and deleted", len(refused))
+
+    async def guard(self, work: Awaitable[_T]) -> _T | None:
+        """Run a store operation; None when it failed. Never fatal to the request, unless the
+        engine is restarting (its slots are gone).
+
+        A store the engine cannot serve (an error status) is switched off. A link that failed
+        says nothing about the store: the store stays on."""
+        try:
+            return await work
+        except EngineRestartingError:
+            raise  # the slots are lost with the engine; the request is retried by the client
+        except (EngineUnavailableError, EngineTimeoutError) as exc:
+            # The link failed twice (the client already sent it once more): the request goes on
+            # without the store this time — a failed restore prefills, a failed save keeps the
+            # state in its slot.
+            log.warning("a prefix store operation failed; going on without it: %s", exc.message)
+            return None
+        except EngineError as exc:
+            if not self._off:
+                log.warning("prefix store is off: llama-server cannot save slots (%s)", exc.message)
+            self.switch_off()
+            return None
+
+    def switch_off(self) -> None:
+        """No store from now on: placement stops pricing restores, nobody saves or parks."""
+        self._off = True
+        self.store = None
+        self.gateway.store = None
+
+    async def clear(self, *, agent: str | None = None) -> int:
+        """Delete the store's entries (every one, or one agent's) and their files; slots whose
+        content they covered count as unsaved again. Returns how many were deleted."""
+        if self.store is None:
+            return 0
+        removed = await self.store.clear(agent=agent)
+        for entry_id in removed:
+            self.gateway.slots.forget_entry(entry_id)
+        log.info(
+            "prefix store: %d entries deleted%s", len(removed), f" of {agent}" if agent else ""
+        )
+        return len(removed)
+
+    async def run_upkeep(self, interval: float) -> None:
+        """Every ``interval`` seconds, forever: delete the saved contexts of agents that are
+        gone (best effort). Run it in the runtime's task group."""
+        while True:
+            await anyio.sleep(interval)
+            if self.store is not None:
+                with contextlib.suppress(AgentKVError, OSError):
+                    await self.store.expire()
+
+    async def follow_engine_restarts(self, status: EngineStatus) -> None:
+        """A restarted engine's slots are all empty: forget what they held, every time."""
+        generation = status.generation
+        while True:
+            generation = await status.wait_generation(generation)
+            for slot in range(self.gateway.config.n_slots):
+                self.gateway.slots.invalidate(slot)
+            log.info("engine restarted (generation %d): slot contents forgotten", generation)
+
+    # -- preparing a leased slot ------------------------------------------------------------------
+
+    async def park(self, lease: Lease) -> bool:
+        """Save the slot's present content before the lease overwrites it, when placement said
+        it is worth it; True when it was saved."""
+        store = self.store
+        if not lease.placement.park or store is None or not lease.evicted:
+            return False
+        slots = self.gateway.slots
+        previous = slots.table()[lease.slot].sections
+        parked = await self.guard(
+            store.save(lease.slot, EntryKind.CONTEXT, agent=lease.evicted_agent, sections=previous)
+        )
+        if parked is None:
+            return False
+        slots.mark_stored(lease.slot, parked.id)
+        return True
+
+    async def restore(self, lease: Lease, tokens: Tokens) -> bool | None:
+        """Load the saved state placement chose for a prompt of ``tokens``, verified.
+
+        None when placement chose no restore; True when the slot now holds the entry; False when
+        it did not work (the slot then counts as empty and the prompt is prefilled)."""
+        placement = lease.placement
+        if placement.source is not Source.STORE:
+            return None
+        store = self.store  # read now: a park just before may have switched the store off
+        entry = store.index.get(placement.entry_id) if store and placement.entry_id else None
+        restored = None
+        if store is not None and entry is not None:
+            started = self.clock()
+            restored = await self.guard(store.restore(entry, lease.slot))
+            if restored is not None:
+                seconds = self.clock() - started
+                self.costs.restore.observe(entry.nbytes, seconds)
+                reuse = common_prefix(tokens, entry.tokens)
+                store.record_hit(
+                    entry.id,
+                    tokens_saved=reuse,
+                    seconds_saved=max(0.0, self.costs.prefill.estimate(0, reuse) - seconds),
+                )
+                self.gateway.slots.set_content(
+                    lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
+                )
+                return True
+        self.gateway.slots.invalidate(lease.slot)
+        return False
+
+    async def checkpoint(
+        self, lease: Lease, checkpoint: Checkpoint, sections: tuple[tuple[str, str], ...]
+    ) -> StoreEntry | None:
+        """Compute the shareable head alone and save it, so that other agents restore it; the
+        entry saved, or None.
+
+        Requests waiting for the head are let go when it is saved. When the save failed the slot
+        still holds the head: they keep waiting until this request gives the slot back, and then
+        reuse it there (``Gateway.release``)."""
+        gateway = self.gateway
+        if self.store is None:
+            gateway.end_checkpoint(checkpoint)
+            return None
+        entry = None
+        try:
+            async with self.client.prefill(checkpoint.tokens, slot=lease.slot) as chunks:
+                async for chunk in chunks:
+                    gateway.alive(lease)
+                    progress = chunk.get("prompt_progress")
+                    if isinstance(progress, Mapping):
+                        done = int(progress.get("cache", 0)) + int(progress.get("processed", 0))
+                        gateway.checkpoint_progress(checkpoint, done)
+                    self.costs.observe_timings(chunk.get("timings"))
+            for _ in range(2):  # a save that failed is tried once more: others wait for it
+                store = self.store
+                if store is None:
+                    break
+                entry = await self.guard(
+                    store.save(lease.slot, EntryKind.PREFIX, agent=None, sections=sections)
+                )
+                if entry is not None:
+                    break
+            if entry is not None:
+                gateway.slots.set_content(
+                    lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
+                )
+        except BaseException:
+            gateway.end_checkpoint(checkpoint)
+            raise
+        if entry is not None:
+            gateway.end_checkpoint(checkpoint)
+        return entry
+
+    # -- a suspended request's progress -----------------------------------------------------------
+
+    async def save_progress(self, slot: int, agent: str) -> tuple[Tokens | None, StoreEntry | None]:
+        """After a suspension: keep what the slot computed (the prompt so far, or the prompt and
+        the reply so far), pinned in the store until :meth:`forget_progress`.
+
+        Returns what the slot holds now, for the lease's release (None: unknown), and the entry
+        that holds it (None when nothing was saved)."""
+        store = self.store
+        if store is None:
+            return None, None
+        try:
+            entry = await store.save(slot, EntryKind.SUSPENDED, agent=agent)
+        except EngineError as exc:
+            log.warning("could not save a suspended request's progress: %s", exc.message)
+            return None, None
+        if entry is None:
+            return (), None
+        store.index.pin(entry.id)
+        self.gateway.slots.mark_stored(slot, entry.id)
+        return entry.tokens, entry
+
+    def forget_progress(self, entry_ids: list[str]) -> None:
+        """The request ended: its saved progress is of no more use (unpinned, then dropped)."""
+        store = self.store
+        if store is None:
+            return
+        for entry_id in entry_ids:
+            store.index.unpin(entry_id)
+            self.later(store.drop, entry_id)
