@@ -233,6 +233,15 @@ async def test_an_overlong_prompt_waits_for_its_agents_background_compaction() -
         sent = fake.requests[-1]["messages"]
         assert sent[-1]["content"] == "go"
         assert "question 0" not in json.dumps(sent)
+        # The agent's next turn is rewritten with its compaction at once; another agent with the
+        # same conversation has no compaction, and its request goes as it is.
+        after = {**later, "messages": [*later["messages"], {"role": "user", "content": "on"}]}
+        prepared = await runtime.prepare(after, agent="agent", priority=1)
+        assert "question 0" not in json.dumps(prepared.engine.body["messages"])
+        other = {**after, "messages": after["messages"][-3:]}
+        untouched = await runtime.prepare(other, agent="other", priority=1)
+        assert untouched.engine.body["messages"][-1]["content"] == "on"
+        assert runtime.compactor.store.latest("other") is None
 
 
 def _tool(name: str, description: str) -> dict[str, Any]:
