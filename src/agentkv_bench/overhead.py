@@ -184,6 +184,8 @@ async def gateway_overhead(
         "engine_chunks_per_s": round(stream_chunks / v_stream),
         "sse_events_out": v_events,
         "sse_events_per_s": round(v_events / v_stream),
+        # Per second of this process's CPU: what the relay would do on a core of its own.
+        "sse_events_per_cpu_s": round(v_events / v_stream_cpu) if v_stream_cpu else None,
         "direct_chunks_per_s": round(d_events / d_stream),
         "agents_known": known,
         **memory,
