@@ -59,11 +59,11 @@ from agentkv.tokens import Tokens
 from agentkv.translate import MessagesTranslator
 
 __all__ = [
+    "MAX_KEPT_REPLIES",
     "Emitted",
     "Event",
     "Exchange",
     "Failed",
-    "MAX_KEPT_REPLIES",
     "KeepAlive",
     "Prepared",
     "RequestRecord",
