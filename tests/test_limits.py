@@ -12,7 +12,15 @@ import pytest
 
 from agentkv import InvalidRequestError, MessagesTranslator
 from agentkv.fingerprint import canonical_json
-from agentkv.limits import IMAGE_NOTE, NO_IMAGES, RequestLimits, check_body, check_limits
+from agentkv.limits import (
+    IMAGE_NOTE,
+    NO_IMAGES,
+    Memo,
+    RequestLimits,
+    check_body,
+    check_limits,
+    tool_key,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "claude_code_request.json"
 BODY: dict[str, Any] = {
@@ -282,3 +290,46 @@ def test_image_data_that_is_not_base64_is_refused(data: str) -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
     body = {**BODY, "messages": [{"role": "user", "content": [image]}]}
     assert refused(body).startswith("messages[0].content[0].source.data: ")
+
+
+def test_the_tool_memo_keeps_at_most_its_size_and_drops_the_least_recent() -> None:
+    """A bounded memo: computed once per key, the least recently used dropped beyond its size."""
+    memo = Memo[int](maxsize=2)
+    calls: list[str] = []
+
+    def compute(key: str) -> int:
+        calls.append(key)
+        return len(calls)
+
+    assert memo.get("a", lambda: compute("a")) == 1
+    assert memo.get("b", lambda: compute("b")) == 2
+    assert memo.get("a", lambda: compute("a")) == 1  # remembered, and now the most recent
+    assert memo.get("c", lambda: compute("c")) == 3  # drops b
+    assert len(memo) == 2
+    assert memo.get("b", lambda: compute("b")) == 4
+    assert calls == ["a", "b", "c", "b"]
+
+
+def test_a_remembered_tool_is_still_checked_against_each_translators_limits() -> None:
+    """The tools' sizes are remembered across requests, the verdict is not: the same tool passes
+    one translator's limits and is refused by a stricter one, every time."""
+    body = {**BODY, "tools": [{"name": "big", "input_schema": {"type": "object", "x": "y" * 200}}]}
+    for _ in range(2):
+        MessagesTranslator().translate(body)
+        assert "tools[0].input_schema" in refused(body, RequestLimits(max_tool_schema_bytes=100))
+
+
+def test_tools_that_differ_anywhere_have_different_keys_and_sections() -> None:
+    """The memo's key tells tools apart by every field, so their sections differ too."""
+    tools = [
+        {"name": "t", "input_schema": {"type": "object"}},
+        {"name": "t", "input_schema": {"type": "object", "required": []}},
+        {"name": "t", "description": "d", "input_schema": {"type": "object"}},
+        {"name": "u", "input_schema": {"type": "object"}},
+    ]
+    sections = {
+        MessagesTranslator().translate({**BODY, "tools": [tool]}).sections[0][1] for tool in tools
+    }
+    assert len(sections) == len(tools)
+    parsed = [MessagesTranslator().parse({**BODY, "tools": [tool]}).tools[0] for tool in tools]  # type: ignore[index]
+    assert len({tool_key(tool) for tool in parsed}) == len(tools)

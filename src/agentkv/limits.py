@@ -20,8 +20,10 @@ structuring itself stays cheap); :func:`check_limits` checks the structured requ
 from __future__ import annotations
 
 import binascii
-from collections.abc import Mapping, Sequence
-from typing import Any, Final
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Generic, TypeVar
 
 import attrs
 
@@ -32,12 +34,21 @@ from agentkv._anthropic import (
     MessagesRequest,
     TextBlock,
     ThinkingBlock,
+    Tool,
     ToolResultBlock,
 )
 from agentkv.exceptions import InvalidRequestError
 from agentkv.fingerprint import canonical_json
 
-__all__ = ["IMAGE_NOTE", "NO_IMAGES", "RequestLimits", "check_body", "check_limits"]
+__all__ = [
+    "IMAGE_NOTE",
+    "NO_IMAGES",
+    "Memo",
+    "RequestLimits",
+    "check_body",
+    "check_limits",
+    "tool_key",
+]
 
 #: What a text-only engine answers to an image block in a user's own turn.
 NO_IMAGES: Final = (
@@ -140,6 +151,49 @@ def _utf8_size(value: Any) -> int:
     return len(canonical_json(value).encode("utf-8", "surrogatepass"))
 
 
+_T = TypeVar("_T")
+
+
+class Memo(Generic[_T]):
+    """A bounded memo of values by key: the least recently used goes first beyond ``maxsize``."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._values: OrderedDict[str, _T] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def get(self, key: str, compute: Callable[[], _T]) -> _T:
+        """The value for ``key``, computed by ``compute()`` the first time."""
+        values = self._values
+        if key in values:
+            values.move_to_end(key)
+            return values[key]
+        value = values[key] = compute()
+        while len(values) > self.maxsize:
+            values.popitem(last=False)
+        return value
+
+
+def tool_key(tool: Tool) -> str:
+    """Equal for two tools exactly when they are equal (plain JSON; cheaper than a digest)."""
+    return json.dumps([tool.name, tool.description, tool.type, tool.input_schema], sort_keys=True)
+
+
+#: The sizes of the tools checked lately (their schema, and the whole tool), by :func:`tool_key`:
+#: every request of a client sends the same tools, and measuring them is most of a check.
+_TOOL_SIZES = Memo[tuple[int, int]](maxsize=256)
+
+
+def _tool_sizes(tool: Tool) -> tuple[int, int]:
+    def measure() -> tuple[int, int]:
+        schema = 0 if tool.input_schema is None else _utf8_size(tool.input_schema)
+        return schema, schema + _utf8_size([tool.name, tool.description, tool.type])
+
+    return _TOOL_SIZES.get(tool_key(tool), measure)
+
+
 def _check_tools(request: MessagesRequest, limits: RequestLimits) -> None:
     tools = request.tools or []
     _count(tools, limits.max_tools, "tools", "tools")
@@ -156,15 +210,13 @@ def _check_tools(request: MessagesRequest, limits: RequestLimits) -> None:
         if tool.name in seen:
             raise InvalidRequestError("tool names must be unique", f"tools[{i}].name")
         seen.add(tool.name)
-        schema_size = 0
-        if tool.input_schema is not None:
-            schema_size = _utf8_size(tool.input_schema)
-            if schema_size > limits.max_tool_schema_bytes:
-                raise InvalidRequestError(
-                    f"is {schema_size} bytes as JSON; the limit is {limits.max_tool_schema_bytes}",
-                    f"tools[{i}].input_schema",
-                )
-        total += schema_size + _utf8_size([tool.name, tool.description, tool.type])
+        schema_size, tool_size = _tool_sizes(tool)
+        if schema_size > limits.max_tool_schema_bytes:
+            raise InvalidRequestError(
+                f"is {schema_size} bytes as JSON; the limit is {limits.max_tool_schema_bytes}",
+                f"tools[{i}].input_schema",
+            )
+        total += tool_size
         if total > limits.max_tools_bytes:
             raise InvalidRequestError(
                 f"the tools up to this one come to {total} bytes as JSON; the limit for all "

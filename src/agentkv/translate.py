@@ -45,7 +45,7 @@ from agentkv.layout import (
     split_memory_dir,
     split_note,
 )
-from agentkv.limits import IMAGE_NOTE, RequestLimits, check_body, check_limits
+from agentkv.limits import IMAGE_NOTE, Memo, RequestLimits, check_body, check_limits, tool_key
 
 __all__ = ["BILLING_HEADER_PREFIX", "EngineRequest", "MessagesTranslator", "has_images"]
 
@@ -313,6 +313,16 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(canonical_json(data).encode()).hexdigest()[:16]
 
 
+#: Digests of the tools seen lately, by :func:`~agentkv.limits.tool_key`: every request of every
+#: agent of one client sends the same tools (Claude Code's come to about 30 KB), so each is
+#: digested once, not once per request.
+_TOOL_DIGESTS = Memo[str](maxsize=256)
+
+
+def _tool_digest(tool: Tool) -> str:
+    return _TOOL_DIGESTS.get(tool_key(tool), lambda: _digest(tool))
+
+
 def _block_label(index: int, number: int, block: ContentBlock) -> str:
     label = f"message {index} block {number}"
     if isinstance(block, ToolUseBlock):
@@ -394,7 +404,7 @@ def _sections(
     each turn (in session layout a human turn's context before its words). Two prompts that
     part ways do so in the first section whose digest differs."""
     sections = [(label, _digest(text)) for label, text in system]
-    sections.extend((f"tool {i} ({tool.name})", _digest(tool)) for i, tool in enumerate(tools))
+    sections.extend((f"tool {i} ({tool.name})", _tool_digest(tool)) for i, tool in enumerate(tools))
     for turn in turns:
         sections.extend((label, _digest(text)) for label, text in turn.context)
         sections.extend((label, _digest(block)) for label, block in turn.blocks)

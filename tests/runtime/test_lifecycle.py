@@ -233,6 +233,15 @@ async def test_an_overlong_prompt_waits_for_its_agents_background_compaction() -
         sent = fake.requests[-1]["messages"]
         assert sent[-1]["content"] == "go"
         assert "question 0" not in json.dumps(sent)
+        # The agent's next turn is rewritten with its compaction at once; another agent with the
+        # same conversation has no compaction, and its request goes as it is.
+        after = {**later, "messages": [*later["messages"], {"role": "user", "content": "on"}]}
+        prepared = await runtime.prepare(after, agent="agent", priority=1)
+        assert "question 0" not in json.dumps(prepared.engine.body["messages"])
+        other = {**after, "messages": after["messages"][-3:]}
+        untouched = await runtime.prepare(other, agent="other", priority=1)
+        assert untouched.engine.body["messages"][-1]["content"] == "on"
+        assert runtime.compactor.store.latest("other") is None
 
 
 def _tool(name: str, description: str) -> dict[str, Any]:
@@ -414,3 +423,32 @@ async def test_the_watchdog_reclaims_a_lease_whose_engine_falls_silent() -> None
             tg.start_soon(slow)
             await wait_for(lambda: runtime.gateway.table()["placements"]["reclaimed"] >= 1, 3.0)
             await task_done.wait()
+
+
+async def test_finished_replies_kept_for_a_retry_are_bounded(monkeypatch: Any) -> None:
+    """Within retry_grace a finished reply is kept for the client's retry, but at most
+    MAX_KEPT_REPLIES of them: the oldest is dropped, and freed at once (its timer does not hold
+    it); the newest stay."""
+    import gc
+    import weakref
+
+    from agentkv.runtime import lifecycle
+
+    monkeypatch.setattr(lifecycle, "MAX_KEPT_REPLIES", 3)
+    fake = FakeLlama(reply="ok")
+    async with running(fake, retry_grace=60.0) as runtime:
+        bodies = [
+            {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": f"q{i}"}]}
+            for i in range(5)
+        ]
+        replies = []
+        for body in bodies:
+            exchange = runtime.submit(await runtime.prepare(body, agent="a", priority=1))
+            await exchange.message()
+            replies.append(weakref.ref(exchange))
+            del exchange
+        assert len(runtime._exchanges) == 3
+        gc.collect()
+        assert replies[0]() is None and replies[1]() is None  # dropped and freed
+        kept = list(runtime._exchanges.values())
+        assert kept == [replies[2](), replies[3](), replies[4]()]  # the newest, still kept

@@ -12,6 +12,7 @@ and the assembler its reply will go through.
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -19,7 +20,6 @@ from typing import Any
 import attrs
 
 from agentkv.exceptions import PromptTooLongError
-from agentkv.fingerprint import canonical_json
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
@@ -49,7 +49,10 @@ class Prepared:
 def request_key(agent: str, body: Mapping[str, Any]) -> str:
     """Two requests with this key are the same request: a client retried it."""
     stable = {k: v for k, v in body.items() if k != "stream"}
-    return hashlib.sha256((agent + "\n" + canonical_json(stable)).encode()).hexdigest()[:32]
+    # Sorted keys, ASCII escapes: as canonical as canonical_json, at half the cost on a body
+    # with non-ASCII text (every Claude Code request has some). The key never leaves memory.
+    text = json.dumps(stable, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256((agent + "\n" + text).encode()).hexdigest()[:32]
 
 
 @attrs.define(eq=False)
@@ -110,7 +113,8 @@ class Admission:
         rewrite, fingerprinter = compactor.store.rewrite, compactor.fingerprinter
         body = engine.body
         compacted = False
-        if config.compaction:
+        if config.compaction and compactor.store.latest(agent) is not None:
+            # Only an agent with compactions pays for fingerprinting its request.
             body, _, applied = rewrite(agent, body, fingerprinter)
             compacted = bool(applied)
         tokens = tuple(await self.client.prompt_tokens(body))

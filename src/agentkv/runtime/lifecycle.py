@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -58,6 +60,7 @@ from agentkv.tokens import Tokens
 from agentkv.translate import MessagesTranslator
 
 __all__ = [
+    "MAX_KEPT_REPLIES",
     "Emitted",
     "Event",
     "Exchange",
@@ -69,6 +72,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("agentkv.runtime")
+
+#: Most finished replies kept for a client's retry at once (within ``retry_grace``).
+MAX_KEPT_REPLIES = 64
 
 
 # -- the exchange ---------------------------------------------------------------------------
@@ -279,6 +285,8 @@ class Runtime:
     history: RequestHistory = attrs.field(init=False, factory=RequestHistory)
     _tg: anyio.abc.TaskGroup | None = attrs.field(init=False, default=None)
     _exchanges: dict[str, Exchange] = attrs.field(init=False, factory=dict)
+    #: The keys of the finished replies still kept for a retry, oldest first.
+    _kept: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
 
     def __attrs_post_init__(self) -> None:
         config = self.config
@@ -399,16 +407,33 @@ class Runtime:
         self.tree.relabel([record])
         self.history.add(record)
         if self._tg is not None and exchange.failure is None:
-            self._tg.start_soon(self._forget_later, exchange)
+            self._keep(exchange)
         else:
             self._exchanges.pop(exchange.prepared.key, None)
 
-    async def _forget_later(self, exchange: Exchange) -> None:
-        # A finished reply stays joinable for a while: a client that timed out just before it
-        # ended retries, and gets the reply instead of a second computation.
+    def _keep(self, exchange: Exchange) -> None:
+        """A finished reply stays joinable for ``retry_grace``: a client that timed out just
+        before it ended retries, and gets the reply instead of a second computation. At most
+        :data:`MAX_KEPT_REPLIES` are kept (each holds its prompt's tokens and its events); the
+        oldest goes first."""
+        assert self._tg is not None
+        key = exchange.prepared.key
+        self._kept[key] = None
+        self._kept.move_to_end(key)
+        while len(self._kept) > MAX_KEPT_REPLIES:
+            oldest, _ = self._kept.popitem(last=False)
+            kept = self._exchanges.get(oldest)
+            if kept is not None and kept.done:
+                del self._exchanges[oldest]
+        # The timer holds the reply weakly: one dropped for the bound is freed at once.
+        self._tg.start_soon(self._forget_later, key, weakref.ref(exchange))
+
+    async def _forget_later(self, key: str, reply: weakref.ref[Exchange]) -> None:
         await anyio.sleep(self.config.retry_grace)
-        if self._exchanges.get(exchange.prepared.key) is exchange:
-            del self._exchanges[exchange.prepared.key]
+        exchange = reply()
+        if exchange is not None and self._exchanges.get(key) is exchange:
+            del self._exchanges[key]
+            self._kept.pop(key, None)
 
     # -- background work and views ----------------------------------------------------------------
 

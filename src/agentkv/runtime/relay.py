@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 import attrs
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from agentkv.costs import CostModel
 from agentkv.exceptions import (
@@ -209,11 +210,11 @@ class Relay:
                 if raw:
                     async with send, client.complete(body, slot=slot) as chunks:
                         async for chunk in chunks:
-                            await send.send(as_chat_chunk(chunk))
+                            await _hand_over(send, as_chat_chunk(chunk))
                     return
                 async with send, client.stream(body, slot=slot, hints=self.hints()) as chunks:
                     async for chunk in chunks:
-                        await send.send(chunk)
+                        await _hand_over(send, chunk)
             except AgentKVError as exc:  # handed to the consumer, not wrapped in a group
                 failure.append(exc)
 
@@ -229,32 +230,32 @@ class Relay:
                         tg.cancel_scope.cancel()
                         break
                     wait = min(self.coalesce_seconds or 1.0, self.deadline - now)
-                    with anyio.move_on_after(max(0.0, wait)):
-                        try:
-                            chunk = await receive.receive()
-                        except anyio.EndOfStream:
-                            break
-                        now = self.clock()
-                        self.costs.observe_timings(chunk.get("timings"))
-                        if echo:
-                            chunk, echo = without_echo(chunk, echo)
-                        output = generates(chunk)
-                        on_chunk(output)
-                        if output:
-                            record.generated += 1
-                        events = asm.feed(chunk, now)
-                        if events:
-                            if record.ttft_s is None:
-                                record.ttft_s = round(now - self.started, 4)
-                            self.emit(events)
-                        self._account(chunk)
-                        if asm.stop is not None:
-                            # A degenerate loop: closing the stream stops llama-server generating.
-                            record.stopped = asm.stop.reason
-                            tg.cancel_scope.cancel()
-                            break
+                    try:
+                        chunk = await _next_chunk(receive, wait)
+                    except anyio.EndOfStream:
+                        break
+                    if chunk is None:  # silence: flush what is due
+                        self.emit(asm.flush(self.clock()))
                         continue
-                    self.emit(asm.flush(self.clock()))
+                    now = self.clock()
+                    self.costs.observe_timings(chunk.get("timings"))
+                    if echo:
+                        chunk, echo = without_echo(chunk, echo)
+                    output = generates(chunk)
+                    on_chunk(output)
+                    if output:
+                        record.generated += 1
+                    events = asm.feed(chunk, now)
+                    if events:
+                        if record.ttft_s is None:
+                            record.ttft_s = round(now - self.started, 4)
+                        self.emit(events)
+                    self._account(chunk)
+                    if asm.stop is not None:
+                        # A degenerate loop: closing the stream stops llama-server generating.
+                        record.stopped = asm.stop.reason
+                        tg.cancel_scope.cancel()
+                        break
         if failure:
             raise failure[0]
 
@@ -269,6 +270,33 @@ class Relay:
             record.computed_tokens += int(timings.get("prompt_n", 0))
             self.prompt_ms += float(timings.get("prompt_ms", 0.0) or 0.0)
             record.cached_tokens = max(record.cached_tokens, int(timings.get("cache_n", 0)))
+
+
+async def _hand_over(send: MemoryObjectSendStream[dict[str, Any]], chunk: dict[str, Any]) -> None:
+    """Pass a chunk to the relay: at once while its buffer has room, else wait for room.
+
+    No trip through the event loop per chunk: the relay then takes what one read of the engine's
+    stream gave in one go, and the client gets those events in one write.
+    """
+    try:
+        send.send_nowait(chunk)
+    except anyio.WouldBlock:
+        await send.send(chunk)
+
+
+async def _next_chunk(
+    receive: MemoryObjectReceiveStream[dict[str, Any]], wait: float
+) -> dict[str, Any] | None:
+    """The next chunk: at once when one is waiting, else within ``wait`` seconds (None: none
+    came). Raises ``anyio.EndOfStream`` after the last one. Only an empty buffer costs a timeout
+    scope."""
+    try:
+        return receive.receive_nowait()
+    except anyio.WouldBlock:
+        pass
+    with anyio.move_on_after(max(0.0, wait)):
+        return await receive.receive()
+    return None
 
 
 # -- pure helpers -----------------------------------------------------------------------------
