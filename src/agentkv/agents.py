@@ -235,11 +235,6 @@ class _Agent:
     turn_calls: frozenset[str] = frozenset()
 
 
-def _positive(_instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}")
-
-
 @attrs.define
 class AgentDirectory:
     """The agents seen lately, as trees; see the module docs for the rules."""
@@ -247,12 +242,14 @@ class AgentDirectory:
     background_offset: int = attrs.field(
         default=1, kw_only=True, validator=attrs.validators.in_(range(_MAX_PRIORITY + 1))
     )
-    max_agents: int = attrs.field(default=1024, kw_only=True, validator=_positive)
-    max_calls: int = attrs.field(default=64, kw_only=True, validator=_positive)
-    idle_ttl: float = attrs.field(default=6 * 3600.0, kw_only=True, validator=_positive)
+    max_agents: int = attrs.field(default=1024, kw_only=True, validator=attrs.validators.gt(0))
+    max_calls: int = attrs.field(default=64, kw_only=True, validator=attrs.validators.gt(0))
+    idle_ttl: float = attrs.field(
+        default=6 * 3600.0, kw_only=True, validator=attrs.validators.gt(0)
+    )
     #: A parent counts as waiting only while a sub-agent it waits for was active this recently
     #: (an abandoned fan-out stops holding its slot warm).
-    wait_ttl: float = attrs.field(default=900.0, kw_only=True, validator=_positive)
+    wait_ttl: float = attrs.field(default=900.0, kw_only=True, validator=attrs.validators.gt(0))
     _agents: OrderedDict[str, _Agent] = attrs.field(init=False, factory=OrderedDict)
     #: Counts the changes (requests, replies): a caller may keep an answer while it is unchanged.
     version: int = attrs.field(init=False, default=0)

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -49,6 +47,7 @@ from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Gateway
+from agentkv.runtime.joinable import Joinable
 from agentkv.runtime.kvcache import KVCache
 from agentkv.runtime.prefetch import Prefetcher
 from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, RequestStatus
@@ -60,7 +59,6 @@ from agentkv.tokens import Tokens
 from agentkv.translate import MessagesTranslator
 
 __all__ = [
-    "MAX_KEPT_REPLIES",
     "Emitted",
     "Event",
     "Exchange",
@@ -72,9 +70,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("agentkv.runtime")
-
-#: Most finished replies kept for a client's retry at once (within ``retry_grace``).
-MAX_KEPT_REPLIES = 64
 
 
 # -- the exchange ---------------------------------------------------------------------------
@@ -284,12 +279,12 @@ class Runtime:
     #: The requests that ended.
     history: RequestHistory = attrs.field(init=False, factory=RequestHistory)
     _tg: anyio.abc.TaskGroup | None = attrs.field(init=False, default=None)
-    _exchanges: dict[str, Exchange] = attrs.field(init=False, factory=dict)
-    #: The keys of the finished replies still kept for a retry, oldest first.
-    _kept: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+    #: The exchanges a client's retry may join (running, or finished within retry_grace).
+    joinable: Joinable[Exchange] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         config = self.config
+        self.joinable = Joinable(config.retry_grace, self.later)
         self.translator = MessagesTranslator(
             session_layout=config.session_layout, limits=config.limits
         )
@@ -360,7 +355,7 @@ class Runtime:
         """Queue a prepared request and start it; a retry of a running request joins it."""
         if self._tg is None:
             raise RuntimeError("the runtime is not running (use `async with Runtime(...)`)")
-        existing = self._exchanges.get(prepared.key)
+        existing = self.joinable.get(prepared.key)
         if existing is not None and existing.joinable:
             existing.record.attached += 1
             log.info(
@@ -389,7 +384,7 @@ class Runtime:
         )
         exchange = Exchange(self, prepared, ticket, assembler, record, started=ticket.arrival)
         self.tree.label(record)
-        self._exchanges[prepared.key] = exchange
+        self.joinable.add(prepared.key, exchange)
         self._tg.start_soon(self._drive, exchange)
         return exchange
 
@@ -406,34 +401,8 @@ class Runtime:
         # A sub-agent may have been linked to its call since it started (its parent's request).
         self.tree.relabel([record])
         self.history.add(record)
-        if self._tg is not None and exchange.failure is None:
-            self._keep(exchange)
-        else:
-            self._exchanges.pop(exchange.prepared.key, None)
-
-    def _keep(self, exchange: Exchange) -> None:
-        """A finished reply stays joinable for ``retry_grace``: a client that timed out just
-        before it ended retries, and gets the reply instead of a second computation. At most
-        :data:`MAX_KEPT_REPLIES` are kept (each holds its prompt's tokens and its events); the
-        oldest goes first."""
-        assert self._tg is not None
-        key = exchange.prepared.key
-        self._kept[key] = None
-        self._kept.move_to_end(key)
-        while len(self._kept) > MAX_KEPT_REPLIES:
-            oldest, _ = self._kept.popitem(last=False)
-            kept = self._exchanges.get(oldest)
-            if kept is not None and kept.done:
-                del self._exchanges[oldest]
-        # The timer holds the reply weakly: one dropped for the bound is freed at once.
-        self._tg.start_soon(self._forget_later, key, weakref.ref(exchange))
-
-    async def _forget_later(self, key: str, reply: weakref.ref[Exchange]) -> None:
-        await anyio.sleep(self.config.retry_grace)
-        exchange = reply()
-        if exchange is not None and self._exchanges.get(key) is exchange:
-            del self._exchanges[key]
-            self._kept.pop(key, None)
+        keep = self._tg is not None and exchange.failure is None
+        self.joinable.ended(exchange.prepared.key, exchange, keep=keep)
 
     # -- background work and views ----------------------------------------------------------------
 
@@ -452,7 +421,7 @@ class Runtime:
         """The records of the requests queued or running now."""
         now = self.clock()
         records = []
-        for exchange in self._exchanges.values():
+        for exchange in self.joinable:
             if not exchange.done:
                 exchange.record.running_for(now - exchange.started)
                 records.append(exchange.record)
