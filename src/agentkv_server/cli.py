@@ -31,6 +31,7 @@ from agentkv import AgentKVError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import probe_length, probe_restore
 from agentkv.runtime.supervisor import EngineSupervisor
@@ -38,6 +39,7 @@ from agentkv_server import logs
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
+from agentkv_server.pool import open_engines, pool_layout
 
 __all__ = [
     "build_parser",
@@ -173,7 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--upstream",
         metavar="URL",
-        help="use an already running llama-server at URL instead of launching one",
+        action="append",
+        help="use an already running llama-server at URL instead of launching one; given "
+        "more than once, a pool of llama-servers of one model under one scheduler",
+    )
+    engine.add_argument(
+        "--upstream-slot-dir",
+        metavar="DIR",
+        type=Path,
+        action="append",
+        help="an upstream's --slot-save-path as this machine sees it, once per --upstream in "
+        "the same order (default: every upstream saves into --store-dir itself)",
+    )
+    engine.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        metavar="N",
+        help="llama-servers to launch, each with --slots slots, as one pool (default 1); on "
+        "the CPU they share --threads, with several GPUs each gets its own",
     )
     engine.add_argument(
         "--model",
@@ -414,6 +434,18 @@ def _size(text: str) -> int:
 
 
 @attrs.frozen
+class _Member:
+    """One llama-server of a pool."""
+
+    base_url: str
+    api_key: str | None = None
+    status: EngineStatus | None = None
+    supervisor: EngineSupervisor | None = None
+    #: Its --slot-save-path as seen here (None: the store directory itself).
+    slot_dir: Path | None = None
+
+
+@attrs.frozen
 class _Engine:
     base_url: str
     ctx_per_slot: int | None
@@ -434,6 +466,8 @@ class _Engine:
     warnings: tuple[str, ...] = ()
     #: Tokens for the check that a restore gives reuse (see agentkv.runtime.store).
     probe_tokens: int = 0
+    #: The llama-servers of a pool (``--engines``, ``--upstream`` given more than once).
+    members: tuple[_Member, ...] = ()
 
 
 def _file_digest(path: Path) -> str:
@@ -472,12 +506,17 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
     """The engine's URL and shape; launches and supervises llama-server unless --upstream."""
     if args.upstream:
         store = None if args.no_store else args.store_dir
+        urls = [url.rstrip("/") for url in args.upstream]
+        dirs = args.upstream_slot_dir or [None] * len(urls)
+        if len(dirs) != len(urls):
+            raise SystemExit("agentkv-server: give --upstream-slot-dir once per --upstream")
         yield _Engine(
-            args.upstream.rstrip("/"),
+            urls[0],
             args.ctx_per_slot,
             store,
-            f"upstream:{args.upstream}",
+            f"upstream:{','.join(urls)}",
             probe_tokens=probe_length(None),
+            members=tuple(_Member(url, slot_dir=d) for url, d in zip(urls, dirs, strict=True)),
         )
         return
     from agentkv.runtime.build import build_digest, choose_offload
@@ -491,7 +530,6 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
         plan_context,
     )
     from agentkv.runtime.model import default_cache_dir, default_model_path, read_model_shape
-
     def progress(message: str) -> None:
         print(f"agentkv-server: {message}", file=sys.stderr, flush=True)
 
@@ -511,12 +549,19 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
     progress(f"device: {offload.describe()}")
     if offload.warning:
         log.warning("%s", offload.warning)
-    plan = plan_context(
-        shape,
-        slots=args.slots,
+    layout = pool_layout(
+        max(1, args.engines),
+        offload,
+        model_bytes=model.stat().st_size,
         kv_budget=args.kv_budget
         if args.kv_budget is not None
         else (offload.kv_budget if offload.kv_budget is not None else default_kv_budget()),
+        threads=args.threads,
+    )
+    plan = plan_context(
+        shape,
+        slots=args.slots,
+        kv_budget=layout.kv_budget,
         kv_type=kv_type,
         requested=args.ctx_per_slot,
     )
@@ -528,7 +573,7 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
         n_ctx_train=shape.n_ctx_train,
         gpu_layers=offload.gpu_layers,
         port=args.engine_port,
-        threads=args.threads,
+        threads=layout.threads,
         slot_save_dir=store_dir,
         kv_type=kv_type,
         # A sliding-window model's restored slots are reused only with a full-size cache; the
@@ -549,30 +594,55 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
             *(["swa=full"] if config.swa_full else []),
         ]
     )
-    async with LlamaServerProcess(config, binary=binary, on_progress=progress) as process:
-        supervisor = EngineSupervisor(
-            process, max_failures=args.max_restarts, window=args.restart_window
+    configs = layout.configs(config)
+    if len(configs) > 1:
+        progress(f"a pool of {len(configs)} llama-servers: {layout.describe()}")
+    async with contextlib.AsyncExitStack() as stack:
+        processes = [
+            await stack.enter_async_context(
+                LlamaServerProcess(each, binary=binary, on_progress=progress)
+            )
+            for each in configs
+        ]
+        supervisors = [
+            EngineSupervisor(process, max_failures=args.max_restarts, window=args.restart_window)
+            for process in processes
+        ]
+        members = tuple(
+            _Member(
+                process.base_url,
+                api_key=process.api_key,
+                status=supervisor.status,
+                supervisor=supervisor,
+                slot_dir=process.running_config.slot_save_dir
+                if isinstance(process.running_config, EngineConfig)
+                else None,
+            )
+            for process, supervisor in zip(processes, supervisors, strict=True)
         )
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(supervisor.run)
+                for supervisor in supervisors:
+                    tg.start_soon(supervisor.run)
                 try:
                     yield _Engine(
-                        process.base_url,
+                        processes[0].base_url,
                         config.effective_ctx_per_slot,
                         store_dir,
                         compat,
-                        api_key=process.api_key,
-                        status=supervisor.status,
-                        supervisor=supervisor,
+                        api_key=processes[0].api_key,
+                        status=supervisors[0].status,
+                        supervisor=supervisors[0],
                         kv_bytes_per_token=plan.bytes_per_token,
                         model=model,
                         device=offload.describe(),
                         warnings=(offload.warning,) if offload.warning else (),
                         probe_tokens=probe_length(shape.sliding_window, batch=config.batch or 512),
+                        members=members,
                     )
                 finally:
-                    supervisor.stand_down()
+                    for supervisor in supervisors:
+                        supervisor.stand_down()
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # The supervisor never raises: what failed is the body, which callers expect bare.
@@ -700,17 +770,23 @@ class _Server(uvicorn.Server):
 
 async def _serve(args: argparse.Namespace) -> None:
     async with _engine(args) as engine:
-        client = LlamaSlotClient(
-            engine.base_url,
-            api_key=engine.api_key,
-            status=engine.status,
+        client = await open_engines(
+            engine.members,
+            slots=args.slots,
+            store_dir=engine.store_dir,
+            timeout=600.0,
+            say=logs.say if args.upstream else None,
             templating_limit=args.templating_limit,
         )
         try:
-            if args.upstream:
+            if args.upstream and not isinstance(client, EnginePool):
                 logs.say(f"waiting for llama-server at {engine.base_url}")
             await client.wait_ready(600.0)
-            n_slots, ctx_per_slot = await _engine_shape(client, args.slots, engine.ctx_per_slot)
+            n_slots, ctx_per_slot = await _engine_shape(
+                client,
+                client.n_slots if isinstance(client, EnginePool) else args.slots,
+                engine.ctx_per_slot,
+            )
             store_dir, store_note = await _check_store(client, engine, ctx_per_slot)
             server_config = _server_config(args)
             runtime_config = _from_args(
@@ -735,15 +811,24 @@ async def _serve(args: argparse.Namespace) -> None:
                     **_connection_settings(args),
                 )
             )
-            supervisor = engine.supervisor
-            if supervisor is not None:
-                # A signal stops the engine on purpose: no restarts while shutting down. When the
-                # supervisor gives up, the server stops and the process exits non-zero.
-                server.on_exit = supervisor.stand_down
-                supervisor.on_give_up = lambda _: setattr(server, "should_exit", True)
+            supervisors = [m.supervisor for m in engine.members if m.supervisor is not None]
+            if supervisors:
+                # A signal stops the engines on purpose: no restarts while shutting down. When
+                # the supervisors give up (all of a pool's), the server stops and exits non-zero.
+                def stand_down() -> None:
+                    for each in supervisors:
+                        each.stand_down()
+
+                def gave_up(_: object) -> None:
+                    if all(each.failure is not None for each in supervisors):
+                        server.should_exit = True
+
+                server.on_exit = stand_down
+                for each in supervisors:
+                    each.on_give_up = gave_up
             url = f"http://{server_config.host}:{server_config.port}"
             fields = logs.startup_fields(
-                engine=engine.base_url,
+                engine=", ".join(m.base_url for m in engine.members) or engine.base_url,
                 launched=not args.upstream,
                 model=str(engine.model) if engine.model is not None else None,
                 slots=n_slots,
@@ -770,8 +855,9 @@ async def _serve(args: argparse.Namespace) -> None:
             )
             server.on_started = lambda: logs.announce(fields)
             await server.serve()
-            if supervisor is not None and supervisor.failure is not None:
-                raise supervisor.failure
+            failures = [each.failure for each in supervisors if each.failure is not None]
+            if supervisors and len(failures) == len(supervisors):
+                raise failures[0]
         finally:
             with anyio.CancelScope(shield=True):
                 await client.aclose()
@@ -791,6 +877,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format)
     if args.slots < 1:
         raise SystemExit("agentkv-server: --slots must be at least 1")
+    if args.engines < 1 or (args.engines > 1 and args.upstream):
+        raise SystemExit("agentkv-server: --engines must be at least 1, and not with --upstream")
     try:
         anyio.run(_serve, args)
     except KeyboardInterrupt:

@@ -1,0 +1,148 @@
+"""``agentkv-server --engines N`` and ``--upstream`` given more than once: a pool of llama-servers.
+
+:func:`pool_layout` decides how ``N`` launched engines share the machine: on the CPU they split
+the threads (``--threads``, else every core) and the KV budget; with at least ``N`` GPUs each
+engine gets its own (``--device``) and that device's room for the KV cache. Each engine saves
+its slots into its own directory, ``engine-<i>`` inside the store directory; the store's files
+stay in the store directory (see :mod:`agentkv.runtime.pool`).
+
+:func:`open_engines` makes the one client the runtime talks to: the engine's own client, or an
+:class:`~agentkv.runtime.pool.EnginePool` over all of them, each engine's slot count read from
+its ``/slots``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+
+from agentkv import AgentKVError
+from agentkv.runtime.build import DEVICE_MARGIN, Device, Offload
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.engine import EngineConfig
+from agentkv.runtime.pool import EnginePool
+from agentkv.runtime.status import EngineStatus
+
+__all__ = ["PoolLayout", "open_engines", "pool_layout"]
+
+log = logging.getLogger("agentkv.server")
+
+
+@attrs.frozen
+class PoolLayout:
+    """How the launched engines share the machine."""
+
+    engines: int
+    #: ``-t`` of each engine (None: llama-server's default).
+    threads: int | None
+    #: The KV memory each engine may take.
+    kv_budget: int
+    #: The device of each engine (empty: not one each).
+    devices: tuple[Device, ...] = ()
+
+    def configs(self, config: EngineConfig) -> list[EngineConfig]:
+        """Engine ``config`` once per engine: its own slot directory (inside the store's) and
+        device; one engine is ``config`` unchanged."""
+        if self.engines == 1:
+            return [config]
+        out = []
+        for i in range(self.engines):
+            extra = ("--device", self.devices[i].name) if self.devices else ()
+            slot_dir = None if config.slot_save_dir is None else config.slot_save_dir / f"engine-{i}"
+            out.append(
+                attrs.evolve(
+                    config, slot_save_dir=slot_dir, extra_args=(*config.extra_args, *extra)
+                )
+            )
+        return out
+
+    def describe(self) -> str:
+        where = (
+            ", ".join(d.name for d in self.devices)
+            if self.devices
+            else f"the CPU, {self.threads} threads each"
+            if self.threads
+            else "the CPU"
+        )
+        return f"{self.engines} engines on {where}, {self.kv_budget / (1 << 30):.1f} GiB KV each"
+
+
+def pool_layout(
+    engines: int,
+    offload: Offload,
+    *,
+    model_bytes: int,
+    kv_budget: int,
+    threads: int | None,
+    cpus: int | None = None,
+) -> PoolLayout:
+    """Split the machine between ``engines`` llama-servers (see the module docstring).
+
+    ``kv_budget`` is what one engine alone would get; ``threads`` the ``--threads`` given (for
+    the pool: all of them together).
+    """
+    if engines <= 1:
+        return PoolLayout(1, threads, kv_budget)
+    devices = offload.devices if offload.gpu_layers > 0 else ()
+    if len(devices) >= engines:
+        # One GPU each: each engine's KV cache gets its device's room, a model copy on each.
+        used = tuple(devices[:engines])
+        room = min(d.free for d in used) - model_bytes - DEVICE_MARGIN
+        return PoolLayout(engines, threads, max(room, kv_budget // engines), used)
+    total = threads if threads is not None else (cpus or os.cpu_count() or 1)
+    return PoolLayout(engines, max(1, total // engines), kv_budget // engines)
+
+
+class _MemberLike(Protocol):
+    base_url: str
+    api_key: str | None
+    status: EngineStatus | None
+    slot_dir: Path | None
+
+
+async def _slot_count(client: LlamaSlotClient, expected: int) -> int:
+    try:
+        table = await client.slots()
+    except AgentKVError as exc:
+        log.warning("could not read %s/slots (%s); assuming %d slots", client.base_url, exc, expected)
+        return expected
+    return len(table) or expected
+
+
+async def open_engines(
+    members: Sequence[_MemberLike],
+    *,
+    slots: int,
+    store_dir: Path | None,
+    timeout: float,  # noqa: ASYNC109 - how long the engines may take to load
+    say: Callable[[str], Any] | None = None,
+    **client_settings: Any,
+) -> LlamaSlotClient:
+    """The client for one engine, or a pool over several; every engine has loaded its model."""
+    clients = [
+        LlamaSlotClient(m.base_url, api_key=m.api_key, status=m.status, **client_settings)
+        for m in members
+    ]
+    if len(clients) == 1:
+        return clients[0]
+    try:
+        for client in clients:
+            if say is not None:
+                say(f"waiting for llama-server at {client.base_url}")
+            await client.wait_ready(timeout)
+        counts = [await _slot_count(client, slots) for client in clients]
+    except BaseException:
+        for client in clients:
+            await client.aclose()
+        raise
+    return EnginePool(
+        clients,
+        slots=counts,
+        slot_dirs=[m.slot_dir for m in members],
+        store_dir=store_dir,
+    )
