@@ -530,6 +530,7 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
         plan_context,
     )
     from agentkv.runtime.model import default_cache_dir, default_model_path, read_model_shape
+
     def progress(message: str) -> None:
         print(f"agentkv-server: {message}", file=sys.stderr, flush=True)
 
@@ -537,11 +538,12 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
     model = Path(args.model if args.model is not None else default_model_path())
     store_dir = None if args.no_store else (args.store_dir or default_cache_dir() / "store")
     shape = await anyio.to_thread.run_sync(read_model_shape, model)
+    model_bytes = (await anyio.to_thread.run_sync(model.stat)).st_size
     kv_type = DEFAULT_KV_TYPE
     offload = await anyio.to_thread.run_sync(
         lambda: choose_offload(
             binary,
-            model_bytes=model.stat().st_size,
+            model_bytes=model_bytes,
             min_kv_bytes=args.slots * CTX_FLOOR * shape.kv_bytes_per_token(kv_type),
             requested=args.gpu_layers,
         )
@@ -552,7 +554,7 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
     layout = pool_layout(
         max(1, args.engines),
         offload,
-        model_bytes=model.stat().st_size,
+        model_bytes=model_bytes,
         kv_budget=args.kv_budget
         if args.kv_budget is not None
         else (offload.kv_budget if offload.kv_budget is not None else default_kv_budget()),

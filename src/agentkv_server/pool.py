@@ -52,13 +52,13 @@ class PoolLayout:
             return [config]
         out = []
         for i in range(self.engines):
-            extra = ("--device", self.devices[i].name) if self.devices else ()
-            slot_dir = None if config.slot_save_dir is None else config.slot_save_dir / f"engine-{i}"
-            out.append(
-                attrs.evolve(
-                    config, slot_save_dir=slot_dir, extra_args=(*config.extra_args, *extra)
-                )
+            extra: tuple[str, ...] = ("--device", self.devices[i].name) if self.devices else ()
+            slot_dir = (
+                None if config.slot_save_dir is None else config.slot_save_dir / f"engine-{i}"
             )
+            args = (*config.extra_args, *extra)
+            # attrs' plugin and a tuple converter (as in agentkv_bench.restore_reuse).
+            out.append(attrs.evolve(config, slot_save_dir=slot_dir, extra_args=args))  # type: ignore[arg-type]
         return out
 
     def describe(self) -> str:
@@ -99,17 +99,23 @@ def pool_layout(
 
 
 class _MemberLike(Protocol):
-    base_url: str
-    api_key: str | None
-    status: EngineStatus | None
-    slot_dir: Path | None
+    @property
+    def base_url(self) -> str: ...
+    @property
+    def api_key(self) -> str | None: ...
+    @property
+    def status(self) -> EngineStatus | None: ...
+    @property
+    def slot_dir(self) -> Path | None: ...
 
 
 async def _slot_count(client: LlamaSlotClient, expected: int) -> int:
     try:
         table = await client.slots()
     except AgentKVError as exc:
-        log.warning("could not read %s/slots (%s); assuming %d slots", client.base_url, exc, expected)
+        log.warning(
+            "could not read %s/slots (%s); assuming %d slots", client.base_url, exc, expected
+        )
         return expected
     return len(table) or expected
 

@@ -19,11 +19,12 @@ from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.store import PrefixStore
 from agentkv.store import EntryKind, StoreIndex
 from agentkv.translate import MessagesTranslator
-from agentkv_bench.metrics import difference, parse_counters
+from agentkv_bench.metrics import parse_counters
 from agentkv_bench.workload import minimum_prefill
 from agentkv_server import cli
 from agentkv_server.pool import open_engines
 from tests._engine_fixture import locate_engine
+from tests.fakes import wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.anyio]
 
@@ -172,9 +173,7 @@ async def test_four_agents_share_one_head_across_the_pool_and_survive_a_killed_e
         process = engines.members[1].supervisor.process  # type: ignore[union-attr]
         assert process.pid is not None
         os.kill(process.pid, signal.SIGKILL)
-        with anyio.fail_after(30):
-            while member.up:
-                await anyio.sleep(0.1)
+        await wait_for(lambda: not member.up, timeout=30)
         next_bodies = []
         for i, body in enumerate(bodies):
             text = "".join(b.get("text", "") for b in replies[i]["content"]) or "ok"
@@ -191,8 +190,6 @@ async def test_four_agents_share_one_head_across_the_pool_and_survive_a_killed_e
         assert [r.status for r in later] == ["ok"] * 4
         assert all(r.slot in pool.members[0].slots for r in later)
         # The supervisor restarts it; it rejoins, its slots empty.
-        with anyio.fail_after(120):
-            while not member.up:
-                await anyio.sleep(0.2)
+        await wait_for(lambda: member.up, timeout=120)
         assert member.rejoined == 1
         assert all(runtime.gateway.slots.table()[s].tokens == () for s in member.slots)

@@ -13,7 +13,7 @@ import attrs
 import httpx
 import pytest
 
-from agentkv.exceptions import EngineUnavailableError
+from agentkv.exceptions import EngineError, EngineUnavailableError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
@@ -42,7 +42,17 @@ class Killable:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if self.dead:
             raise httpx.ConnectError("connection refused", request=request)
-        return await self.fake.handle(request)
+        response = await self.fake.handle(request)
+        if response.headers.get("content-type") != "text/event-stream":
+            return response
+
+        async def cut(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+            async for chunk in chunks:
+                if self.dead:  # the engine died mid-stream: the connection breaks
+                    raise httpx.ReadError("connection reset by peer", request=request)
+                yield chunk
+
+        return httpx.Response(200, headers=response.headers, content=cut(response.aiter_raw()))
 
 
 def member(name: str, transport: Killable) -> LlamaSlotClient:
@@ -184,7 +194,7 @@ async def test_an_engine_that_dies_leaves_placement_and_rejoins_empty(tmp_path: 
             )
             await wait_for(lambda: b.started == 1)
             dying.dead = True
-            with pytest.raises(EngineUnavailableError):
+            with pytest.raises(EngineError):
                 await exchange.message()
         assert exchange.record.slot == 1
         await wait_for(lambda: not pool.members[1].up)

@@ -334,7 +334,7 @@ class EnginePool(LlamaSlotClient):
 
     async def save_slot(self, slot: int, filename: str) -> dict[str, Any]:
         """Save ``slot`` on its engine, then move the file into the store's directory."""
-        member, local = self.member_of(slot)
+        member, _ = self.member_of(slot)
         reply: dict[str, Any] = await self._on(slot, lambda c, s: c.save_slot(s, filename))
         dirs = self._dirs(member)
         if dirs is not None:
