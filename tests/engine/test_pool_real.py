@@ -29,7 +29,8 @@ from tests.fakes import wait_for
 pytestmark = [pytest.mark.engine, pytest.mark.anyio]
 
 CTX = 4096
-#: A head of about 1,500 tokens, different for each test so no cache from one serves another.
+#: About 37 tokens; each test's prompt begins with its own words, so that no cache from one
+#: serves another.
 HEAD = (
     "You are a careful coding agent in a large repository. Read before you write, keep each "
     "change small, run the tests after every edit, and explain what you changed and why. "
@@ -100,13 +101,13 @@ async def test_a_context_computed_on_one_engine_is_restored_on_the_other(
     the prompt, and the restore takes less time than engine 0's prefill did."""
     pool = await pool_of(engines)
     async with pool:
-        body = first_request(HEAD * 18 + "Context A.", "Reply with: moved")
+        body = first_request("Context A. " + HEAD * 18, "Reply with: moved")
         translated = MessagesTranslator().translate(body).body
         chat = {**translated, "max_tokens": 1, "temperature": 0}
         first = await pool.chat(chat, slot=0)
         timings_a = first["timings"]
         prompt = timings_a["prompt_n"] + timings_a["cache_n"]
-        assert prompt > 1000
+        assert prompt > 600
         assert engines.store_dir is not None
         store = PrefixStore(engines.store_dir, pool, StoreIndex(budget=1 << 30))
         await store.open()
@@ -138,7 +139,7 @@ async def test_four_agents_share_one_head_across_the_pool_and_survive_a_killed_e
     once across the pool (both engines' counters against the minimum); after one engine is
     SIGKILLed every agent's next turn succeeds, and the engine rejoins once restarted."""
     pool = await pool_of(engines)
-    head = HEAD * 18 + "Context B."
+    head = "Context B. " + HEAD * 40
     config = RuntimeConfig(n_slots=pool.n_slots, ctx_per_slot=CTX, store_dir=engines.store_dir)
     async with pool, Runtime(pool, config, store_compat=engines.compat) as runtime:
         bodies = [first_request(head, f"Agent {i}: reply with the word ok.") for i in range(4)]
@@ -188,8 +189,7 @@ async def test_four_agents_share_one_head_across_the_pool_and_survive_a_killed_e
                 tg.start_soon(turn, i, body)
         later = runtime.records()[4:]
         assert [r.status for r in later] == ["ok"] * 4
-        assert all(r.slot in pool.members[0].slots for r in later)
-        # The supervisor restarts it; it rejoins, its slots empty.
+        # The supervisor restarts it (perhaps while those turns ran, and then it served some of
+        # them): it rejoins, once.
         await wait_for(lambda: member.up, timeout=120)
         assert member.rejoined == 1
-        assert all(runtime.gateway.slots.table()[s].tokens == () for s in member.slots)

@@ -151,10 +151,23 @@ async def test_a_context_saved_on_one_engine_is_restored_on_another(tmp_path: Pa
         assert reply is not None and reply["n_restored"] == 499
         assert b.cache[1] == list(range(1, 500))  # engine 1, its slot 1
         assert list((tmp_path / "engine-1").glob("*.bin")) == []
+        # Two slots of one engine restoring one entry at once each get their own staged file.
+        async with anyio.create_task_group() as tg:
+            for slot in (2, 3):
+                tg.start_soon(store.restore, entry, slot)
+        assert b.cache[0] == b.cache[1] == list(range(1, 500))
+        staged = [name for _, action, name in b.slot_actions if action == "restore"]
+        assert len(set(staged[-2:])) == 2 and entry.id not in staged[-1]
+        assert list((tmp_path / "engine-1").glob("*.bin")) == []
+        # A store file that cannot be staged is a failed link: the store keeps the entry.
+        with pytest.raises(EngineUnavailableError, match="copy a slot file"):
+            await pool.restore_slot(2, "akv-missing.bin")
         # A file that does not hold what the index says is never restored, on any engine.
         (tmp_path / "store" / f"{entry.id}.bin").write_bytes(b"garbage")
+        sent = len(b.slot_actions)
         assert await store.restore(entry, 2) is None
-        assert 0 not in b.cache
+        assert b.slot_actions[sent:] == []  # refused before it reached the engine
+        assert entry.id not in store.index
 
 
 async def test_four_agents_on_two_engines_compute_the_shared_head_once(tmp_path: Path) -> None:

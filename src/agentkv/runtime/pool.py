@@ -32,6 +32,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import shutil
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
@@ -107,6 +108,16 @@ def _move(source: Path, target: Path) -> None:
         source.unlink()
     with contextlib.suppress(OSError):
         os.chmod(target, 0o600)
+
+
+#: A store file linked into an engine's directory for one restore.
+_STAGED_PREFIX = "akv-staged-"
+
+
+def _file_error(member: PoolMember, what: str, exc: OSError) -> EngineUnavailableError:
+    """A file that could not be moved between directories: for the store, a link failure (the
+    entry stays; this request prefills)."""
+    return EngineUnavailableError(f"could not {what} for engine {member.index}: {exc}")
 
 
 def _unlink(path: Path) -> None:
@@ -339,25 +350,33 @@ class EnginePool(LlamaSlotClient):
         dirs = self._dirs(member)
         if dirs is not None:
             engine_dir, store_dir = dirs
-            await anyio.to_thread.run_sync(_move, engine_dir / filename, store_dir / filename)
+            try:
+                await anyio.to_thread.run_sync(_move, engine_dir / filename, store_dir / filename)
+            except OSError as exc:
+                await anyio.to_thread.run_sync(_unlink, engine_dir / filename)
+                raise _file_error(member, "move a saved slot into the store", exc) from exc
         return reply
 
     async def restore_slot(self, slot: int, filename: str) -> dict[str, Any]:
         """Restore ``slot`` on its engine from the store's ``filename``, linked (or copied) into
-        that engine's directory for the restore and removed from there afterwards."""
+        that engine's directory under a name of its own for this restore (two slots may restore
+        one entry at once) and removed from there afterwards."""
         member, _ = self.member_of(slot)
         dirs = self._dirs(member)
         if dirs is None:
             reply: dict[str, Any] = await self._on(slot, lambda c, s: c.restore_slot(s, filename))
             return reply
         engine_dir, store_dir = dirs
-        staged = engine_dir / filename
-        await anyio.to_thread.run_sync(_link_or_copy, store_dir / filename, staged)
+        staged = f"{_STAGED_PREFIX}{secrets.token_hex(8)}.bin"
         try:
-            reply = await self._on(slot, lambda c, s: c.restore_slot(s, filename))
+            await anyio.to_thread.run_sync(_link_or_copy, store_dir / filename, engine_dir / staged)
+        except OSError as exc:
+            raise _file_error(member, "copy a slot file to the engine", exc) from exc
+        try:
+            reply = await self._on(slot, lambda c, s: c.restore_slot(s, staged))
         finally:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_unlink, staged)
+                await anyio.to_thread.run_sync(_unlink, engine_dir / staged)
         return reply
 
     async def erase_slot(self, slot: int) -> dict[str, Any]:
