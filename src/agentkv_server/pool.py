@@ -83,17 +83,17 @@ def pool_layout(
 ) -> PoolLayout:
     """Split the machine between ``engines`` llama-servers (see the module docstring).
 
-    ``kv_budget`` is what one engine alone would get; ``threads`` the ``--threads`` given (for
-    the pool: all of them together).
+    ``kv_budget`` is the KV memory of the whole pool (``--kv-budget``, or the default), split
+    between the engines; ``threads`` the ``--threads`` given, also for the whole pool.
     """
     if engines <= 1:
         return PoolLayout(1, threads, kv_budget)
     devices = offload.devices if offload.gpu_layers > 0 else ()
     if len(devices) >= engines:
-        # One GPU each: each engine's KV cache gets its device's room, a model copy on each.
+        # One GPU each: a copy of the model on each, and its KV cache within that room.
         used = tuple(devices[:engines])
         room = min(d.free for d in used) - model_bytes - DEVICE_MARGIN
-        return PoolLayout(engines, threads, max(room, kv_budget // engines), used)
+        return PoolLayout(engines, threads, max(0, min(room, kv_budget // engines)), used)
     total = threads if threads is not None else (cpus or os.cpu_count() or 1)
     return PoolLayout(engines, max(1, total // engines), kv_budget // engines)
 

@@ -101,13 +101,13 @@ async def test_a_context_computed_on_one_engine_is_restored_on_the_other(
     the prompt, and the restore takes less time than engine 0's prefill did."""
     pool = await pool_of(engines)
     async with pool:
-        body = first_request("Context A. " + HEAD * 18, "Reply with: moved")
+        body = first_request("Context A. " + HEAD * 8, "Reply with: moved")
         translated = MessagesTranslator().translate(body).body
         chat = {**translated, "max_tokens": 1, "temperature": 0}
         first = await pool.chat(chat, slot=0)
         timings_a = first["timings"]
         prompt = timings_a["prompt_n"] + timings_a["cache_n"]
-        assert prompt > 600
+        assert prompt > 250
         assert engines.store_dir is not None
         store = PrefixStore(engines.store_dir, pool, StoreIndex(budget=1 << 30))
         await store.open()
@@ -126,7 +126,7 @@ async def test_a_context_computed_on_one_engine_is_restored_on_the_other(
         prefill_s = timings_a["prompt_ms"] / 1000
         print(
             f"\nmoved {entry.n_tokens} tokens ({entry.nbytes} bytes): engine 0 prefill "
-            f"{prefill_s:.2f} s, save+move+restore on engine 1 {restore_s:.3f} s, engine 1 "
+            f"{prefill_s:.2f} s, link and restore on engine 1 {restore_s:.3f} s, engine 1 "
             f"computed {timings_b['prompt_n']} of {prompt}"
         )
         assert restore_s < prefill_s

@@ -1,0 +1,79 @@
+"""``agentkv-server --engines N`` and ``--upstream`` given more than once: how a pool is laid out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentkv.runtime.build import DEVICE_MARGIN, Device, Offload
+from agentkv.runtime.engine import EngineConfig
+from agentkv_server import cli
+from agentkv_server.pool import pool_layout
+
+pytestmark = pytest.mark.anyio
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def test_engines_on_the_cpu_split_the_threads_and_the_kv_budget() -> None:
+    """Two engines on 2 cores: one thread each, half the KV budget each."""
+    layout = pool_layout(2, Offload(0), model_bytes=GIB, kv_budget=8 * GIB, threads=None, cpus=2)
+    assert (layout.threads, layout.kv_budget, layout.devices) == (1, 4 * GIB, ())
+    assert pool_layout(3, Offload(0), model_bytes=GIB, kv_budget=9 * GIB, threads=8).threads == 2
+    one = pool_layout(1, Offload(0), model_bytes=GIB, kv_budget=8 * GIB, threads=None)
+    assert (one.threads, one.kv_budget) == (None, 8 * GIB)
+
+
+def test_engines_on_gpus_get_one_device_each() -> None:
+    """With as many GPUs as engines each engine runs on its own, its KV budget that device's
+    room; each gets its own slot directory inside the store's."""
+    devices = (Device("CUDA0", "A", 80 * GIB, 70 * GIB), Device("CUDA1", "B", 80 * GIB, 60 * GIB))
+    offload = Offload(999, 120 * GIB, devices)
+    layout = pool_layout(2, offload, model_bytes=4 * GIB, kv_budget=120 * GIB, threads=None)
+    assert [d.name for d in layout.devices] == ["CUDA0", "CUDA1"]
+    assert layout.kv_budget == 60 * GIB - 4 * GIB - DEVICE_MARGIN
+    config = EngineConfig(model=Path("m.gguf"), slot_save_dir=Path("store"), gpu_layers=999)
+    configs = layout.configs(config)
+    assert [c.slot_save_dir for c in configs] == [Path("store/engine-0"), Path("store/engine-1")]
+    assert [c.extra_args for c in configs] == [("--device", "CUDA0"), ("--device", "CUDA1")]
+    assert layout.configs(config)[0].slots == config.slots
+    # More engines than GPUs: they share the devices llama-server spreads the model over.
+    crowded = pool_layout(3, offload, model_bytes=4 * GIB, kv_budget=120 * GIB, threads=None)
+    assert crowded.devices == () and crowded.kv_budget == 40 * GIB
+
+
+async def test_upstream_given_twice_is_a_pool_of_two() -> None:
+    """Every --upstream is a member, with its slot directory where one is given."""
+    args = cli.build_parser().parse_args(
+        [
+            "--upstream", "http://a:8080/", "--upstream", "http://b:8080",
+            "--upstream-slot-dir", "/a", "--upstream-slot-dir", "/b", "--store-dir", "/s",
+        ]
+    )  # fmt: skip
+    async with cli._engine(args) as engine:
+        assert [m.base_url for m in engine.members] == ["http://a:8080", "http://b:8080"]
+        assert [m.slot_dir for m in engine.members] == [Path("/a"), Path("/b")]
+        assert engine.compat == "upstream:http://a:8080,http://b:8080"
+    args = cli.build_parser().parse_args(["--upstream", "http://a", "--upstream", "http://b"])
+    async with cli._engine(args) as engine:
+        assert [m.slot_dir for m in engine.members] == [None, None]
+    args = cli.build_parser().parse_args(
+        ["--upstream", "http://a", "--upstream", "http://b", "--upstream-slot-dir", "/a"]
+    )
+    with pytest.raises(SystemExit, match="once per --upstream"):
+        async with cli._engine(args):
+            pass
+
+
+def test_engines_and_upstream_do_not_mix() -> None:
+    """--engines launches; --upstream does not: both at once is refused."""
+    with pytest.raises(SystemExit, match="not with --upstream"):
+        cli.main(["--engines", "2", "--upstream", "http://a"])
+    with pytest.raises(SystemExit, match="at least 1"):
+        cli.main(["--engines", "0"])
