@@ -128,6 +128,10 @@ def _unlink(path: Path) -> None:
 class EnginePool(LlamaSlotClient):
     """Several llama-servers of one model as one client; see the module docstring.
 
+    A :class:`LlamaSlotClient` itself, so that every part of the runtime that takes the client
+    (the runtime, the prefix store, the compactor, the startup probe) takes a pool unchanged.
+    Each call goes to a member's own client, which keeps its retries and its error map.
+
     ``members`` are the engines' clients (closed by :meth:`aclose`), ``slots`` how many slots
     each has, ``slot_dirs`` each one's ``--slot-save-path`` (None entries, or none given: the
     engine writes into ``store_dir`` itself), ``store_dir`` the prefix store's directory.
@@ -409,10 +413,10 @@ class EnginePool(LlamaSlotClient):
         *,
         on_progress: Callable[[str], None] | None = None,
     ) -> None:
-        """Wait until every engine has loaded its model."""
-        with anyio.fail_after(timeout + 1):
-            for member in self.members:
-                await member.client.wait_ready(timeout, on_progress=on_progress)
+        """Wait until every engine has loaded its model (they load side by side, so each gets
+        ``timeout`` seconds)."""
+        for member in self.members:
+            await member.client.wait_ready(timeout, on_progress=on_progress)
         await anyio.to_thread.run_sync(self._clean_dirs)
 
     def _clean_dirs(self) -> None:
