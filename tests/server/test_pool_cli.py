@@ -1,4 +1,4 @@
-"""``agentkv-server --engines N`` and ``--upstream`` given more than once: how a pool is laid out."""
+"""``agentkv-server --engines N`` and ``--upstream`` given twice: how a pool is laid out."""
 
 from __future__ import annotations
 
