@@ -38,10 +38,14 @@ class Killable:
 
     fake: FakeLlama
     dead: bool = False
+    #: The engine hangs: it accepts connections and never answers.
+    hung: bool = False
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         if self.dead:
             raise httpx.ConnectError("connection refused", request=request)
+        if self.hung:
+            await anyio.sleep_forever()
         response = await self.fake.handle(request)
         if response.headers.get("content-type") != "text/event-stream":
             return response
@@ -274,6 +278,26 @@ async def test_a_restarted_engine_rejoins_with_its_slots_empty(tmp_path: Path) -
         status.new_generation()
         await wait_for(lambda: changes[-1] == (range(1, 2), True))
         assert pool.members[1].rejoined == 1 and pool.members[0].up
+        tg.cancel_scope.cancel()
+
+
+async def test_an_engine_that_stops_answering_is_down(tmp_path: Path) -> None:
+    """A hung engine (its /health never answers) is down after ``health_failures`` probes of
+    ``health_timeout`` seconds; it rejoins when it answers again."""
+    a, b = FakeLlama(), FakeLlama()
+    pool, (hung, _) = pool_of(
+        [a, b], tmp_path, health_interval=0.05, health_timeout=0.1, health_failures=2
+    )
+    changes: list[tuple[range, bool]] = []
+    async with pool, anyio.create_task_group() as tg:
+        tg.start_soon(pool.watch, lambda slots, up: changes.append((slots, up)))
+        await anyio.sleep(0.3)
+        assert changes == []  # both answer: nothing changes
+        hung.hung = True
+        await wait_for(lambda: changes == [(range(0, 2), False)])
+        assert pool.members[0].failures >= 2 and "does not answer" in pool.members[0].detail
+        hung.hung = False
+        await wait_for(lambda: changes[-1] == (range(0, 2), True))
         tg.cancel_scope.cancel()
 
 
