@@ -39,7 +39,7 @@ from agentkv_server import logs
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
-from agentkv_server.pool import open_engines, pool_layout
+from agentkv_server.pool import open_engines, pool_layout, start_all
 
 __all__ = [
     "build_parser",
@@ -601,11 +601,11 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[_Engine]:
         progress(f"a pool of {len(configs)} llama-servers: {layout.describe()}")
     async with contextlib.AsyncExitStack() as stack:
         processes = [
-            await stack.enter_async_context(
-                LlamaServerProcess(each, binary=binary, on_progress=progress)
-            )
-            for each in configs
+            LlamaServerProcess(each, binary=binary, on_progress=progress) for each in configs
         ]
+        for process in processes:
+            stack.push_async_callback(process.__aexit__, None, None, None)
+        await start_all(processes)
         supervisors = [
             EngineSupervisor(process, max_failures=args.max_restarts, window=args.restart_window)
             for process in processes

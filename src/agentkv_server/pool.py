@@ -19,16 +19,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import anyio
 import attrs
 
 from agentkv import AgentKVError
 from agentkv.runtime.build import DEVICE_MARGIN, Device, Offload
 from agentkv.runtime.client import LlamaSlotClient
-from agentkv.runtime.engine import EngineConfig
+from agentkv.runtime.engine import EngineConfig, LlamaServerProcess
 from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.status import EngineStatus
 
-__all__ = ["PoolLayout", "open_engines", "pool_layout"]
+__all__ = ["PoolLayout", "open_engines", "pool_layout", "start_all"]
 
 log = logging.getLogger("agentkv.server")
 
@@ -57,8 +58,10 @@ class PoolLayout:
                 None if config.slot_save_dir is None else config.slot_save_dir / f"engine-{i}"
             )
             args = (*config.extra_args, *extra)
+            # A port given (--engine-port) is the first engine's; the others take the next ones.
+            port = config.port + i if config.port else 0
             # attrs' plugin and a tuple converter (as in agentkv_bench.restore_reuse).
-            out.append(attrs.evolve(config, slot_save_dir=slot_dir, extra_args=args))  # type: ignore[arg-type]
+            out.append(attrs.evolve(config, slot_save_dir=slot_dir, extra_args=args, port=port))  # type: ignore[arg-type]
         return out
 
     def describe(self) -> str:
@@ -96,6 +99,19 @@ def pool_layout(
         return PoolLayout(engines, threads, max(0, min(room, kv_budget // engines)), used)
     total = threads if threads is not None else (cpus or os.cpu_count() or 1)
     return PoolLayout(engines, max(1, total // engines), kv_budget // engines)
+
+
+async def start_all(processes: Sequence[LlamaServerProcess]) -> None:
+    """Start the engines side by side (their model loads overlap); the first failure is raised
+    as it is (the caller stops every process, started or not)."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for process in processes:
+                tg.start_soon(process.start)
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 class _MemberLike(Protocol):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 
 from agentkv.runtime.build import DEVICE_MARGIN, Device, Offload
@@ -43,6 +44,8 @@ def test_engines_on_gpus_get_one_device_each() -> None:
     assert [c.slot_save_dir for c in configs] == [Path("store/engine-0"), Path("store/engine-1")]
     assert [c.extra_args for c in configs] == [("--device", "CUDA0"), ("--device", "CUDA1")]
     assert layout.configs(config)[0].slots == config.slots
+    assert [c.port for c in layout.configs(attrs.evolve(config, port=9000))] == [9000, 9001]
+    assert [c.port for c in layout.configs(attrs.evolve(config, port=0))] == [0, 0]
     # More engines than GPUs: they share the devices llama-server spreads the model over.
     crowded = pool_layout(3, offload, model_bytes=4 * GIB, kv_budget=120 * GIB, threads=None)
     assert crowded.devices == () and crowded.kv_budget == 40 * GIB
