@@ -68,7 +68,7 @@ class PoolLayout:
         where = (
             ", ".join(d.name for d in self.devices)
             if self.devices
-            else f"the CPU, {self.threads} threads each"
+            else f"the CPU, {self.threads} thread{'' if self.threads == 1 else 's'} each"
             if self.threads
             else "the CPU"
         )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from pathlib import Path
 
 import attrs
+import httpx
 import pytest
 
 from agentkv.runtime.build import DEVICE_MARGIN, Device, Offload
@@ -80,3 +83,46 @@ def test_engines_and_upstream_do_not_mix() -> None:
         cli.main(["--engines", "2", "--upstream", "http://a"])
     with pytest.raises(SystemExit, match="at least 1"):
         cli.main(["--engines", "0"])
+
+
+def test_agentkv_server_over_two_upstreams_serves_from_both_and_drops_one_that_fails() -> None:
+    """The whole command with ``--upstream`` twice (two fake engines over real HTTP): requests
+    of several agents run on both; an engine whose /health fails is taken out, and every next
+    request runs on the other."""
+    from tests.fakes import FakeLlama
+    from tests.server.test_logs import agentkv_server, fake_engine_over_http
+
+    a, b = FakeLlama(reply="from a"), FakeLlama(reply="from b")
+    with (
+        fake_engine_over_http(a) as url_a,
+        fake_engine_over_http(b) as url_b,
+        agentkv_server(url_a, "--upstream", url_b, "--slots", "4") as (url, _),
+        httpx.Client(base_url=url, timeout=30) as http,
+    ):
+        engines = http.get("/agentkv/slots").json()["engines"]
+        assert [e["url"] for e in engines] == [url_a, url_b]
+        assert len(http.get("/agentkv/slots").json()["slots"]) == 8
+
+        def ask(agent: str) -> str:
+            body = {
+                "model": "m",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": f"{agent}: say hello."}],
+            }
+            r = http.post("/v1/messages", json=body, headers={"x-agent-id": agent})
+            assert r.status_code == 200, r.text
+            return str(r.json()["content"][0]["text"])
+
+        # Slots 0-3 are engine a's: eight agents at once fill them, then engine b's.
+        a.prefill_delay = b.prefill_delay = 0.5
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(ask, [f"agent{i}" for i in range(8)]))
+        assert set(replies) == {"from a", "from b"}
+        b.healthy = False
+        deadline = time.monotonic() + 15
+        while http.get("/agentkv/slots").json()["engines"][1]["up"]:
+            assert time.monotonic() < deadline, "engine b was not taken out"
+            time.sleep(0.1)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(ask, [f"later{i}" for i in range(8)]))
+        assert set(replies) == {"from a"}
