@@ -8,28 +8,30 @@ stay in the store directory (see :mod:`agentkv.runtime.pool`).
 
 :func:`open_engines` makes the one client the runtime talks to: the engine's own client, or an
 :class:`~agentkv.runtime.pool.EnginePool` over all of them, each engine's slot count read from
-its ``/slots``.
+its ``/slots``. A pool whose engines say (``/props``) that they run different models, contexts
+or builds is refused.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path, PurePath
 from typing import Any, Protocol
 
 import anyio
 import attrs
 
 from agentkv import AgentKVError
+from agentkv.exceptions import EngineResponseError
 from agentkv.runtime.build import DEVICE_MARGIN, Device, Offload
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.engine import EngineConfig, LlamaServerProcess
 from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.status import EngineStatus
 
-__all__ = ["PoolLayout", "open_engines", "pool_layout", "start_all"]
+__all__ = ["PoolLayout", "check_alike", "open_engines", "pool_layout", "start_all"]
 
 log = logging.getLogger("agentkv.server")
 
@@ -136,6 +138,34 @@ async def _slot_count(client: LlamaSlotClient, expected: int) -> int:
     return len(table) or expected
 
 
+def _shape(props: Mapping[str, Any]) -> tuple[str, Any, Any]:
+    """What two engines of a pool must agree on, from ``/props``: the model file's name, the
+    context per slot and the build."""
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, Mapping) else None
+    return PurePath(str(props.get("model_path") or "")).name, n_ctx, props.get("build_info")
+
+
+async def check_alike(clients: Sequence[LlamaSlotClient]) -> None:
+    """Refuse a pool whose engines run different models, contexts or builds (as their
+    ``/props`` say): a state saved on one would be restored on another that cannot use it. An
+    engine too old to answer ``/props`` is not compared."""
+    shapes = []
+    for client in clients:
+        try:
+            shapes.append((client.base_url, _shape(await client.props())))
+        except EngineResponseError:
+            continue
+    if len({shape for _, shape in shapes}) > 1:
+        listed = "; ".join(
+            f"{url}: model {name or '?'}, n_ctx {n_ctx}, build {build}"
+            for url, (name, n_ctx, build) in shapes
+        )
+        raise AgentKVError(
+            f"the engines of a pool must run one model with the same settings, but {listed}"
+        )
+
+
 async def open_engines(
     members: Sequence[_MemberLike],
     *,
@@ -157,6 +187,7 @@ async def open_engines(
             if say is not None:
                 say(f"waiting for llama-server at {client.base_url}")
             await client.wait_ready(timeout)
+        await check_alike(clients)
         counts = [await _slot_count(client, slots) for client in clients]
     except BaseException:
         for client in clients:

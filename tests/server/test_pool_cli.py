@@ -10,10 +10,12 @@ import attrs
 import httpx
 import pytest
 
+from agentkv import AgentKVError
 from agentkv.runtime.build import DEVICE_MARGIN, Device, Offload
+from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.engine import EngineConfig
 from agentkv_server import cli
-from agentkv_server.pool import pool_layout
+from agentkv_server.pool import check_alike, pool_layout
 
 pytestmark = pytest.mark.anyio
 
@@ -126,3 +128,29 @@ def test_agentkv_server_over_two_upstreams_serves_from_both_and_drops_one_that_f
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(ask, [f"later{i}" for i in range(8)]))
         assert set(replies) == {"from a"}
+
+
+async def test_a_pool_of_different_models_is_refused() -> None:
+    """Engines whose /props name different models (or contexts) cannot share saved states."""
+
+    def props(model: str, n_ctx: int) -> httpx.MockTransport:
+        body = {
+            "model_path": f"/models/{model}",
+            "default_generation_settings": {"n_ctx": n_ctx},
+            "build_info": "b1",
+        }
+        return httpx.MockTransport(lambda request: httpx.Response(200, json=body))
+
+    def client(name: str, transport: httpx.MockTransport) -> LlamaSlotClient:
+        return LlamaSlotClient(f"http://{name}", http=httpx.AsyncClient(transport=transport))
+
+    same = [client("a", props("q.gguf", 4096)), client("b", props("q.gguf", 4096))]
+    await check_alike(same)  # one model, one context: a pool
+    other = [client("a", props("q.gguf", 4096)), client("b", props("gemma.gguf", 4096))]
+    with pytest.raises(AgentKVError, match=r"one model .* gemma\.gguf"):
+        await check_alike(other)
+    with pytest.raises(AgentKVError, match="n_ctx 8192"):
+        await check_alike([client("a", props("q.gguf", 4096)), client("b", props("q.gguf", 8192))])
+    # An engine without /props is not compared.
+    silent = httpx.MockTransport(lambda request: httpx.Response(404, json={"error": "no"}))
+    await check_alike([client("a", props("q.gguf", 4096)), client("b", silent)])
