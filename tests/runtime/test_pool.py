@@ -310,3 +310,16 @@ def test_a_pool_needs_its_shape() -> None:
         EnginePool(clients, slots=[1, 0])
     with pytest.raises(ValueError, match="at least one"):
         EnginePool([], slots=[])
+
+
+def test_every_engine_call_of_the_client_is_routed() -> None:
+    """Each public call of LlamaSlotClient is the pool's own (or made of the pool's own), so a
+    call added to the client later cannot bypass the routing unnoticed."""
+    public = {
+        name
+        for name, value in vars(LlamaSlotClient).items()
+        if callable(value) and not name.startswith("_")
+    }
+    made_of_others = {"count_prompt_tokens"}  # prompt_tokens
+    missing = sorted(name for name in public - made_of_others if name not in vars(EnginePool))
+    assert not missing, missing
