@@ -39,7 +39,8 @@ _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640)
 _DURATION_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 1800)
 #: What a divergence's section starts with; anything else counts as "other".
 _SECTIONS = ("system", "tools", "tool", "message", "messages")
-_STATES = ("idle", "prefilling", "decoding")
+#: ``out``: the slot's engine, in a pool of engines, is down.
+_STATES = ("idle", "prefilling", "decoding", "out")
 _SOURCES = (("slot", "from_slot"), ("store", "from_store"), ("none", "cold"))
 
 

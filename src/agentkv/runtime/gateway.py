@@ -413,6 +413,17 @@ class Gateway:
                 best = (gain, checkpoint)
         return None if best is None else best[1]
 
+    # -- a pool of engines ----------------------------------------------------------------------
+
+    def engine_changed(self, slots: range, up: bool) -> None:
+        """An engine of a pool left placement (``up`` False) or rejoined it, its slots empty
+        either way (:class:`agentkv.runtime.pool.EnginePool`); the queue goes on elsewhere."""
+        if up:
+            self._slots.bring_back(slots)
+            self._dispatch()
+        else:
+            self._slots.take_out(slots)
+
     # -- watchdog -------------------------------------------------------------------------------
 
     def sweep(self) -> list[Lease]:
@@ -454,7 +465,9 @@ class Gateway:
                     "stored": row.stored,
                     "busy": row.refcount > 0,
                     "state": (
-                        "idle"
+                        "out"
+                        if row.refcount == 0 and self._slots.is_out(row.slot)
+                        else "idle"
                         if row.refcount == 0
                         else "decoding"
                         if row.slot in running and running[row.slot].decoding

@@ -58,6 +58,7 @@ from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Checkpoint, Gateway
+from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.record import RequestRecord, RequestStatus, request_fields, request_line
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
@@ -767,6 +768,9 @@ class Runtime:
         self._tg.start_soon(self._upkeep)
         if self.client.status is not None:
             self._tg.start_soon(self._follow_engine_restarts, self.client.status)
+        if isinstance(self.client, EnginePool):
+            # Engines that go down leave placement; when they come back they rejoin, empty.
+            self._tg.start_soon(self.client.watch, self.gateway.engine_changed)
         self.compactor.attach(self._tg)
         return self
 
@@ -1076,6 +1080,8 @@ class Runtime:
         table = self.gateway.table()
         table["store"] = self.store.table() if self.store is not None else None
         table["compactions"] = self.compactor.store.table()
+        if isinstance(self.client, EnginePool):
+            table["engines"] = self.client.table()
         table["agents"] = dict(self._agents)
         self.tree.annotate(table)
         table["running"] = [r.view() for r in self.running()]
