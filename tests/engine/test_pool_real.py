@@ -17,12 +17,12 @@ from agentkv.runtime.assemble import EngineHandle, EngineSettings, open_engine
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.pool import EnginePool
+from agentkv.runtime.pool_launch import open_engines
 from agentkv.runtime.store import PrefixStore
 from agentkv.store import EntryKind, StoreIndex
 from agentkv.translate import MessagesTranslator
 from agentkv_bench.metrics import parse_counters
 from agentkv_bench.workload import minimum_prefill
-from agentkv.runtime.pool_launch import open_engines
 from agentkv_server import cli
 from tests._engine_fixture import locate_engine
 from tests.fakes import wait_for

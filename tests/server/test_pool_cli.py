@@ -92,7 +92,9 @@ def test_engines_and_upstream_do_not_mix(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit, match="at least 1"):
         cli.main(["--engines", "0"])
     with pytest.raises(SystemExit, match="once per --upstream"):
-        cli.main(["--upstream", "http://a", "--upstream-slot-dir", "/a", "--upstream-slot-dir", "/b"])
+        cli.main(
+            ["--upstream", "http://a", "--upstream-slot-dir", "/a", "--upstream-slot-dir", "/b"]
+        )
     with pytest.raises(ValueError, match="not with --upstream"):
         EngineSettings(upstream=("http://a",), engines=2)
 

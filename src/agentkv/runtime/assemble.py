@@ -319,9 +319,7 @@ async def open_engine(
             settings.store_dir if settings.store else None,
             f"upstream:{','.join(urls)}",
             probe_tokens=probe_length(None),
-            members=tuple(
-                EngineMember(url, slot_dir=d) for url, d in zip(urls, dirs, strict=True)
-            ),
+            members=tuple(EngineMember(url, slot_dir=d) for url, d in zip(urls, dirs, strict=True)),
         )
         return
     from agentkv.runtime.build import build_digest, choose_offload
