@@ -491,6 +491,11 @@ class EnginePool(LlamaSlotClient):
             if self._suspect.is_set():
                 self._suspect = anyio.Event()
 
+    @property
+    def restarts(self) -> int:
+        """The restarts of every engine's supervisor, summed (an upstream has none)."""
+        return sum(m.client.status.restarts for m in self.members if m.client.status is not None)
+
     def table(self) -> list[dict[str, Any]]:
         """One row per engine, for the operator."""
         return [
