@@ -19,7 +19,7 @@ A pool (``engines`` above 1, or several ``upstream`` URLs): the launched engines
 machine as :func:`~agentkv.runtime.pool_launch.pool_layout` says, start side by side, and each
 has its own supervisor; the runtime's client is then an
 :class:`~agentkv.runtime.pool.EnginePool` over all of them (see docs/engine.md, "A pool of
-engines").
+llama-servers").
 
 :class:`EngineSettings` are ``agentkv-server``'s *engine* options: its command line is generated
 from these fields, as it is from :class:`~agentkv.runtime.config.RuntimeConfig`'s.
@@ -44,6 +44,7 @@ from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig, setting
 from agentkv.runtime.engine import parse_size
 from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import probe_length, probe_restore
 from agentkv.runtime.supervisor import EngineSupervisor
@@ -272,12 +273,12 @@ async def assemble(
     slots and context read from ``/slots``, the store checked; ``config``'s ``n_slots``,
     ``ctx_per_slot`` and ``store_dir`` are replaced by what the engine is. The engine and the
     client are closed on the way out."""
-    from agentkv.runtime.pool import EnginePool
     from agentkv.runtime.pool_launch import open_engines
 
     config = config if config is not None else RuntimeConfig()
     async with open_engine(settings, on_progress=on_progress) as engine:
-        # One engine's own client, or a pool over several (each has loaded its model then).
+        # One engine's own client, or a pool over several (whose engines have all loaded their
+        # model by then).
         client = await open_engines(
             engine.engines,
             slots=settings.slots,
