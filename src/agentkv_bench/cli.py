@@ -41,6 +41,7 @@ SCENARIOS = (
     "restart",
     "priority",
     "subagents",
+    "mixed",
     "real-cli",
     "overhead",
     "soak",
@@ -50,6 +51,7 @@ _CONFIGS = {
     "claude": ("plain", "tuned", "agentkv"),
     "priority": ("alone", "plain", "tuned", "agentkv", "agentkv-preempt"),
     "subagents": ("alone", "plain", "agentkv-notree", "agentkv", "agentkv-warm"),
+    "mixed": ("direct", "agentkv"),
     "real-cli": ("llama-server", "agentkv", "agentkv-warm"),
 }
 #: Context per slot: the synthetic prompts are short; Claude Code's first request is ~11.8K.
@@ -68,15 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="agents",
         help="agents: synthetic agents > slots; claude: fresh Claude Code sessions; restart: "
         "the prefix store across a restart; priority: P0 while sub-agents prefill; subagents: a "
-        "Claude Code coordinator fanning out to sub-agents (its replies scripted); real-cli: "
+        "Claude Code coordinator fanning out to sub-agents (its replies scripted); mixed: Claude "
+        "Code and Codex agents together, each API its own route; real-cli: "
         "the real Claude Code CLI; overhead: the gateway against a fake engine; soak: many "
         "clients, dropped requests and an engine kill against agentkv-server (default agents)",
     )
     parser.add_argument("--quick", action="store_true", help="the small CI-sized version")
     size = parser.add_argument_group("size")
-    size.add_argument("--agents", type=int, help="agents (agents 6, claude 3; quick 3)")
+    size.add_argument(
+        "--agents", type=int, help="agents (agents 6, claude 3; quick 3; mixed: of each kind, 2)"
+    )
     size.add_argument("--slots", type=int, help="llama-server slots (default 2)")
-    size.add_argument("--turns", type=int, help="agents: requests per agent (default 4; quick 2)")
+    size.add_argument(
+        "--turns", type=int, help="agents, mixed: requests per agent (default 4; quick 2; mixed 2)"
+    )
     size.add_argument("--sessions", type=int, help="claude: fresh sessions per agent (default 2)")
     size.add_argument(
         "--followups", type=int, help="claude: follow-up turns per session (default 0; quick 1)"
@@ -84,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument(
         "--scale",
         type=float,
-        help="claude, restart, priority, subagents: length of the Claude Code prompt's texts, "
-        "1 = as captured (~11.6K tokens; quick 0.125)",
+        help="claude, restart, priority, subagents, mixed: length of the captured prompts' texts, "
+        "1 = as captured (~11.6K tokens for Claude Code; quick 0.125)",
     )
     size.add_argument("--rounds", type=int, help="priority: P0 arrivals (default 3; quick 2)")
     size.add_argument("--subagents", type=int, help="priority: sub-agents (default 2)")
@@ -119,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs",
         help="comma list of configurations (agents, claude: plain,tuned,agentkv; priority: "
         "alone,plain,tuned,agentkv,agentkv-preempt; subagents: alone,plain,agentkv-notree,agentkv,"
-        "agentkv-warm; real-cli: llama-server,agentkv,agentkv-warm)",
+        "agentkv-warm; mixed: direct,agentkv; real-cli: llama-server,agentkv,agentkv-warm)",
     )
     parser.add_argument(
         "--tuned-args",
@@ -236,6 +243,19 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
         )
         report = await run_subagents(bench, sub_spec, _configs(args, scenario))
         return report, subagents_table(report)
+    if scenario == "mixed":
+        from agentkv_bench.mixed import MixedSpec, mixed_table, run_mixed
+
+        mixed_spec = _evolve(
+            MixedSpec.quick() if args.quick else MixedSpec(),
+            claude_agents=args.agents,
+            codex_agents=args.agents,
+            slots=setup.slots,
+            turns=args.turns,
+            scale=args.scale,
+        )
+        report = await run_mixed(bench, mixed_spec, _configs(args, scenario))
+        return report, mixed_table(report)
     from agentkv_bench.claude import CliSpec, find_claude, real_cli_table, run_real_cli
 
     cli_spec = _evolve(

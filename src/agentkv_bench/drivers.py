@@ -1,8 +1,10 @@
-"""The client side: agents as closed loops of streamed ``POST /v1/messages``, timed per request.
+"""The client side: agents as closed loops of streamed requests, timed per request.
 
-The same code drives every configuration. TTFT is submit → first ``content_block_delta``:
-agentkv sends ``message_start`` at once and llama-server only when it starts generating, so the
-first content delta is the comparable moment.
+The same code drives every configuration. An agent speaks one API (:data:`ROUTES`): Anthropic
+Messages (``POST /v1/messages``, Claude Code), OpenAI Responses (``POST /v1/responses``, Codex) or
+Chat Completions (``POST /v1/chat/completions``). TTFT is submit → the first delta of content
+(text or a tool call's input): agentkv sends ``message_start`` / ``response.created`` at once and
+llama-server only when it starts generating, so the first content delta is the comparable moment.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import httpx
 
 from agentkv_bench.workload import Agent, Workload
 
-__all__ = ["Clock", "RequestResult", "drive", "one_request"]
+__all__ = ["ROUTES", "Clock", "RequestResult", "StreamEvent", "drive", "one_request", "read_event"]
 
 #: A small stagger between agents that start together makes the arrival order the same in every
 #: configuration.
@@ -62,20 +64,102 @@ class _Reply:
     text: str
 
 
+#: Each API's route.
+ROUTES = {
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+    "chat": "/v1/chat/completions",
+}
+
+
+@attrs.frozen
+class StreamEvent:
+    """What one streamed event says, whatever the API: content arrived (``text`` is its visible
+    part), the reply's output token count, or an error."""
+
+    content: bool = False
+    text: str = ""
+    output_tokens: int | None = None
+    error: str | None = None
+
+
+def _messages_event(event: dict[str, Any]) -> StreamEvent:
+    kind = event.get("type")
+    if kind == "content_block_delta":
+        delta = event.get("delta") or {}
+        text = delta.get("text")
+        return StreamEvent(content=True, text=text if isinstance(text, str) else "")
+    if kind == "message_delta":
+        return StreamEvent(output_tokens=int(event.get("usage", {}).get("output_tokens", 0) or 0))
+    if kind == "error":
+        return StreamEvent(error=json.dumps(event.get("error")))
+    return StreamEvent()
+
+
+def _responses_event(event: dict[str, Any]) -> StreamEvent:
+    kind = event.get("type")
+    if kind == "response.output_text.delta":
+        delta = event.get("delta")
+        return StreamEvent(content=True, text=delta if isinstance(delta, str) else "")
+    if kind == "response.function_call_arguments.delta":
+        return StreamEvent(content=True)
+    if kind == "response.completed":
+        usage = (event.get("response") or {}).get("usage") or {}
+        return StreamEvent(output_tokens=int(usage.get("output_tokens", 0) or 0))
+    if kind in ("response.failed", "error"):
+        failed = (event.get("response") or {}).get("error") if kind == "response.failed" else None
+        return StreamEvent(error=json.dumps(failed or event.get("error") or event))
+    return StreamEvent()
+
+
+def _chat_event(event: dict[str, Any]) -> StreamEvent:
+    if "error" in event:
+        return StreamEvent(error=json.dumps(event["error"]))
+    usage = event.get("usage")
+    tokens = int(usage.get("completion_tokens", 0) or 0) if isinstance(usage, dict) else None
+    for choice in event.get("choices") or ():
+        delta = choice.get("delta") or {}
+        text = delta.get("content")
+        if text or delta.get("tool_calls"):
+            return StreamEvent(
+                content=True, text=text if isinstance(text, str) else "", output_tokens=tokens
+            )
+    return StreamEvent(output_tokens=tokens)
+
+
+_READERS: dict[str, Callable[[dict[str, Any]], StreamEvent]] = {
+    "messages": _messages_event,
+    "responses": _responses_event,
+    "chat": _chat_event,
+}
+
+
+def read_event(api: str, data: str) -> StreamEvent:
+    """One SSE ``data:`` payload of ``api``'s stream (``[DONE]`` ends a Chat stream: nothing)."""
+    data = data.strip()
+    if not data or data == "[DONE]":
+        return StreamEvent()
+    event = json.loads(data)
+    return _READERS[api](event) if isinstance(event, dict) else StreamEvent()
+
+
 async def one_request(
     http: httpx.AsyncClient,
     url: str,
     body: dict[str, Any],
     headers: dict[str, str],
     clock: Callable[[], float],
+    *,
+    api: str = "messages",
 ) -> _Reply:
-    """Stream one ``/v1/messages`` request and time it."""
+    """Stream one request to ``api``'s route (:data:`ROUTES`) and time it."""
     submitted = clock()
     first: float | None = None
     output = 0
     error: str | None = None
     text: list[str] = []
-    async with http.stream("POST", url + "/v1/messages", json=body, headers=headers) as response:
+    route = url + ROUTES[api]
+    async with http.stream("POST", route, json=body, headers=headers) as response:
         if response.status_code != 200:
             await response.aread()
             return _Reply(
@@ -84,22 +168,20 @@ async def one_request(
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
-            event = json.loads(line[5:])
-            kind = event.get("type")
-            if kind == "content_block_delta":
-                if first is None:
-                    first = clock()
-                delta = event.get("delta") or {}
-                if isinstance(delta.get("text"), str):
-                    text.append(delta["text"])
-            elif kind == "message_delta":
-                output = int(event.get("usage", {}).get("output_tokens", 0) or 0)
-            elif kind == "error":
-                error = json.dumps(event.get("error"))
+            event = read_event(api, line[5:])
+            if event.content and first is None:
+                first = clock()
+            text.append(event.text)
+            if event.output_tokens is not None:
+                output = event.output_tokens
+            if event.error is not None:
+                error = event.error
     return _Reply(submitted, first, clock(), output, error, "".join(text))
 
 
 def _headers(agent: Agent) -> dict[str, str]:
+    if agent.headers:
+        return dict(agent.headers)
     return {
         "x-api-key": "bench",
         "anthropic-version": "2023-06-01",
@@ -127,7 +209,7 @@ async def drive(
             headers = _headers(agent)
             for turn, body in enumerate(agent.requests):
                 try:
-                    reply = await one_request(http, url, body, headers, clock)
+                    reply = await one_request(http, url, body, headers, clock, api=agent.api)
                 except httpx.HTTPError as exc:
                     # Recorded, not raised: one broken request must not lose the whole run.
                     now = clock()

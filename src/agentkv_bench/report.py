@@ -22,6 +22,7 @@ __all__ = [
     "percentile",
     "render_table",
     "summarize",
+    "target_lines",
     "write_report",
 ]
 
@@ -135,6 +136,15 @@ def render_table(configs: Sequence[dict[str, Any]], rows: Sequence[Row]) -> str:
     lines = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += [line([name, *row]) for name, row in cells]
     return "\n".join(lines)
+
+
+def target_lines(targets: dict[str, Any], heading: str = "Targets:") -> list[str]:
+    """The report's targets as text lines: each with its figure, its target and the verdict."""
+    lines = [heading]
+    for key, row in targets.items():
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[row.get("met")]
+        lines.append(f"- {key}: {row['value']} (target {row['target']}): {verdict}")
+    return lines
 
 
 Panel = tuple[str, Callable[[dict[str, Any]], float]]

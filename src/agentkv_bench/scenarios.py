@@ -97,11 +97,15 @@ def _hits(table: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _expected_word(body: dict[str, Any]) -> str | None:
-    """The word a fresh one-word request asks for (None for follow-up turns)."""
+    """The word a fresh one-word request asks for: the last word of its last user turn (None for
+    follow-up turns, which hold an assistant turn)."""
     messages = body.get("messages", [])
-    if len(messages) > 2 or not messages or not isinstance(messages[0].get("content"), list):
+    if any(m.get("role") == "assistant" for m in messages):
         return None
-    words = str(messages[0]["content"][-1].get("text", "")).split()
+    users = [m for m in messages if m.get("role") == "user"]
+    if not users or not isinstance(users[-1].get("content"), list) or not users[-1]["content"]:
+        return None
+    words = str(users[-1]["content"][-1].get("text", "")).split()
     return words[-1].strip(".").lower() if words else None
 
 

@@ -594,7 +594,7 @@ def _le(value: float | None, bound: float | None) -> bool | None:
 
 
 def subagents_table(report: dict[str, Any]) -> str:
-    from agentkv_bench.report import fmt, render_table
+    from agentkv_bench.report import fmt, render_table, target_lines
 
     configs = [c for c in report["configs"] if c["name"] != "alone"]
     names = [step for c in configs for step in c["steps"]]
@@ -630,8 +630,5 @@ def subagents_table(report: dict[str, Any]) -> str:
         f"{facts['continuation_tokens']}. The coordinator's replies are scripted by the harness."
     )
     lines.append("")
-    lines.append("Targets:")
-    for key, row in report["targets"].items():
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[row.get("met")]
-        lines.append(f"- {key}: {row['value']} (target {row['target']}): {verdict}")
+    lines += target_lines(report["targets"])
     return "\n".join(lines)

@@ -90,6 +90,10 @@ class Agent:
     The agent sends its requests one after another (closed loop), the first ``start`` seconds
     after the workload starts. ``sessions`` gives each request's session (a fresh conversation
     starts a new one); empty means one session.
+
+    ``api`` is the route its requests go to (:data:`agentkv_bench.drivers.ROUTES`: Anthropic
+    Messages by default, or OpenAI Responses or Chat Completions). ``headers``, when given, are
+    sent instead of ``X-Agent-Id``/``X-Agent-Priority``: a client's own identity headers.
     """
 
     name: str
@@ -97,6 +101,8 @@ class Agent:
     requests: tuple[dict[str, Any], ...]
     start: float = 0.0
     sessions: tuple[int, ...] = ()
+    api: str = "messages"
+    headers: tuple[tuple[str, str], ...] = ()
 
     def session_of(self, index: int) -> int:
         return self.sessions[index] if self.sessions else 0

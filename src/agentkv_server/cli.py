@@ -26,6 +26,7 @@ import attrs
 import uvicorn
 
 from agentkv import AgentKVError
+from agentkv.runtime.adapters import engine_name
 from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
 from agentkv_server import logs
@@ -129,6 +130,7 @@ def _add_options(groups: dict[str, argparse._ArgumentGroup]) -> None:
                 else (kind if kind in (int, float) else (Path if kind is Path else str)),
                 default=default,
                 metavar=field.metadata.get("metavar"),
+                choices=field.metadata.get("choices"),
                 help=help_text if "default" in help_text else f"{help_text} (default: {shown})",
             )
 
@@ -194,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  agentkv-server --model ./qwen.gguf --slots 4 --ctx-per-slot 16384 --gpu-layers 99\n"
             "  agentkv-server --upstream http://127.0.0.1:8080 --slots 4  # running llama-server\n"
             "  agentkv-server --engines 2 --slots 2   # a pool of two llama-servers\n"
+            "  agentkv-server --upstream http://127.0.0.1:8000 --engine-kind vllm --slots 16\n"
             "  agentkv-server status --watch   # the slot table of a running agentkv-server\n"
             "  agentkv-server store clear [--agent ID]   # delete saved KV states\n"
         ),
@@ -445,8 +448,9 @@ def _progress(message: str) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     settings: EngineSettings = _from_args(EngineSettings, args)
+    name = engine_name(settings.engine_kind)
     for upstream in settings.upstream:
-        logs.say(f"waiting for llama-server at {upstream.rstrip('/')}")
+        logs.say(f"waiting for {name} at {upstream.rstrip('/')}")
     async with assemble(settings, _from_args(RuntimeConfig, args), on_progress=_progress) as built:
         engine, runtime = built.engine, built.runtime
         runtime_config = runtime.config
@@ -480,8 +484,11 @@ async def _serve(args: argparse.Namespace) -> None:
         url = f"http://{server_config.host}:{server_config.port}"
         fields = logs.startup_fields(
             engine=", ".join(m.base_url for m in engine.engines),
+            engine_name=built.client.engine_name,
             launched=not settings.upstream,
-            model=str(engine.model) if engine.model is not None else None,
+            model=str(engine.model)
+            if engine.model is not None
+            else getattr(built.client, "model", None),
             slots=runtime_config.n_slots,
             ctx_per_slot=runtime_config.ctx_per_slot,
             store=str(runtime_config.store_dir) if runtime_config.store_dir is not None else None,
@@ -527,6 +534,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("agentkv-server: --slots must be at least 1")
     if args.engines < 1:
         raise SystemExit("agentkv-server: --engines must be at least 1")
+    try:
+        _from_args(EngineSettings, args)
+    except ValueError as exc:
+        raise SystemExit(f"agentkv-server: {exc}") from None
     try:
         _from_args(EngineSettings, args)
     except ValueError as exc:

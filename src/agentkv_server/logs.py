@@ -112,10 +112,13 @@ def startup_fields(
     device: str | None = None,
     warnings: Sequence[str] = (),
     codex: str | None = None,
+    engine_name: str = "llama-server",
 ) -> dict[str, Any]:
-    """What a user needs once the server is up, as data."""
+    """What a user needs once the server is up, as data. ``engine_name``: another engine than
+    llama-server places requests itself, and agentkv's slots are how many it sends at once."""
     return {
         "engine": engine,
+        "engine_name": engine_name,
         "device": device,
         "warnings": list(warnings),
         "launched": launched,
@@ -141,11 +144,15 @@ def startup_block(fields: Mapping[str, Any]) -> str:
     store = fields["store"]
     if store and fields.get("store_budget"):
         store = f"{store} (up to {fields['store_budget'] / 2**30:.1f} GiB)"
+    name = fields.get("engine_name") or "llama-server"
+    slots = f"{fields['slots']} × {ctx if ctx is not None else '?'} tokens"
+    if name != "llama-server":
+        slots = f"{fields['slots']} requests at once, placed by {name} ({ctx or '?'} tokens each)"
     rows = [
-        ("engine", f"llama-server at {engine}"),
-        ("model", fields["model"] or "the one llama-server loaded"),
+        ("engine", f"{name} at {engine}"),
+        ("model", fields["model"] or f"the one {name} loaded"),
         *([("device", fields["device"])] if fields.get("device") else []),
-        ("slots", f"{fields['slots']} × {ctx if ctx is not None else '?'} tokens"),
+        ("slots", slots),
         ("store", store or "off"),
         ("API", fields["api"] + (" (x-api-key required)" if fields["api_key_required"] else "")),
         ("page", fields["page"]),

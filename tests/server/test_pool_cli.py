@@ -97,6 +97,10 @@ def test_engines_and_upstream_do_not_mix(capsys: pytest.CaptureFixture[str]) -> 
         )
     with pytest.raises(ValueError, match="not with --upstream"):
         EngineSettings(upstream=("http://a",), engines=2)
+    # A pool is of llama-servers: an engine that places requests itself is given once.
+    with pytest.raises(ValueError, match="a pool is of llama-servers"):
+        EngineSettings(upstream=("http://a", "http://b"), engine_kind="vllm")
+    assert EngineSettings(upstream="http://a", engine_kind="vllm").upstream == ("http://a",)
 
 
 def test_agentkv_server_over_two_upstreams_serves_from_both_and_drops_one_that_fails() -> None:

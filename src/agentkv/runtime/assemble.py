@@ -40,6 +40,7 @@ import anyio.to_thread
 import attrs
 
 from agentkv.exceptions import AgentKVError
+from agentkv.runtime.adapters import ENGINE_KINDS, LLAMA, OpenAIEngineClient, adapter, adapter_shape
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig, setting
 from agentkv.runtime.engine import parse_size
@@ -57,6 +58,7 @@ __all__ = [
     "assemble",
     "check_store",
     "engine_shape",
+    "open_client",
     "open_engine",
 ]
 
@@ -107,10 +109,21 @@ class EngineSettings:
         metavar="N",
         group="engine",
     )
+    engine_kind: str = setting(
+        LLAMA,
+        "the engine at --upstream: llama-server (default), or an engine that places "
+        "requests itself, reached through its OpenAI-compatible API (vllm, sglang, dynamo, or "
+        "openai for any other; then --slots is how many requests agentkv sends it at once, "
+        "--model names its model, and there is no prefix store; see docs/engines.md)",
+        validator=attrs.validators.in_(ENGINE_KINDS),
+        choices=ENGINE_KINDS,
+        group="engine",
+    )
     model: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
         None,
         "GGUF model to launch llama-server with (default: the bundled "
-        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled on first use)",
+        "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled on first use); with another "
+        "--engine-kind, the name of the model the engine serves (default: the first it lists)",
         metavar="PATH",
         group="engine",
     )
@@ -187,10 +200,19 @@ class EngineSettings:
     )
 
     def __attrs_post_init__(self) -> None:
+        if self.engine_kind != LLAMA and not self.upstream:
+            raise ValueError(
+                f"--engine-kind {self.engine_kind} needs --upstream URL "
+                "(agentkv launches only llama-server)"
+            )
         if self.upstream_slot_dir and len(self.upstream_slot_dir) != len(self.upstream):
             raise ValueError("give --upstream-slot-dir once per --upstream, or not at all")
         if self.engines > 1 and self.upstream:
             raise ValueError("--engines launches llama-servers: not with --upstream")
+        if self.engine_kind != LLAMA and len(self.upstream) > 1:
+            raise ValueError(
+                f"a pool is of llama-servers: give --engine-kind {self.engine_kind} one --upstream"
+            )
 
 
 @attrs.frozen
@@ -277,15 +299,18 @@ async def assemble(
 
     config = config if config is not None else RuntimeConfig()
     async with open_engine(settings, on_progress=on_progress) as engine:
-        # One engine's own client, or a pool over several (whose engines have all loaded their
-        # model by then).
-        client = await open_engines(
-            engine.engines,
-            slots=settings.slots,
-            store_dir=engine.store_dir,
-            timeout=READY_TIMEOUT,
-            templating_limit=settings.templating_limit,
-        )
+        if settings.engine_kind == LLAMA and len(engine.engines) > 1:
+            # A pool over several llama-servers (whose engines have all loaded their model by
+            # then).
+            client = await open_engines(
+                engine.engines,
+                slots=settings.slots,
+                store_dir=engine.store_dir,
+                timeout=READY_TIMEOUT,
+                templating_limit=settings.templating_limit,
+            )
+        else:
+            client = open_client(settings, engine)
         try:
             await client.wait_ready(READY_TIMEOUT)
             slots = client.n_slots if isinstance(client, EnginePool) else settings.slots
@@ -317,7 +342,8 @@ async def open_engine(
         yield EngineHandle(
             urls[0],
             settings.ctx_per_slot,
-            settings.store_dir if settings.store else None,
+            # An engine that places requests itself has no slot files: no store.
+            settings.store_dir if settings.store and settings.engine_kind == LLAMA else None,
             f"upstream:{','.join(urls)}",
             probe_tokens=probe_length(None),
             members=tuple(EngineMember(url, slot_dir=d) for url, d in zip(urls, dirs, strict=True)),
@@ -464,10 +490,34 @@ async def open_engine(
             raise
 
 
+def open_client(settings: EngineSettings, engine: EngineHandle) -> LlamaSlotClient:
+    """The engine's client: llama-server's, or the adapter for ``settings.engine_kind``
+    (:mod:`agentkv.runtime.adapters`), which names ``settings.model`` as the engine's model."""
+    if settings.engine_kind == LLAMA:
+        return LlamaSlotClient(
+            engine.base_url,
+            api_key=engine.api_key,
+            status=engine.status,
+            templating_limit=settings.templating_limit,
+        )
+    return adapter(
+        settings.engine_kind,
+        engine.base_url,
+        model=str(settings.model) if settings.model is not None else None,
+        api_key=engine.api_key,
+        status=engine.status,
+        templating_limit=settings.templating_limit,
+    )
+
+
 async def engine_shape(
     client: LlamaSlotClient, slots: int, ctx_per_slot: int | None
 ) -> tuple[int, int | None]:
-    """The engine's real slot count and context per slot, read from its /slots."""
+    """The engine's real slot count and context per slot, read from its /slots; for an engine
+    that places requests itself (an adapter), ``slots`` as given and the model's context from
+    its /v1/models (:func:`~agentkv.runtime.adapters.adapter_shape`)."""
+    if isinstance(client, OpenAIEngineClient):
+        return await adapter_shape(client, slots, ctx_per_slot)
     try:
         table = await client.slots()
     except AgentKVError as exc:

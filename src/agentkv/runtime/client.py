@@ -36,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import attrs
@@ -69,7 +69,11 @@ from agentkv.runtime.error_map import (
 from agentkv.runtime.health import probe, wait_until_ready
 from agentkv.runtime.status import EngineStatus
 
+if TYPE_CHECKING:
+    from agentkv.runtime.hints import EngineHints
+
 __all__ = [
+    "CHAT_PATH",
     "HTTPX_ERROR_MAP",
     "LinkStats",
     "LlamaSlotClient",
@@ -81,7 +85,8 @@ __all__ = [
 
 log = logging.getLogger("agentkv.client")
 
-_CHAT_PATH = "/v1/chat/completions"
+#: llama-server's (and every OpenAI-compatible engine's) chat completion path.
+CHAT_PATH = "/v1/chat/completions"
 # Opening a TCP connection to a local server never legitimately takes long; a slow connect means
 # the host is wrong or the server is wedged, and the caller should hear about it quickly.
 _CONNECT_TIMEOUT = 10.0
@@ -127,6 +132,13 @@ class LlamaSlotClient:
     caller cancelled while waiting never sends its call.
     """
 
+    #: The engine has slots agentkv pins requests to, and saves and restores their KV cache as
+    #: files (the prefix store). An engine that places requests itself
+    #: (:mod:`agentkv.runtime.adapters`) has neither.
+    slot_files: ClassVar[bool] = True
+    #: The engine, in words (the banner, log lines).
+    engine_name: ClassVar[str] = "llama-server"
+
     def __init__(
         self,
         base_url: str,
@@ -168,12 +180,19 @@ class LlamaSlotClient:
             "cache_prompt": True,
         }
 
-    async def chat(self, body: Mapping[str, Any], *, slot: int | None) -> dict[str, Any]:
+    async def chat(
+        self,
+        body: Mapping[str, Any],
+        *,
+        slot: int | None,
+        hints: EngineHints | None = None,
+    ) -> dict[str, Any]:
         """Non-streaming chat completion on ``slot`` (None: any idle slot); the JSON reply with
-        ``timings``."""
+        ``timings``. ``hints`` are for engines that place requests themselves; llama-server is
+        placed by agentkv and needs none."""
         payload = self._chat_body(body, slot, stream=False)
         data = await self._request_json(
-            "POST", _CHAT_PATH, "chat completion", json_body=payload, safe=False
+            "POST", CHAT_PATH, "chat completion", json_body=payload, safe=False
         )
         if not isinstance(data, dict):
             raise EngineResponseError(f"llama-server chat completion returned {data!r:.200}")
@@ -181,15 +200,20 @@ class LlamaSlotClient:
 
     @contextlib.asynccontextmanager
     async def stream(
-        self, body: Mapping[str, Any], *, slot: int | None
+        self,
+        body: Mapping[str, Any],
+        *,
+        slot: int | None,
+        hints: EngineHints | None = None,
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        """Streaming chat completion on ``slot``; yields an iterator of parsed chunk dicts.
+        """Streaming chat completion on ``slot``; yields an iterator of parsed chunk dicts
+        (``hints``: as for :meth:`chat`).
 
         Leaving the ``async with`` block (also by cancellation) closes the upstream response, which
         makes llama-server stop generating and free the slot.
         """
         payload = self._chat_body(body, slot, stream=True)
-        response = await self._send("POST", _CHAT_PATH, "chat completion", payload, stream=True)
+        response = await self._send("POST", CHAT_PATH, "chat completion", payload, stream=True)
         try:
             yield self._chunks(response, "chat completion")
         finally:
@@ -466,11 +490,13 @@ class LlamaSlotClient:
         params: Mapping[str, str] | None = None,
         stream: bool = False,
         safe: bool = False,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         """Send one request, retrying only the safe cases; a 2xx response or an agentkv error.
 
         With ``stream=True`` the returned response body is unread and the caller must close it;
         otherwise the body is read here (and, when ``safe``, asked for again if it broke).
+        ``headers`` are sent besides the client's own (an adapter's per-request hints).
         """
         dropped: DroppedError | None = None
         while True:
@@ -484,7 +510,7 @@ class LlamaSlotClient:
             )
             try:
                 return await retrying(
-                    self._send_once, method, path, what, json_body, params, stream, safe
+                    self._send_once, method, path, what, json_body, params, stream, safe, headers
                 )
             except NotReadyError as exc:
                 # Callers see the public type; the private subclass only steers the retries.
@@ -505,8 +531,9 @@ class LlamaSlotClient:
         json_body: Any,
         params: Mapping[str, str] | None,
         stream: bool,
+        extra: Mapping[str, str] | None = None,
     ) -> httpx.Request:
-        headers = dict(self._headers)
+        headers = {**(extra or {}), **self._headers}
         if stream:
             # A stream's connection is never used again: llama-server may close it once the
             # stream ends, though it advertised keep-alive, and a pool would hand it out dead.
@@ -529,12 +556,13 @@ class LlamaSlotClient:
         params: Mapping[str, str] | None,
         stream: bool,
         safe: bool,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         if self.status is not None and (refused := self.status.error()) is not None:
             raise refused
         self.link.requests += 1
         try:
-            request = self._build(method, path, json_body, params, stream)
+            request = self._build(method, path, json_body, params, stream, headers)
             # Always sent as a stream: what failed before the reply's first byte (safe to send
             # again) is then told apart from what failed while reading it.
             response = await self._http.send(request, stream=True)

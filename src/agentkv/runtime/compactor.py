@@ -25,6 +25,7 @@ from agentkv.compaction import (
     summary_request,
 )
 from agentkv.runtime.gateway import Gateway
+from agentkv.runtime.hints import EngineHints
 
 __all__ = ["Compactor"]
 
@@ -123,9 +124,13 @@ class Compactor:
             lease = await self.gateway.wait(job.ticket)
             job.ticket = None
             holds: tuple[int, ...] | None = None
+            # An engine that places requests itself runs the summary where the agent's context is.
+            hints = EngineHints(agent=agent, priority=priority)
             try:
                 reply = await self.client.chat(
-                    summary_request(body, plan, max_tokens=self.summary_tokens), slot=lease.slot
+                    summary_request(body, plan, max_tokens=self.summary_tokens),
+                    slot=lease.slot,
+                    hints=hints,
                 )
                 summary = _reply_text(reply)
                 if not summary:
@@ -133,7 +138,9 @@ class Compactor:
                     return None
                 result = Compaction(plan, summary, created_at=self.clock(), tokens_before=tokens)
                 compacted = result.apply(body)
-                warm = await self.client.chat({**compacted, "max_tokens": 1}, slot=lease.slot)
+                warm = await self.client.chat(
+                    {**compacted, "max_tokens": 1}, slot=lease.slot, hints=hints
+                )
                 timings = warm.get("timings") or {}
                 after = int(timings.get("prompt_n", 0)) + int(timings.get("cache_n", 0))
                 result = attrs.evolve(result, tokens_after=after)

@@ -35,7 +35,7 @@ from typing import Any
 import anyio
 import attrs
 
-from agentkv._types import Lease, Placement, Ticket
+from agentkv._types import Lease, Placement, Source, Ticket
 from agentkv.costs import CostModel
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.scheduler import FairScheduler
@@ -115,6 +115,9 @@ class Gateway:
     _running: dict[int, _Running] = attrs.field(init=False, factory=dict)
     _checkpoints: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
     _lease_checkpoint: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
+    #: The store entry each lease was placed to restore, pinned (with the index that holds
+    #: it) until the lease ends: a save on another slot meanwhile must not supersede it.
+    _lease_entry: dict[int, tuple[StoreIndex, str]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._slots = SlotManager(self.config.n_slots, lease_ttl=self.config.lease_ttl)
@@ -219,6 +222,7 @@ class Gateway:
         there by a prompt of ``sections``."""
         self._lease_seq.pop(lease.id, None)
         self._running.pop(lease.id, None)
+        self._unpin_entry(lease.id)
         checkpoint = self._lease_checkpoint.pop(lease.id, None)
         self._slots.release(lease, self.clock(), holds=holds, sections=sections)
         if checkpoint is not None and not checkpoint.done:
@@ -431,6 +435,7 @@ class Gateway:
         reclaimed = self._slots.sweep(self.clock())
         for lease in reclaimed:
             self._running.pop(lease.id, None)
+            self._unpin_entry(lease.id)
             self._lease_seq.pop(lease.id, None)
             log.warning(
                 "watchdog reclaimed lease %d on slot %d (agent %s), held since %.1f",
@@ -578,10 +583,27 @@ class Gateway:
                 queue.submit(ticket, ticket.arrival)
                 return
             lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
+            self._pin_entry(lease)
             waiter.lease = lease
             self._lease_seq[lease.id] = next(self._dispatched)
             self._plan_checkpoint(ticket, lease)
             waiter.event.set()
+
+    def _pin_entry(self, lease: Lease) -> None:
+        """Keep the entry ``lease`` was placed to restore until the lease ends. Between the
+        placement and the restore the request may park the slot's content first, and another
+        slot's save may meanwhile supersede an entry that is a prefix of its own: the restore
+        would then find nothing and compute the whole prompt."""
+        entry_id = lease.placement.entry_id
+        if self.store is not None and lease.placement.source is Source.STORE and entry_id:
+            self.store.pin(entry_id)
+            self._lease_entry[lease.id] = (self.store, entry_id)
+
+    def _unpin_entry(self, lease_id: int) -> None:
+        pinned = self._lease_entry.pop(lease_id, None)
+        if pinned is not None:
+            index, entry_id = pinned
+            index.unpin(entry_id)
 
     def _withdraw(self, waiter: _Waiter) -> None:
         self._waiters.pop(waiter.ticket.id, None)

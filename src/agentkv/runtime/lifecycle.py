@@ -58,6 +58,7 @@ from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Checkpoint, Gateway
+from agentkv.runtime.hints import EngineHints
 from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.record import RequestRecord, RequestStatus, request_fields, request_line
 from agentkv.runtime.status import EngineStatus
@@ -556,7 +557,11 @@ class Exchange:
                         async for chunk in chunks:
                             await send.send(_as_chat_chunk(chunk))
                     return
-                async with send, runtime.client.stream(body, slot=lease.slot) as chunks:
+                hints = self.hints()
+                async with (
+                    send,
+                    runtime.client.stream(body, slot=lease.slot, hints=hints) as chunks,
+                ):
                     async for chunk in chunks:
                         await send.send(chunk)
             except AgentKVError as exc:  # handed to the consumer, not wrapped in a group
@@ -604,6 +609,12 @@ class Exchange:
                     self._emit(asm.flush(runtime.clock()))
         if failure:
             raise failure[0]
+
+    def hints(self) -> EngineHints:
+        """What an engine that places requests itself is told about this one: its agent, that
+        agent's parent in the tree, and the priority it runs at now."""
+        record = self.record
+        return EngineHints(agent=record.agent, priority=record.priority, parent=record.parent)
 
     def _account(self, chunk: Mapping[str, Any]) -> None:
         progress = chunk.get("prompt_progress")
@@ -731,7 +742,8 @@ class Runtime:
             session_layout=config.session_layout, limits=config.limits
         )
         index = None
-        if config.store_dir is not None:
+        # An engine without slot files (one that places requests itself) has no store.
+        if config.store_dir is not None and self.client.slot_files:
             index = StoreIndex(
                 budget=config.store_budget,
                 compat=self.store_compat,

@@ -36,7 +36,7 @@ import secrets
 import shutil
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -45,6 +45,9 @@ import attrs
 from agentkv.exceptions import EngineError, EngineTimeoutError, EngineUnavailableError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.status import EngineStatus
+
+if TYPE_CHECKING:
+    from agentkv.runtime.hints import EngineHints
 
 __all__ = ["EnginePool", "PoolMember"]
 
@@ -247,19 +250,26 @@ class EnginePool(LlamaSlotClient):
 
     # -- chat and raw completions --------------------------------------------------------------
 
-    async def chat(self, body: Mapping[str, Any], *, slot: int | None) -> dict[str, Any]:
+    async def chat(
+        self, body: Mapping[str, Any], *, slot: int | None, hints: EngineHints | None = None
+    ) -> dict[str, Any]:
         if slot is None:
-            result: dict[str, Any] = await self._first_up(lambda c: c.chat(body, slot=None))
+            result: dict[str, Any] = await self._first_up(
+                lambda c: c.chat(body, slot=None, hints=hints)
+            )
             return result
-        result = await self._on(slot, lambda c, s: c.chat(body, slot=s))
+        result = await self._on(slot, lambda c, s: c.chat(body, slot=s, hints=hints))
         return result
 
     @contextlib.asynccontextmanager
     async def stream(
-        self, body: Mapping[str, Any], *, slot: int | None
+        self, body: Mapping[str, Any], *, slot: int | None, hints: EngineHints | None = None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         member, local = self._route(slot)
-        async with self._watched(member), member.client.stream(body, slot=local) as chunks:
+        async with (
+            self._watched(member),
+            member.client.stream(body, slot=local, hints=hints) as chunks,
+        ):
             yield chunks
 
     @contextlib.asynccontextmanager

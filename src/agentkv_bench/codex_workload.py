@@ -1,0 +1,158 @@
+"""Codex-shaped requests, built from a real Codex CLI request (shipped as package data).
+
+The template is the first ``POST /v1/responses`` of a fresh ``codex exec`` session (Codex CLI
+0.171.0, a custom model provider with ``wire_api = "responses"``), with its identity headers:
+``session-id``, ``thread-id`` and ``x-codex-turn-metadata`` (a JSON with the session, thread,
+agent name, turn and request kind). A fresh session of another agent in the same project is that
+request with other user words and new ids; the next request of the turn appends the model's
+``function_call`` item and its ``function_call_output``, as Codex appends them (it keeps the whole
+history in ``input``: ``store`` is false and it sends no ``previous_response_id``).
+
+``scale`` below 1 shortens the long texts (the developer instructions, tool descriptions) and keeps
+fewer tools, the way :func:`agentkv_bench.claude_workload.shrink` shortens Claude Code's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from importlib import resources
+from typing import Any
+
+import attrs
+
+from agentkv_bench.claude_workload import _cut
+
+__all__ = [
+    "CodexSession",
+    "codex_follow_up",
+    "codex_template",
+    "fresh_codex_request",
+    "shrink_codex",
+]
+
+_TEMPLATE = "codex_first_request.json"
+#: The user's words in the captured request; every fresh session replaces them.
+_CAPTURED_WORDS = "Reply with the single word: alpha"
+#: Headers of the capture that carry the session (they are given the new session's ids).
+_ID_HEADERS = ("session-id", "thread-id", "x-client-request-id")
+
+
+def codex_template() -> tuple[dict[str, Any], dict[str, str]]:
+    """The captured first request of a fresh Codex session and its headers (new copies)."""
+    text = resources.files("agentkv_bench").joinpath("data", _TEMPLATE).read_text("utf-8")
+    captured = json.loads(text)
+    return captured["body"], dict(captured["headers"])
+
+
+def _shrink_tool(tool: dict[str, Any], scale: float) -> None:
+    if isinstance(tool.get("description"), str):
+        tool["description"] = _cut(tool["description"], scale)
+    for inner in tool.get("tools") or ():
+        _shrink_tool(inner, scale)
+
+
+def shrink_codex(body: dict[str, Any], scale: float) -> dict[str, Any]:
+    """``body`` with its developer texts and tool descriptions cut to ``scale`` of their length
+    and fewer tools; the order of the items and the user's words are kept."""
+    out = copy.deepcopy(body)
+    if scale >= 1:
+        return out
+    for item in out["input"]:
+        if item.get("type") == "message" and item.get("role") == "developer":
+            for part in item["content"]:
+                part["text"] = _cut(part["text"], scale)
+    tools = out.get("tools", [])
+    out["tools"] = tools[: max(1, math.ceil(len(tools) * scale))]
+    for tool in out["tools"]:
+        _shrink_tool(tool, scale)
+    return out
+
+
+@attrs.frozen
+class CodexSession:
+    """The ids of one Codex session: ``codex exec`` gives its thread the session's id."""
+
+    session_id: str
+    turn_id: str
+
+    def headers(self, template: dict[str, str], priority: int) -> dict[str, str]:
+        """The captured headers with this session's ids, plus ``X-Agent-Priority`` (Codex sends
+        it when the provider's ``http_headers`` name it, as docs/openai-agents.md shows)."""
+        headers = dict(template)
+        for name in _ID_HEADERS:
+            headers[name] = self.session_id
+        headers["x-codex-window-id"] = f"{self.session_id}:0"
+        metadata = json.loads(headers["x-codex-turn-metadata"])
+        metadata.update(self._ids(metadata))
+        headers["x-codex-turn-metadata"] = json.dumps(metadata, separators=(",", ":"))
+        headers["authorization"] = "Bearer bench"
+        headers["x-agent-priority"] = str(priority)
+        return headers
+
+    def _ids(self, metadata: dict[str, Any]) -> dict[str, Any]:
+        ids = {"session_id": self.session_id, "thread_id": self.session_id}
+        ids.update(turn_id=self.turn_id, root_turn_id=self.turn_id)
+        if "window_id" in metadata:
+            ids["window_id"] = f"{self.session_id}:0"
+        return ids
+
+
+def fresh_codex_request(
+    template: dict[str, Any], *, words: str, session: CodexSession, max_tokens: int
+) -> dict[str, Any]:
+    """The first request of a fresh Codex session: ``template`` with these user words and ids.
+
+    ``max_output_tokens`` bounds the reply (Codex sets none; a one-word answer needs a few), and
+    ``temperature`` 0 makes every configuration generate the same reply for the same prompt.
+    """
+    body = copy.deepcopy(template)
+    last = body["input"][-1]
+    if last.get("role") != "user" or last["content"][-1].get("text") != _CAPTURED_WORDS:
+        raise ValueError("the Codex template's last input item is not the captured user words")
+    last["content"][-1]["text"] = words
+    body["prompt_cache_key"] = session.session_id
+    metadata = body.get("client_metadata")
+    if isinstance(metadata, dict):
+        inner = json.loads(metadata.get("x-codex-turn-metadata", "{}"))
+        inner.update(session._ids(inner))
+        metadata.update(
+            session_id=session.session_id,
+            thread_id=session.session_id,
+            turn_id=session.turn_id,
+            root_turn_id=session.turn_id,
+        )
+        metadata["x-codex-turn-metadata"] = json.dumps(inner, separators=(",", ":"))
+        if "x-codex-window-id" in metadata:
+            metadata["x-codex-window-id"] = f"{session.session_id}:0"
+    body["max_output_tokens"] = max_tokens
+    body["temperature"] = 0.0
+    body["stream"] = True
+    return body
+
+
+def codex_follow_up(body: dict[str, Any], turn: int) -> dict[str, Any]:
+    """The next request of the turn: the model called ``exec_command``, and here is its output
+    (Codex appends the call item and its output item to ``input``)."""
+    out = copy.deepcopy(body)
+    call_id = f"call_bench{turn:04d}"
+    arguments = {"cmd": "ls -la", "workdir": "/home/user/project"}
+    out["input"].append(
+        {
+            "type": "function_call",
+            "name": "exec_command",
+            "arguments": json.dumps(arguments),
+            "call_id": call_id,
+        }
+    )
+    listing = "\n".join(
+        f"-rw-r--r-- 1 dev dev {140 + 41 * i:>5} Dec  1 09:{i:02d} module{turn}_{i}.py"
+        for i in range(6)
+    )
+    output = (
+        f"Chunk ID: {turn:06x}\nWall time: 0.0102 seconds\nProcess exited with code 0\n"
+        f"Output:\n{listing}\n"
+    )
+    out["input"].append({"type": "function_call_output", "call_id": call_id, "output": output})
+    return out
