@@ -539,10 +539,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"agentkv-server: {exc}") from None
     try:
-        _from_args(EngineSettings, args)
-    except ValueError as exc:
-        raise SystemExit(f"agentkv-server: {exc}") from None
-    try:
         anyio.run(_serve, args)
     except KeyboardInterrupt:
         return 130
