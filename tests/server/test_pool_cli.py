@@ -119,6 +119,8 @@ def test_agentkv_server_over_two_upstreams_serves_from_both_and_drops_one_that_f
     ):
         engines = http.get("/agentkv/slots").json()["engines"]
         assert [e["url"] for e in engines] == [url_a, url_b]
+        # Upstreams have no supervisor here: the pool's restarts are there, and none.
+        assert http.get("/health").json()["engine_restarts"] == 0
         assert len(http.get("/agentkv/slots").json()["slots"]) == 8
 
         def ask(agent: str) -> str:
