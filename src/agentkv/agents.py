@@ -187,6 +187,10 @@ class AgentPlace:
     #: The sub-agent's parent waits for it (its result is the parent's next step).
     waited_on: bool = False
     description: str | None = None
+    #: The tree's root (the session or ``X-Agent-Id``) and the ``subagent_type`` of the call that
+    #: started the sub-agent, where known.
+    root: str | None = None
+    subagent_type: str | None = None
 
 
 @attrs.frozen
@@ -320,20 +324,25 @@ class AgentDirectory:
             parent=agent.parent,
             waited_on=parent is not None and self._waited_on(agent, parent),
             description=agent.call.description if agent.call else None,
+            root=agent.root,
+            subagent_type=agent.call.subagent_type if agent.call else None,
         )
 
-    def reply(self, agent: str, content: object, *, ended_in_tools: bool, now: float) -> None:
+    def reply(
+        self, agent: str, content: object, *, ended_in_tools: bool, now: float
+    ) -> list[AgentCall]:
         """``agent``'s reply streamed by agentkv: learn its ``Agent`` calls; when the reply
-        ended the turn in them (``stop_reason: tool_use``), the agent now waits for them."""
+        ended the turn in them (``stop_reason: tool_use``), the agent now waits for them, and
+        they are returned (the sub-agents about to start)."""
         node = self._agents.get(agent)
         if node is None:
-            return
+            return []
         self.version += 1
         node.last_seen = now
         self._agents.move_to_end(agent)
         calls = agent_calls(content)
         if not calls:
-            return
+            return []
         self._learn_calls(node, calls)
         if ended_in_tools:
             node.turn_ended = now
@@ -342,6 +351,7 @@ class AgentDirectory:
         for other in list(self._agents.values()):
             if other.root == node.root and other.call is None and other.pending_prompt:
                 self._link_by_prompt(other)
+        return calls if ended_in_tools else []
 
     def describe(self, agent: str) -> AgentPlace | None:
         """Where ``agent`` stands now: its parent, whether that waits for it, its priority and the
@@ -356,6 +366,8 @@ class AgentDirectory:
             parent=node.parent,
             waited_on=parent is not None and self._waited_on(node, parent),
             description=node.call.description if node.call else None,
+            root=node.root,
+            subagent_type=node.call.subagent_type if node.call else None,
         )
 
     def priority_of(self, agent: str, now: float) -> int | None:

@@ -13,8 +13,8 @@ general-purpose sub-agent's, shipped as package data):
 4. when it has answered, the coordinator continues with its result.
 
 The default model cannot be relied on to call ``Agent``, so the coordinator's replies are
-**scripted by this harness**: each of its requests runs on the engine (its prompt is computed, a
-few tokens are generated) and the harness then sends what Claude Code would send after the scripted
+**scripted by this harness**: each of its requests runs on the engine (its prompt is computed,
+one token is generated) and the harness then sends what Claude Code would send after the scripted
 reply. Nothing in agentkv is scripted. Sub-agent requests carry ``x-claude-code-agent-id`` and the
 coordinator's session id, as Claude Code sends them.
 
@@ -156,6 +156,11 @@ class SubagentsSpec:
     slots: int = 2
     scale: float = 1.0
     max_tokens: int = 16
+    #: The coordinator's own requests generate this many tokens: their replies are scripted, so
+    #: the engine's only has to show that the prompt was computed. (The default model writes a
+    #: call as JSON text there, which agentkv holds back until the call is whole: with more
+    #: tokens, the client's first token would come at the end of the reply, not of the prefill.)
+    coordinator_max_tokens: int = 1
     coordinator_priority: int = 0
     other_priority: int = 2
 
@@ -265,7 +270,7 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
         coordinator,
         words="Build the app: split the front end, the back end and the tests between agents.",
         session_id=SESSION,
-        max_tokens=spec.max_tokens,
+        max_tokens=spec.coordinator_max_tokens,
     )
     fan_out = [
         ("toolu_bench_front", "a1f0000000000f0e1", "Write the front end", "front"),

@@ -15,12 +15,18 @@ Two things make waiting deliberate rather than first come, first served:
 - **Pre-emption.** A request that finds every slot busy with less urgent work may have one of
   them suspended: the runtime saves what that request has computed so far, gives the slot up and
   resumes it later from where it stopped, so nothing is computed twice.
+- **Urgency lent to a checkpoint.** A request that waits for a checkpoint waits for the request
+  computing it: that request runs at the waiter's urgency until the checkpoint is saved. A
+  priority-0 sub-agent waiting for the head its background sibling computes therefore gets the
+  engine to itself for that head (less urgent prefills are suspended), and the checkpoint is
+  never suspended for it; when the head is saved, the waiter may suspend less urgent work to get
+  a slot, as on arrival. The slot a suspension frees goes to the request it was suspended for.
 - **Quiet while urgent.** On one engine, prompts computed next to an urgent request share its
   batches (a CPU computes them in turns of hundreds of tokens), so the urgent request's first
   token waits for everyone's prefill. While a priority-0 request holds a slot, less urgent
   requests do not compute prompts: those computing one are suspended, queued ones wait — unless
   their prompt is (nearly) all cached, or aging has brought them to priority 0, which keeps every
-  wait bounded.
+  wait bounded (for a suspended request, aging counted from its suspension).
 """
 
 from __future__ import annotations
@@ -76,7 +82,11 @@ class _Running:
     """A leased request, as far as pre-emption is concerned."""
 
     lease: Lease
+    #: The urgency it runs at now: its own, or that of a more urgent request waiting for the
+    #: checkpoint it computes (see :meth:`Gateway._lend`).
     priority: int
+    #: Its own priority.
+    own: int
     #: Suspends the request (it saves its progress and gives the slot up); None: not now.
     suspend: Callable[[], None] | None = None
     decoding: bool = False
@@ -118,6 +128,14 @@ class Gateway:
     #: The store entry each lease was placed to restore, pinned (with the index that holds
     #: it) until the lease ends: a save on another slot meanwhile must not supersede it.
     _lease_entry: dict[int, tuple[StoreIndex, str]] = attrs.field(init=False, factory=dict)
+    #: Lease id of a request being suspended → the ticket it is suspended for: the slot it
+    #: gives back goes to that ticket, not to whoever ranks first then.
+    _reserved: dict[int, int] = attrs.field(init=False, factory=dict)
+    #: The ticket each lease was granted for (its agent and arrival name the request).
+    _lease_ticket: dict[int, Ticket] = attrs.field(init=False, factory=dict)
+    #: (agent, arrival) of a request suspended for urgent work → when: while urgent work runs,
+    #: the quiet rule counts its aging from then (its queue order keeps its whole wait).
+    _quiet_since: dict[tuple[str, float], float] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._slots = SlotManager(self.config.n_slots, lease_ttl=self.config.lease_ttl)
@@ -166,7 +184,7 @@ class Gateway:
         waiter = _Waiter(ticket)
         self._waiters[ticket.id] = waiter
         if not background:
-            waiter.blocked_on = self._worth_waiting_for(ticket.tokens)
+            self._block(waiter)
         self._dispatch()
         if not background and waiter.lease is None and waiter.blocked_on is None:
             self._preempt_for(ticket)
@@ -184,11 +202,20 @@ class Gateway:
         its aging credit and the starvation bound hold at the new priority)."""
         for ticket, _ in self._scheduler.queued(self.clock()):
             if ticket.agent == agent and ticket.priority != priority:
+                log.debug(
+                    "ticket %d (agent %s): priority %d → %d",
+                    ticket.id,
+                    agent,
+                    ticket.priority,
+                    priority,
+                )
                 self._scheduler.cancel(ticket.id)
                 self._scheduler.submit(attrs.evolve(ticket, priority=priority), ticket.arrival)
                 waiter = self._waiters.get(ticket.id)
                 if waiter is not None:
                     waiter.ticket = attrs.evolve(waiter.ticket, priority=priority)
+                    if waiter.blocked_on is not None:
+                        self._lend(waiter.blocked_on)
         self._dispatch()
 
     async def wait(self, ticket: Ticket) -> Lease:
@@ -223,8 +250,12 @@ class Gateway:
         self._lease_seq.pop(lease.id, None)
         self._running.pop(lease.id, None)
         self._unpin_entry(lease.id)
+        self._lease_ticket.pop(lease.id, None)
+        reserved = self._reserved.pop(lease.id, None)
         checkpoint = self._lease_checkpoint.pop(lease.id, None)
         self._slots.release(lease, self.clock(), holds=holds, sections=sections)
+        if reserved is not None:
+            self._dispatch_reserved(reserved)
         if checkpoint is not None and not checkpoint.done:
             # Not saved: requests waiting for it go now, and find the head in this slot if the
             # request ended well (its save failed) — so the slot is given back first.
@@ -260,15 +291,26 @@ class Gateway:
         An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
         are computing prompts on other slots, so that it has the engine to itself.
         """
-        self._running[lease.id] = _Running(lease, priority, suspend)
-        if self.config.preempt_from is not None and priority == 0:
-            for other in list(self._running.values()):
-                if (
-                    other.lease.id != lease.id
-                    and not other.decoding
-                    and other.priority >= max(self.config.preempt_from, 1)
-                ):
-                    self._suspend(other, f"lease {lease.id} (priority 0) runs")
+        running = _Running(lease, priority, priority, suspend)
+        self._running[lease.id] = running
+        checkpoint = self._lease_checkpoint.get(lease.id)
+        if checkpoint is not None:
+            running.priority = min(priority, self._waiting_urgency(checkpoint))
+        if running.priority == 0:
+            self._quiet_for(running)
+
+    def _quiet_for(self, urgent: _Running) -> None:
+        """An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
+        are computing prompts on other slots, so that it has the engine to itself."""
+        if self.config.preempt_from is None:
+            return
+        for other in list(self._running.values()):
+            if (
+                other.lease.id != urgent.lease.id
+                and not other.decoding
+                and other.priority >= max(self.config.preempt_from, 1)
+            ):
+                self._suspend(other, f"lease {urgent.lease.id} (priority 0) runs")
 
     def alive(self, lease: Lease) -> None:
         """The engine reported progress for ``lease`` (prompt computed, tokens generated): the
@@ -298,12 +340,18 @@ class Gateway:
             return
         # The least urgent; among those, one still computing its prompt, then the latest started.
         victim = max(victims, key=lambda r: (r.priority, not r.decoding, r.lease.acquired_at))
+        self._reserved[victim.lease.id] = ticket.id
         self._suspend(victim, f"ticket {ticket.id} (priority {ticket.priority}) needs a slot")
 
     def _suspend(self, running: _Running, reason: str) -> None:
         if running.suspend is None or running.suspending:
             return
         running.suspending = True
+        ticket = self._lease_ticket.get(running.lease.id)
+        if ticket is not None:
+            self._quiet_since[(ticket.agent, ticket.arrival)] = self.clock()
+            while len(self._quiet_since) > 1024:  # requests that never came back
+                self._quiet_since.pop(next(iter(self._quiet_since)))
         log.info(
             "suspending lease %d (agent %s, priority %d): %s",
             running.lease.id,
@@ -345,10 +393,58 @@ class Gateway:
         )
         self._checkpoints[checkpoint.id] = checkpoint
         self._lease_checkpoint[lease.id] = checkpoint
+        log.debug(
+            "checkpoint %d: %d tokens on slot %d (lease %d, agent %s)",
+            checkpoint.id,
+            len(checkpoint.tokens),
+            lease.slot,
+            lease.id,
+            lease.agent,
+        )
         # Requests already queued may prefer to wait for it.
-        for waiter in self._waiters.values():
+        for waiter in list(self._waiters.values()):
             if waiter.lease is None and waiter.blocked_on is None:
-                waiter.blocked_on = self._worth_waiting_for(waiter.ticket.tokens)
+                self._block(waiter)
+
+    def _waiting_urgency(self, checkpoint: Checkpoint) -> int:
+        """The most urgent priority among the tickets waiting for ``checkpoint`` (4: none)."""
+        return min(
+            (w.ticket.priority for w in self._waiters.values() if w.blocked_on is checkpoint),
+            default=4,
+        )
+
+    def _lend(self, checkpoint: Checkpoint) -> None:
+        """The request computing ``checkpoint`` runs at the urgency of its most urgent waiter
+        (never less urgent than its own); at priority 0 it quiets the engine for itself."""
+        for lease_id, planned in self._lease_checkpoint.items():
+            running = self._running.get(lease_id)
+            if planned is not checkpoint or running is None:
+                continue
+            urgency = min(running.own, self._waiting_urgency(checkpoint))
+            if urgency < running.priority:
+                log.info(
+                    "lease %d (agent %s) computes checkpoint %d at priority %d for its waiters",
+                    lease_id,
+                    running.lease.agent,
+                    checkpoint.id,
+                    urgency,
+                )
+                running.priority = urgency
+                if urgency == 0:
+                    self._quiet_for(running)
+
+    def _block(self, waiter: _Waiter) -> None:
+        """``waiter`` waits for the checkpoint it is estimated to gain most from, if any."""
+        waiter.blocked_on = self._worth_waiting_for(waiter.ticket.tokens)
+        if waiter.blocked_on is not None:
+            log.debug(
+                "ticket %d (agent %s, priority %d) waits for checkpoint %d",
+                waiter.ticket.id,
+                waiter.ticket.agent,
+                waiter.ticket.priority,
+                waiter.blocked_on.id,
+            )
+            self._lend(waiter.blocked_on)
 
     def checkpoint_progress(self, checkpoint: Checkpoint, computed: int) -> None:
         checkpoint.progress = max(checkpoint.progress, computed)
@@ -356,14 +452,24 @@ class Gateway:
     def end_checkpoint(self, checkpoint: Checkpoint) -> None:
         """The checkpoint is saved (or failed): requests waiting for it may go."""
         checkpoint.done = True
-        self._checkpoints.pop(checkpoint.id, None)
+        if self._checkpoints.pop(checkpoint.id, None) is not None:
+            log.debug("checkpoint %d ended at %d tokens", checkpoint.id, checkpoint.progress)
         for lease_id, planned in list(self._lease_checkpoint.items()):
             if planned is checkpoint:
                 del self._lease_checkpoint[lease_id]
+                running = self._running.get(lease_id)
+                if running is not None:
+                    running.priority = running.own
+        released = []
         for waiter in self._waiters.values():
             if waiter.blocked_on is checkpoint:
                 waiter.blocked_on = None
+                released.append(waiter)
         self._dispatch()
+        # An urgent waiter that found no free slot takes one, as it would have on arrival.
+        for waiter in released:
+            if waiter.lease is None and waiter.ticket.id in self._waiters:
+                self._preempt_for(waiter.ticket)
 
     def best_source(self, tokens: Tokens) -> tuple[str, int, tuple[tuple[str, str], ...]] | None:
         """What cached sequence shares the most with ``tokens``: a description, the shared
@@ -436,6 +542,8 @@ class Gateway:
         for lease in reclaimed:
             self._running.pop(lease.id, None)
             self._unpin_entry(lease.id)
+            self._reserved.pop(lease.id, None)
+            self._lease_ticket.pop(lease.id, None)
             self._lease_seq.pop(lease.id, None)
             log.warning(
                 "watchdog reclaimed lease %d on slot %d (agent %s), held since %.1f",
@@ -537,10 +645,12 @@ class Gateway:
         waiter = self._waiters.get(ticket.id)
         if waiter is None or waiter.blocked_on is not None:
             return False
+        now = self.clock()
+        since = self._quiet_since.get((ticket.agent, ticket.arrival), ticket.arrival)
         if (
             self.config.preempt_from is not None
             and ticket.priority >= max(self.config.preempt_from, 1)
-            and self._scheduler.score(ticket, self.clock()) > 0
+            and ticket.priority - self._scheduler.aging * (now - since) > 0
             and self._urgent_running()
         ):
             # Quiet while urgent: only a ticket with (nearly) nothing to compute may start.
@@ -561,6 +671,53 @@ class Gateway:
             keep=self.warm() if self.warm is not None else frozenset(),
         )
 
+    def _dispatch_reserved(self, ticket_id: int) -> None:
+        """A slot given back by a request suspended for ``ticket_id``: that ticket takes it (if
+        it still waits and may go), whatever the order of the queue says now. With aging, older
+        less urgent tickets would otherwise take the slot the urgent one made free."""
+        waiter = self._waiters.get(ticket_id)
+        if (
+            waiter is None
+            or waiter.lease is not None
+            or waiter.blocked_on is not None
+            or not self._slots.free
+            or not self._ready(waiter.ticket)
+        ):
+            return
+        ticket = self._scheduler.cancel(ticket_id)
+        if ticket is None:
+            return
+        if not self._grant(waiter, ticket, self.clock()):
+            self._scheduler.submit(ticket, ticket.arrival)
+
+    def _grant(self, waiter: _Waiter, ticket: Ticket, now: float) -> bool:
+        """Lease ``ticket`` the slot placement chooses; False when no slot is free."""
+        placement = self._place(ticket)
+        if placement is None:
+            return False
+        lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
+        self._pin_entry(lease)
+        waiter.lease = lease
+        self._lease_seq[lease.id] = next(self._dispatched)
+        self._lease_ticket[lease.id] = ticket
+        self._quiet_since.pop((ticket.agent, ticket.arrival), None)
+        log.debug(
+            "lease %d: ticket %d (agent %s, priority %d, waited %.1f s) on slot %d, %s, "
+            "reuses %d of %d tokens",
+            lease.id,
+            ticket.id,
+            ticket.agent,
+            ticket.priority,
+            now - ticket.arrival,
+            lease.slot,
+            placement.source.value,
+            placement.reuse,
+            len(ticket.tokens),
+        )
+        self._plan_checkpoint(ticket, lease)
+        waiter.event.set()
+        return True
+
     def _dispatch(self) -> None:
         now = self.clock()
         while self._slots.free and (len(self._scheduler) or len(self._background)):
@@ -574,20 +731,13 @@ class Gateway:
                 continue
             if queue is self._scheduler:
                 # A checkpoint planned earlier in this same pass may be worth waiting for.
-                waiter.blocked_on = self._worth_waiting_for(ticket.tokens)
+                self._block(waiter)
                 if waiter.blocked_on is not None:
                     queue.submit(ticket, ticket.arrival)
                     continue
-            placement = self._place(ticket)
-            if placement is None:  # cannot happen while free > 0; keep the ticket
+            if not self._grant(waiter, ticket, now):  # cannot happen while free > 0
                 queue.submit(ticket, ticket.arrival)
                 return
-            lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
-            self._pin_entry(lease)
-            waiter.lease = lease
-            self._lease_seq[lease.id] = next(self._dispatched)
-            self._plan_checkpoint(ticket, lease)
-            waiter.event.set()
 
     def _pin_entry(self, lease: Lease) -> None:
         """Keep the entry ``lease`` was placed to restore until the lease ends. Between the
@@ -613,3 +763,4 @@ class Gateway:
             return
         self._scheduler.cancel(waiter.ticket.id)
         self._background.cancel(waiter.ticket.id)
+        self._quiet_since.pop((waiter.ticket.agent, waiter.ticket.arrival), None)

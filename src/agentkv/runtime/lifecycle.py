@@ -60,6 +60,7 @@ from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Checkpoint, Gateway
 from agentkv.runtime.hints import EngineHints
 from agentkv.runtime.pool import EnginePool
+from agentkv.runtime.prefetch import Prefetcher
 from agentkv.runtime.record import RequestRecord, RequestStatus, request_fields, request_line
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
@@ -729,6 +730,8 @@ class Runtime:
     compactor: Compactor = attrs.field(init=False)
     tree: AgentTree = attrs.field(init=False)
     store: PrefixStore | None = attrs.field(init=False, default=None)
+    #: Fan-out prefetch (with the agent tree and a store).
+    prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
     _tg: anyio.abc.TaskGroup | None = attrs.field(init=False, default=None)
     _exchanges: dict[str, Exchange] = attrs.field(init=False, factory=dict)
     _recent: list[RequestRecord] = attrs.field(init=False, factory=list)
@@ -762,6 +765,10 @@ class Runtime:
             enabled=config.agent_tree,
             background_offset=config.background_agent_offset,
         )
+        if config.agent_tree and self.store is not None:
+            self.prefetcher = Prefetcher(
+                submit=self.submit, available=self.gateway_available, split_min=config.split_min
+            )
         self.compactor = Compactor(
             gateway=self.gateway,
             client=self.client,
@@ -1031,8 +1038,11 @@ class Runtime:
 
     def _finished(self, exchange: Exchange) -> None:
         record = exchange.record
-        if exchange.failure is None:
-            self.tree.replied(record.agent, exchange._events)
+        calls = (
+            self.tree.replied(record.agent, exchange._events) if exchange.failure is None else []
+        )
+        if self.prefetcher is not None:
+            self._prefetch(exchange, calls)
         # A sub-agent may have been linked to its call since it started (its parent's request).
         self.tree.relabel([record])
         for listener in self._listeners:
@@ -1059,6 +1069,16 @@ class Runtime:
             self._tg.start_soon(self._forget_later, exchange)
         else:
             self._exchanges.pop(exchange.prepared.key, None)
+
+    def _prefetch(self, exchange: Exchange, calls: list[Any]) -> None:
+        """Learn a sub-agent's head from its first request; prepare the heads of a fan-out."""
+        assert self.prefetcher is not None
+        record = exchange.record
+        place = self.tree.describe(record.agent)
+        self.prefetcher.observe(exchange.prepared, place, ok=exchange.failure is None)
+        if calls and self._tg is not None:
+            root = place.root if place is not None and place.root else record.agent
+            self.prefetcher.fan_out(record.agent, root, calls, record.priority)
 
     async def _forget_later(self, exchange: Exchange) -> None:
         # A finished reply stays joinable for a while: a client that timed out just before it

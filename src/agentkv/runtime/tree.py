@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from agentkv.agents import AGENT_TOOL, AgentDirectory, AgentPlace, AgentView
+from agentkv.agents import AGENT_TOOL, AgentCall, AgentDirectory, AgentPlace, AgentView
 from agentkv.runtime.gateway import Gateway
 from agentkv.sse import accumulate
 
@@ -61,22 +61,24 @@ class AgentTree:
         self._reprioritise(place.agent, now)
         return place
 
-    def replied(self, agent: str, events: Sequence[Mapping[str, Any]]) -> None:
-        """A reply agentkv streamed to ``agent`` ended: learn the sub-agents it starts."""
+    def replied(self, agent: str, events: Sequence[Mapping[str, Any]]) -> list[AgentCall]:
+        """A reply agentkv streamed to ``agent`` ended: learn the sub-agents it starts. Returns
+        the ``Agent`` calls the reply ended its turn in (their sub-agents start now)."""
         if not self.enabled or not _calls_agent(events):
-            return
+            return []
         try:
             message = accumulate(events)
         except Exception:  # a reply cut short: its calls are learnt from the next request
-            return
+            return []
         now = self.clock()
-        self.directory.reply(
+        calls = self.directory.reply(
             agent,
             message.get("content"),
             ended_in_tools=message.get("stop_reason") == "tool_use",
             now=now,
         )
         self._reprioritise(agent, now)
+        return calls
 
     def warm(self) -> frozenset[str]:
         """Agents waiting for their sub-agents: their slot content is parked, never just lost."""

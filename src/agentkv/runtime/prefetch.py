@@ -1,0 +1,126 @@
+"""Fan-out prefetch: when a reply ends in ``Agent`` calls, start on the sub-agents' head at once.
+
+A sub-agent's first request starts with its head: the sub-agent system prompt of its type, its
+ten tools and the session context (:mod:`agentkv.agents`). Sub-agents of one type in one tree
+share it, so once one has been seen the next fan-out's head is known before its requests arrive.
+When a reply agentkv streams ends its turn in ``Agent`` calls, :class:`Prefetcher` looks up, for
+each call's ``subagent_type``, the first request of a sub-agent of that type seen earlier in this
+tree; if its head is neither in a slot nor in the prefix store, it queues that request again, at
+the parent's priority and generating one token, so that the head is computed and saved as a
+checkpoint (the gateway plans it as for any long uncached head). The sub-agents' own requests
+then wait for that checkpoint, lending it their urgency, and restore it.
+
+It predicts only what was seen: nothing for a tree's first fan-out of a type, nothing for a
+``fork`` (which shares its parent's context, not a head), and nothing when the head is already
+cached (its sub-agents restore it on arrival) or there is no store to save it in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from agentkv.agents import SEPARATOR, AgentCall, AgentPlace
+from agentkv.tokens import Tokens
+
+#: A prepared request (:class:`agentkv.runtime.lifecycle.Prepared`, which imports this module):
+#: its ``agent``, ``priority``, ``engine``, ``tokens``, ``boundary`` and ``key``.
+Prepared = Any
+
+__all__ = ["PREFETCH_AGENT", "Prefetcher"]
+
+log = logging.getLogger("agentkv.prefetch")
+
+#: The name under a parent that a prefetch request runs as (``<parent>/prefetch``).
+PREFETCH_AGENT = "prefetch"
+_FORK = "fork"
+
+
+@attrs.define(eq=False)
+class Prefetcher:
+    """Remembers each tree's sub-agent heads; prepares them when a fan-out starts.
+
+    ``submit`` queues a prepared request (the runtime's), ``available`` says how many of a
+    prompt's tokens a slot or the store holds now, ``split_min`` is the least head worth
+    computing on its own.
+    """
+
+    submit: Callable[[Prepared], Any]
+    available: Callable[[Tokens], int]
+    split_min: int
+    #: Heads remembered, least recently seen dropped first.
+    max_heads: int = 64
+    #: Agents whose first request was seen (only a first request starts with the bare head).
+    max_agents: int = 1024
+    _heads: OrderedDict[tuple[str, str], Prepared] = attrs.field(init=False, factory=OrderedDict)
+    _seen: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+    _inflight: dict[tuple[str, str], Any] = attrs.field(init=False, factory=dict)
+    _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
+
+    def observe(self, prepared: Prepared, place: AgentPlace | None, *, ok: bool) -> None:
+        """A request ended; a sub-agent's first request (that ended well) teaches its head."""
+        agent = prepared.agent
+        first = agent not in self._seen
+        self._seen[agent] = None
+        self._seen.move_to_end(agent)
+        while len(self._seen) > self.max_agents:
+            self._seen.popitem(last=False)
+        if (
+            not first
+            or not ok
+            or place is None
+            or place.parent is None
+            or place.root is None
+            or place.subagent_type in (None, _FORK)
+            or prepared.boundary is None
+            or prepared.boundary < self.split_min
+        ):
+            return
+        key = (place.root, place.subagent_type)
+        assert key[1] is not None
+        self._heads[(key[0], key[1])] = prepared
+        self._heads.move_to_end((key[0], key[1]))
+        while len(self._heads) > self.max_heads:
+            self._heads.popitem(last=False)
+
+    def fan_out(
+        self, parent: str, root: str, calls: Sequence[AgentCall], priority: int
+    ) -> list[Prepared]:
+        """``parent``'s reply ended in ``calls``: queue each head seen before that is not
+        cached now, at ``priority``. Returns what was queued."""
+        queued: list[Prepared] = []
+        for kind in dict.fromkeys(call.subagent_type for call in calls):
+            if kind is None or kind == _FORK:
+                continue
+            key = (root, kind)
+            seen = self._heads.get(key)
+            running = self._inflight.get(key)
+            if seen is None or (running is not None and not getattr(running, "done", True)):
+                continue
+            head = seen.boundary
+            assert head is not None
+            if head - self.available(seen.tokens[:head]) < self.split_min:
+                continue  # cached: its sub-agents restore it on arrival
+            engine = attrs.evolve(seen.engine, body={**seen.engine.body, "max_tokens": 1})
+            prepared = attrs.evolve(
+                seen,
+                agent=f"{parent}{SEPARATOR}{PREFETCH_AGENT}",
+                priority=priority,
+                engine=engine,
+                key=f"prefetch:{next(self._ids)}",
+            )
+            log.info(
+                "prefetch: %d-token head of %s sub-agents for %s, at priority %d",
+                head,
+                kind,
+                parent,
+                priority,
+            )
+            self._inflight[key] = self.submit(prepared)
+            queued.append(prepared)
+        return queued

@@ -1,0 +1,148 @@
+"""A checkpoint's request runs at the urgency of whoever waits for it (the gateway alone)."""
+
+from __future__ import annotations
+
+from agentkv.runtime.config import RuntimeConfig
+from agentkv.runtime.gateway import Gateway
+from agentkv.store import StoreIndex
+
+#: A sub-agent's head (system prompt, tools, environment note) and three prompts that share it.
+HEAD = tuple(range(1, 3001))
+BACKGROUND = (*HEAD, 9001, 9002)
+FOREGROUND = (*HEAD, 9101, 9102)
+OTHER = tuple(range(50_001, 53_001))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _gateway(**config: object) -> Gateway:
+    settings = {"n_slots": 2, "preempt_from": 1, **config}
+    return Gateway(
+        RuntimeConfig(**settings),  # type: ignore[arg-type]
+        store=StoreIndex(budget=1 << 40),
+        clock=Clock(),
+    )
+
+
+def _start(
+    gateway: Gateway, agent: str, priority: int, tokens: tuple[int, ...], *, head: int | None
+):
+    """Submit, take the lease and declare it running; returns (lease, suspensions seen)."""
+    ticket = gateway.submit(agent, priority, tokens, head=head)
+    waiter = gateway._waiters[ticket.id]
+    assert waiter.lease is not None, f"{agent} got no slot"
+    lease = waiter.lease
+    del gateway._waiters[ticket.id]
+    suspended: list[str] = []
+    gateway.running(lease, priority, lambda: suspended.append(agent))
+    return lease, suspended
+
+
+def test_a_waited_on_subagent_lends_its_urgency_to_the_head_it_waits_for() -> None:
+    """A P0 sub-agent arrives while its P1 sibling computes their shared head and a P2 request
+    of another session prefills: the sibling's checkpoint goes on at P0 (never suspended for
+    it), the P2 prefill is suspended, and new P2 work waits until the head is saved."""
+    gateway = _gateway()
+    sibling, sibling_suspended = _start(gateway, "s/bg", 1, BACKGROUND, head=len(HEAD))
+    checkpoint = gateway.checkpoint_of(sibling)
+    assert checkpoint is not None
+    other, other_suspended = _start(gateway, "other", 2, OTHER, head=None)
+
+    foreground = gateway.submit("s/fg", 0, FOREGROUND, head=len(HEAD))
+    assert gateway._waiters[foreground.id].blocked_on is checkpoint
+    assert other_suspended == ["other"]  # the engine is the head's
+    assert sibling_suspended == []
+    assert gateway._running[sibling.id].priority == 0
+    # The suspended request gives its slot back and queues again: it waits while the head is
+    # computed for a P0 waiter.
+    gateway.release(other, holds=OTHER[:512])
+    again = gateway.submit("other", 2, OTHER, head=None)
+    assert gateway._waiters[again.id].lease is None
+
+    # The head is saved: the sibling goes back to its own priority, the P0 sub-agent takes the
+    # free slot, and the P2 request still waits while a P0 request runs.
+    gateway.checkpoint_progress(checkpoint, len(HEAD))
+    gateway.end_checkpoint(checkpoint)
+    assert gateway._running[sibling.id].priority == 1
+    lease = gateway._waiters[foreground.id].lease
+    assert lease is not None and lease.slot == other.slot
+    assert gateway._waiters[again.id].lease is None
+
+
+def test_without_a_free_slot_the_released_waiter_suspends_less_urgent_work() -> None:
+    """When the head is saved and both slots are still busy, the P0 waiter suspends the least
+    urgent request still computing its prompt, as it would have on arrival."""
+    gateway = _gateway(preempt_from=1)
+    sibling, sibling_suspended = _start(gateway, "s/bg", 2, BACKGROUND, head=len(HEAD))
+    checkpoint = gateway.checkpoint_of(sibling)
+    assert checkpoint is not None
+    _, other_suspended = _start(gateway, "other", 2, OTHER, head=None)
+    # A P1 waiter lends P1 (not urgent enough to quiet the engine).
+    waiting = gateway.submit("s/fg", 1, FOREGROUND, head=len(HEAD))
+    assert gateway._running[sibling.id].priority == 1
+    assert other_suspended == []
+    # It becomes waited on (P0): the lent urgency follows, and the engine goes quiet for it.
+    gateway.reprioritise("s/fg", 0)
+    assert gateway._running[sibling.id].priority == 0
+    assert other_suspended == ["other"]
+    assert waiting.id in gateway._waiters
+    gateway.end_checkpoint(checkpoint)
+    # Both slots are still held (the suspended request has not given its back yet): the
+    # sibling, back at P2 and still prefilling its own tokens, is the one suspended now.
+    assert sibling_suspended == ["s/bg"]
+
+
+def test_a_checkpoint_nobody_urgent_waits_for_keeps_its_own_priority() -> None:
+    gateway = _gateway()
+    sibling, _ = _start(gateway, "s/bg", 1, BACKGROUND, head=len(HEAD))
+    _, other_suspended = _start(gateway, "other", 2, OTHER, head=None)
+    gateway.submit("s/bg2", 2, (*HEAD, 9201), head=len(HEAD))
+    assert gateway._running[sibling.id].priority == 1
+    assert other_suspended == []
+
+
+def test_the_slot_a_suspension_frees_goes_to_the_request_it_was_freed_for() -> None:
+    """With aging, an older P1 ticket outranks a fresh P0 one; but the slot the P0 ticket had a
+    P2 request suspended for is the P0 ticket's."""
+    gateway = _gateway()
+    clock = gateway.clock
+    assert isinstance(clock, Clock)
+    busy, _ = _start(gateway, "busy", 1, BACKGROUND, head=None)
+    victim, victim_suspended = _start(gateway, "victim", 2, OTHER, head=None)
+    old = gateway.submit("old", 1, tuple(range(70_001, 71_001)))  # queued: no slot free
+    clock.now = 60.0  # it has aged: 1 - 0.1 x 60 = -5, below any fresh P0 ticket's score
+    urgent = gateway.submit("urgent", 0, tuple(range(80_001, 81_001)))
+    assert victim_suspended == ["victim"]
+    gateway.release(victim, holds=OTHER[:512])
+    assert gateway._waiters[urgent.id].lease is not None
+    assert gateway._waiters[old.id].lease is None
+    del busy
+
+
+def test_a_request_suspended_for_urgent_work_counts_its_quiet_aging_from_the_suspension() -> None:
+    """A P2 request that had waited long is suspended for a P0 waiter's head; queued again with
+    its old arrival, it does not start next to the head at once (its queue order keeps its whole
+    wait), but the quiet rule still lets it go once it has waited its priority's worth again."""
+    gateway = _gateway()
+    clock = gateway.clock
+    assert isinstance(clock, Clock)
+    sibling, _ = _start(gateway, "s/bg", 1, BACKGROUND, head=len(HEAD))
+    other, other_suspended = _start(gateway, "other", 2, OTHER, head=None)
+    arrival = 0.0
+    clock.now = 146.0
+    gateway.submit("s/fg", 0, FOREGROUND, head=len(HEAD))
+    assert other_suspended == ["other"]
+    clock.now = 160.0  # its batch ended, its progress is saved: it queues again
+    gateway.release(other, holds=OTHER[:512])
+    again = gateway.submit("other", 2, OTHER, arrival=arrival)
+    assert gateway._waiters[again.id].lease is None  # 2 - 0.1 x (160 - 146) > 0: quiet
+    clock.now = 167.0  # 2 - 0.1 x 21 < 0: the bound holds
+    gateway._dispatch()  # as any event does
+    assert gateway._waiters[again.id].lease is not None
+    del sibling
