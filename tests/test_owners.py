@@ -22,11 +22,14 @@ GATEWAY = SRC / "agentkv" / "runtime" / "gateway.py"
 SLOTS = SRC / "agentkv" / "slots.py"
 
 #: What a slot holds (its tokens, its store entry, its prompt sections).
-CONTENT_WRITERS = frozenset({"set_content", "mark_stored", "forget_entry", "invalidate"})
+#: ``take_out``/``bring_back`` (a pool's engine left or rejoined) forget what the slots held.
+CONTENT_WRITERS = frozenset(
+    {"set_content", "mark_stored", "forget_entry", "invalidate", "take_out", "bring_back"}
+)
 #: Who holds a slot. ``release`` also takes what the slot holds when its lease ends: the lease's
 #: holder states it, the gateway passes it on with the lease.
 LEASE_WRITERS = frozenset({"acquire", "release", "sweep", "touch"})
-READERS = frozenset({"idle", "place", "lease", "table", "stats", "free"})
+READERS = frozenset({"idle", "place", "lease", "table", "stats", "free", "is_out"})
 
 
 def _receiver(node: ast.expr) -> str:

@@ -161,6 +161,8 @@ class SlotManager:
     _alive_at: dict[int, float] = attrs.field(init=False, factory=dict)
     _next_lease: int = attrs.field(init=False, default=1)
     _stats: SlotStats = attrs.field(init=False, factory=SlotStats)
+    #: Slots out of placement: their engine is down (a pool of engines).
+    _out: set[int] = attrs.field(init=False, factory=set)
 
     @_slots.default
     def _make_slots(self) -> list[_Slot]:
@@ -180,8 +182,31 @@ class SlotManager:
         )
 
     def idle(self) -> list[SlotView]:
-        """The slots no request holds, in slot order."""
-        return [self._view(i) for i, slot in enumerate(self._slots) if slot.refcount == 0]
+        """The slots no request holds and placement may use, in slot order."""
+        return [
+            self._view(i)
+            for i, slot in enumerate(self._slots)
+            if slot.refcount == 0 and i not in self._out
+        ]
+
+    def take_out(self, slots: Collection[int]) -> None:
+        """Keep ``slots`` out of placement (their engine is down) and forget what they held.
+
+        Leases on them stay live until released: the requests running there end on their own.
+        """
+        for slot in slots:
+            self.invalidate(slot)
+            self._out.add(slot)
+
+    def bring_back(self, slots: Collection[int]) -> None:
+        """Put ``slots`` back into placement, empty (their engine rejoined, or restarted)."""
+        for slot in slots:
+            self.invalidate(slot)
+            self._out.discard(slot)
+
+    def is_out(self, slot: int) -> bool:
+        """Whether ``slot`` is out of placement."""
+        return slot in self._out
 
     def place(
         self,
@@ -338,8 +363,10 @@ class SlotManager:
 
     @property
     def free(self) -> int:
-        """How many slots are idle."""
-        return sum(1 for slot in self._slots if slot.refcount == 0)
+        """How many slots are idle and in placement."""
+        return sum(
+            1 for i, slot in enumerate(self._slots) if slot.refcount == 0 and i not in self._out
+        )
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:

@@ -64,11 +64,19 @@ _GROUPS = (
 
 
 def _base_type(annotation: Any) -> Any:
-    """``int`` for ``int | None``; the annotation itself otherwise."""
+    """``int`` for ``int | None``, ``Path`` for ``tuple[Path, ...]``; the annotation itself
+    otherwise."""
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
         return args[0] if len(args) == 1 else str
+    if _repeated(annotation):
+        return get_args(annotation)[0]
     return annotation
+
+
+def _repeated(annotation: Any) -> bool:
+    """A ``tuple[X, ...]`` field: an option given once per value."""
+    return get_origin(annotation) is tuple
 
 
 def _options(cls: type[Any]) -> Iterator[tuple[attrs.Attribute[Any], str]]:
@@ -107,12 +115,16 @@ def _add_options(groups: dict[str, argparse._ArgumentGroup]) -> None:
                     flag, dest=field.name, action=action, help=f"{help_text} ({state})"
                 )
                 continue
-            default = field.default
+            repeated = _repeated(field.type)
+            # argparse appends to a copy of the default: a repeated option starts from None
+            # (the field's converter makes that its empty tuple).
+            default = None if repeated else field.default
             shown = "unset" if default is None else default
             parse = field.metadata.get("parse")
             group.add_argument(
                 flag,
                 dest=field.name,
+                action="append" if repeated else "store",
                 type=_worded(parse)
                 if parse is not None
                 else (kind if kind in (int, float) else (Path if kind is Path else str)),
@@ -183,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  agentkv-server              # launch llama-server with the default model\n"
             "  agentkv-server --model ./qwen.gguf --slots 4 --ctx-per-slot 16384 --gpu-layers 99\n"
             "  agentkv-server --upstream http://127.0.0.1:8080 --slots 4  # running llama-server\n"
+            "  agentkv-server --engines 2 --slots 2   # a pool of two llama-servers\n"
             "  agentkv-server --upstream http://127.0.0.1:8000 --engine-kind vllm --slots 16\n"
             "  agentkv-server status --watch   # the slot table of a running agentkv-server\n"
             "  agentkv-server store clear [--agent ID]   # delete saved KV states\n"
@@ -435,9 +448,9 @@ def _progress(message: str) -> None:
 
 async def _serve(args: argparse.Namespace) -> None:
     settings: EngineSettings = _from_args(EngineSettings, args)
-    if settings.upstream:
-        name = engine_name(settings.engine_kind)
-        logs.say(f"waiting for {name} at {settings.upstream.rstrip('/')}")
+    name = engine_name(settings.engine_kind)
+    for upstream in settings.upstream:
+        logs.say(f"waiting for {name} at {upstream.rstrip('/')}")
     async with assemble(settings, _from_args(RuntimeConfig, args), on_progress=_progress) as built:
         engine, runtime = built.engine, built.runtime
         runtime_config = runtime.config
@@ -453,15 +466,24 @@ async def _serve(args: argparse.Namespace) -> None:
                 **_connection_settings(args),
             )
         )
-        supervisor = engine.supervisor
-        if supervisor is not None:
-            # A signal stops the engine on purpose: no restarts while shutting down. When the
-            # supervisor gives up, the server stops and the process exits non-zero.
-            server.on_exit = supervisor.stand_down
-            supervisor.on_give_up = lambda _: setattr(server, "should_exit", True)
+        supervisors = engine.supervisors
+        if supervisors:
+            # A signal stops the engines on purpose: no restarts while shutting down. When the
+            # supervisors give up (all of a pool's), the server stops and exits non-zero.
+            def stand_down() -> None:
+                for each in supervisors:
+                    each.stand_down()
+
+            def gave_up(_: object) -> None:
+                if all(each.failure is not None for each in supervisors):
+                    server.should_exit = True
+
+            server.on_exit = stand_down
+            for each in supervisors:
+                each.on_give_up = gave_up
         url = f"http://{server_config.host}:{server_config.port}"
         fields = logs.startup_fields(
-            engine=engine.base_url,
+            engine=", ".join(m.base_url for m in engine.engines),
             engine_name=built.client.engine_name,
             launched=not settings.upstream,
             model=str(engine.model)
@@ -491,8 +513,9 @@ async def _serve(args: argparse.Namespace) -> None:
         )
         server.on_started = lambda: logs.announce(fields)
         await server.serve()
-        if supervisor is not None and supervisor.failure is not None:
-            raise supervisor.failure
+        failures = [each.failure for each in supervisors if each.failure is not None]
+        if supervisors and len(failures) == len(supervisors):
+            raise failures[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -509,6 +532,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format)
     if args.slots < 1:
         raise SystemExit("agentkv-server: --slots must be at least 1")
+    if args.engines < 1:
+        raise SystemExit("agentkv-server: --engines must be at least 1")
     try:
         _from_args(EngineSettings, args)
     except ValueError as exc:

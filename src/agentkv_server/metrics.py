@@ -28,7 +28,9 @@ from prometheus_client.registry import Collector
 from starlette.responses import Response
 
 from agentkv.exceptions import AgentKVError
+from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.record import RequestRecord
 
 __all__ = ["ServerMetrics"]
@@ -39,7 +41,8 @@ _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640)
 _DURATION_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 1800)
 #: What a divergence's section starts with; anything else counts as "other".
 _SECTIONS = ("system", "tools", "tool", "message", "messages")
-_STATES = ("idle", "prefilling", "decoding")
+#: ``out``: the slot's engine, in a pool of engines, is down.
+_STATES = ("idle", "prefilling", "decoding", "out")
 _SOURCES = (("slot", "from_slot"), ("store", "from_store"), ("none", "cold"))
 
 
@@ -53,16 +56,22 @@ def _section_kind(section: object) -> str:
     return word if word in _SECTIONS else "other"
 
 
+def engine_restarts(client: LlamaSlotClient) -> int:
+    """Restarts of the engine behind ``client``, or of all the engines of a pool."""
+    if isinstance(client, EnginePool):
+        return client.restarts
+    return client.status.restarts if client.status is not None else 0
+
+
 class ServerMetrics:
     """The metrics of one app around one runtime; :meth:`response` is the scrape."""
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self.registry = CollectorRegistry()
-        #: The engine's restarts so far, from the supervisor's status when there is one.
-        self.engine_restarts: Callable[[], int] = lambda: (
-            runtime.client.status.restarts if runtime.client.status is not None else 0
-        )
+        #: The engine's restarts so far, from the supervisor's status when there is one (in a
+        #: pool of engines, every engine's summed).
+        self.engine_restarts: Callable[[], int] = lambda: engine_restarts(runtime.client)
         r = self.registry
         self.requests = Counter(
             "agentkv_requests",

@@ -44,6 +44,35 @@ async def test_the_runtime_takes_the_engines_real_shape_and_keeps_the_rest(
         assert built.client._http.is_closed
 
 
+async def test_several_upstreams_are_assembled_as_one_pool() -> None:
+    """Two upstreams: the runtime's client is an EnginePool over both, its slots all of theirs
+    (4 each), and a request is served; both engines' clients are closed on the way out."""
+    from agentkv.runtime.pool import EnginePool
+
+    with (
+        fake_engine_over_http(FakeLlama(reply="from a")) as url_a,
+        fake_engine_over_http(FakeLlama(reply="from b")) as url_b,
+    ):
+        settings = EngineSettings(upstream=(url_a, url_b + "/"), slots=4, store=False)
+        async with assemble(settings) as built:
+            pool = built.client
+            assert isinstance(pool, EnginePool)
+            assert [m.base_url for m in pool.members] == [url_a, url_b]
+            assert [m.base_url for m in built.engine.engines] == [url_a, url_b]
+            assert built.runtime.config.n_slots == 8
+            async with built.runtime as runtime:
+                body = {
+                    "model": "m",
+                    "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "hi"}],
+                }
+                message = await runtime.submit(
+                    await runtime.prepare(body, agent="a", priority=1)
+                ).message()
+            assert message["content"][0]["text"] in ("from a", "from b")
+        assert all(m.client._http.is_closed for m in pool.members)
+
+
 def test_the_engine_options_are_the_engine_settings() -> None:
     """agentkv-server's engine group is generated from EngineSettings: no flag, the defaults;
     each flag lands in its field."""
@@ -52,6 +81,10 @@ def test_the_engine_options_are_the_engine_settings() -> None:
     flags = ["--upstream", "http://e", "--slots", "3", "--kv-budget", "2GiB", "--no-store"]
     got = cli._from_args(EngineSettings, parse(flags))
     assert got == EngineSettings(upstream="http://e", slots=3, kv_budget=2 * GiB, store=False)
+    # Repeatable options: each --upstream (and --upstream-slot-dir) is one more value.
+    flags = ["--upstream", "http://a", "--upstream", "http://b", "--engines", "1"]
+    assert cli._from_args(EngineSettings, parse(flags)).upstream == ("http://a", "http://b")
+    assert cli._from_args(EngineSettings, parse(["--engines", "3"])).engines == 3
 
 
 def test_a_bad_size_is_refused_in_the_parsers_own_words(capsys: pytest.CaptureFixture[str]) -> None:

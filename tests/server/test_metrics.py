@@ -244,6 +244,37 @@ async def test_engine_restarts_come_from_whoever_supervises_the_engine(serve: An
     assert value(await scrape(http), "agentkv_engine_restarts_total") == 3
 
 
+async def test_engine_restarts_of_a_pool_are_every_engines_summed(serve: Any) -> None:
+    """In a pool of engines the runtime's client is the pool, which has no status of its own:
+    the count is the sum of its engines' supervisors' (an upstream's counts none)."""
+    from agentkv.runtime.client import LlamaSlotClient
+    from agentkv.runtime.pool import EnginePool
+    from agentkv.runtime.status import EngineStatus
+
+    http = await serve(FakeLlama())
+    metrics: ServerMetrics = http.app.state.metrics  # type: ignore[attr-defined]
+    statuses = [EngineStatus(), EngineStatus()]
+    pool = EnginePool(
+        [
+            LlamaSlotClient("http://a", status=statuses[0]),
+            LlamaSlotClient("http://b", status=statuses[1]),
+            LlamaSlotClient("http://c"),
+        ],
+        slots=[1, 1, 1],
+    )
+    own = metrics.runtime.client
+    metrics.runtime.client = pool
+    try:
+        assert value(await scrape(http), "agentkv_engine_restarts_total") == 0
+        statuses[0].new_generation()
+        statuses[1].new_generation()
+        statuses[1].new_generation()
+        assert value(await scrape(http), "agentkv_engine_restarts_total") == 3
+    finally:
+        metrics.runtime.client = own
+        await pool.aclose()
+
+
 async def test_failures_retries_and_cache_misses_are_counted(serve: Any) -> None:
     """Error statuses, tool-call retries, suspensions, joined retries and a record's divergence
     feed their counters (records built by hand: the listener is what is tested)."""

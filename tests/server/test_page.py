@@ -49,6 +49,20 @@ async def test_unknown_page_file_is_an_anthropic_404(serve: Any) -> None:
     assert r.json()["type"] == "error"
 
 
+def test_every_slot_state_has_a_style() -> None:
+    """Each state a slot row can have (the ones /metrics counts, ``out`` in a pool of engines
+    included) is drawn in a colour of its own."""
+    from agentkv_server.metrics import _STATES
+
+    css = (STATIC / "live.css").read_text()
+    colours = {}
+    for state in _STATES:
+        rule = re.search(rf"\.state\.{state} {{ background: ([^;]+);", css)
+        assert rule, state
+        colours[state] = rule.group(1)
+    assert len(set(colours.values())) == len(colours), colours
+
+
 def test_page_loads_nothing_from_elsewhere() -> None:
     """Works offline: no URL with a scheme or a protocol-relative URL in any of the files (the
     SVG namespace, an identifier rather than a fetch, is the one exception)."""

@@ -15,6 +15,12 @@ Launching (:func:`open_engine`): the model's shape and the device give the conte
 there is a store, the store's key names the model file, the engine build and the KV layout, and an
 :class:`~agentkv.runtime.supervisor.EngineSupervisor` restarts an engine that dies.
 
+A pool (``engines`` above 1, or several ``upstream`` URLs): the launched engines share the
+machine as :func:`~agentkv.runtime.pool_launch.pool_layout` says, start side by side, and each
+has its own supervisor; the runtime's client is then an
+:class:`~agentkv.runtime.pool.EnginePool` over all of them (see docs/engine.md, "A pool of
+llama-servers").
+
 :class:`EngineSettings` are ``agentkv-server``'s *engine* options: its command line is generated
 from these fields, as it is from :class:`~agentkv.runtime.config.RuntimeConfig`'s.
 """
@@ -24,9 +30,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -38,6 +45,7 @@ from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig, setting
 from agentkv.runtime.engine import parse_size
 from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import probe_length, probe_restore
 from agentkv.runtime.supervisor import EngineSupervisor
@@ -45,6 +53,7 @@ from agentkv.runtime.supervisor import EngineSupervisor
 __all__ = [
     "Assembly",
     "EngineHandle",
+    "EngineMember",
     "EngineSettings",
     "assemble",
     "check_store",
@@ -59,14 +68,45 @@ log = logging.getLogger("agentkv.assemble")
 READY_TIMEOUT = 600.0
 
 
+def _several(kind: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
+    """A converter to a tuple of ``kind``: None is none, one value (a URL, a path) is one."""
+
+    def convert(value: Any) -> tuple[Any, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str | Path):
+            return (kind(value),)
+        return tuple(kind(each) for each in value)
+
+    return convert
+
+
 @attrs.frozen
 class EngineSettings:
-    """Which engine to serve from: a running llama-server (``upstream``), or one to launch."""
+    """Which engines to serve from: running llama-servers (``upstream``), or ones to launch."""
 
-    upstream: str | None = setting(
-        None,
-        "use an already running llama-server at URL instead of launching one (default: launch one)",
+    upstream: tuple[str, ...] = setting(
+        (),
+        "use an already running llama-server at URL instead of launching one; given more than "
+        "once, a pool of llama-servers of one model under one scheduler (default: launch one)",
+        converter=_several(str),
         metavar="URL",
+        group="engine",
+    )
+    upstream_slot_dir: tuple[Path, ...] = setting(
+        (),
+        "an upstream's --slot-save-path as this machine sees it, once per --upstream in the "
+        "same order (default: every upstream saves into --store-dir itself)",
+        converter=_several(Path),
+        metavar="DIR",
+        group="engine",
+    )
+    engines: int = setting(
+        1,
+        "llama-servers to launch, each with --slots slots, as one pool (default 1); on the CPU "
+        "they share --threads, with several GPUs each gets its own",
+        validator=attrs.validators.ge(1),
+        metavar="N",
         group="engine",
     )
     engine_kind: str = setting(
@@ -165,6 +205,26 @@ class EngineSettings:
                 f"--engine-kind {self.engine_kind} needs --upstream URL "
                 "(agentkv launches only llama-server)"
             )
+        if self.upstream_slot_dir and len(self.upstream_slot_dir) != len(self.upstream):
+            raise ValueError("give --upstream-slot-dir once per --upstream, or not at all")
+        if self.engines > 1 and self.upstream:
+            raise ValueError("--engines launches llama-servers: not with --upstream")
+        if self.engine_kind != LLAMA and len(self.upstream) > 1:
+            raise ValueError(
+                f"a pool is of llama-servers: give --engine-kind {self.engine_kind} one --upstream"
+            )
+
+
+@attrs.frozen
+class EngineMember:
+    """One llama-server of the engines served from (one, or each of a pool's)."""
+
+    base_url: str
+    api_key: str | None = None
+    status: EngineStatus | None = None
+    supervisor: EngineSupervisor | None = None
+    #: Its --slot-save-path as seen here (None: the store directory itself).
+    slot_dir: Path | None = None
 
 
 @attrs.frozen
@@ -191,6 +251,20 @@ class EngineHandle:
     warnings: tuple[str, ...] = ()
     #: Tokens for the check that a restore gives reuse (see agentkv.runtime.store).
     probe_tokens: int = 0
+    #: Every llama-server, in order (more than one: a pool); the fields above are the first's.
+    members: tuple[EngineMember, ...] = ()
+
+    @property
+    def engines(self) -> tuple[EngineMember, ...]:
+        """:attr:`members`, or the one engine the fields above describe."""
+        if self.members:
+            return self.members
+        return (EngineMember(self.base_url, self.api_key, self.status, self.supervisor),)
+
+    @property
+    def supervisors(self) -> list[EngineSupervisor]:
+        """The supervisors of the engines agentkv launched (none with upstreams)."""
+        return [m.supervisor for m in self.engines if m.supervisor is not None]
 
 
 @attrs.frozen
@@ -221,12 +295,26 @@ async def assemble(
     slots and context read from ``/slots``, the store checked; ``config``'s ``n_slots``,
     ``ctx_per_slot`` and ``store_dir`` are replaced by what the engine is. The engine and the
     client are closed on the way out."""
+    from agentkv.runtime.pool_launch import open_engines
+
     config = config if config is not None else RuntimeConfig()
     async with open_engine(settings, on_progress=on_progress) as engine:
-        client = open_client(settings, engine)
+        if settings.engine_kind == LLAMA and len(engine.engines) > 1:
+            # A pool over several llama-servers (whose engines have all loaded their model by
+            # then).
+            client = await open_engines(
+                engine.engines,
+                slots=settings.slots,
+                store_dir=engine.store_dir,
+                timeout=READY_TIMEOUT,
+                templating_limit=settings.templating_limit,
+            )
+        else:
+            client = open_client(settings, engine)
         try:
             await client.wait_ready(READY_TIMEOUT)
-            n_slots, ctx_per_slot = await engine_shape(client, settings.slots, engine.ctx_per_slot)
+            slots = client.n_slots if isinstance(client, EnginePool) else settings.slots
+            n_slots, ctx_per_slot = await engine_shape(client, slots, engine.ctx_per_slot)
             store_dir, store_note = await check_store(client, engine, ctx_per_slot)
             config = attrs.evolve(
                 config, n_slots=n_slots, ctx_per_slot=ctx_per_slot, store_dir=store_dir
@@ -245,16 +333,20 @@ async def assemble(
 async def open_engine(
     settings: EngineSettings, *, on_progress: Callable[[str], None] | None = None
 ) -> AsyncIterator[EngineHandle]:
-    """The engine's URL and shape: ``settings.upstream``, or a llama-server launched and
-    supervised here (stopped on the way out). ``on_progress`` hears the launch in words."""
+    """The engines' URLs and shape: ``settings.upstream``, or llama-servers launched and
+    supervised here (stopped on the way out), one supervisor each. ``on_progress`` hears the
+    launch in words."""
     if settings.upstream:
+        urls = [url.rstrip("/") for url in settings.upstream]
+        dirs: Iterable[Path | None] = settings.upstream_slot_dir or [None] * len(urls)
         yield EngineHandle(
-            settings.upstream.rstrip("/"),
+            urls[0],
             settings.ctx_per_slot,
             # An engine that places requests itself has no slot files: no store.
             settings.store_dir if settings.store and settings.engine_kind == LLAMA else None,
-            f"upstream:{settings.upstream}",
+            f"upstream:{','.join(urls)}",
             probe_tokens=probe_length(None),
+            members=tuple(EngineMember(url, slot_dir=d) for url, d in zip(urls, dirs, strict=True)),
         )
         return
     from agentkv.runtime.build import build_digest, choose_offload
@@ -268,6 +360,7 @@ async def open_engine(
         plan_context,
     )
     from agentkv.runtime.model import default_cache_dir, default_model_path, read_model_shape
+    from agentkv.runtime.pool_launch import pool_layout, start_all
 
     def progress(message: str) -> None:
         if on_progress is not None:
@@ -277,11 +370,12 @@ async def open_engine(
     model = Path(settings.model if settings.model is not None else default_model_path())
     store_dir = (settings.store_dir or default_cache_dir() / "store") if settings.store else None
     shape = await anyio.to_thread.run_sync(read_model_shape, model)
+    model_bytes = (await anyio.to_thread.run_sync(model.stat)).st_size
     kv_type = DEFAULT_KV_TYPE
     offload = await anyio.to_thread.run_sync(
         lambda: choose_offload(
             binary,
-            model_bytes=model.stat().st_size,
+            model_bytes=model_bytes,
             min_kv_bytes=settings.slots * CTX_FLOOR * shape.kv_bytes_per_token(kv_type),
             requested=settings.gpu_layers,
         )
@@ -292,10 +386,18 @@ async def open_engine(
     kv_budget = settings.kv_budget
     if kv_budget is None:
         kv_budget = offload.kv_budget if offload.kv_budget is not None else default_kv_budget()
+    # How the engines share the machine (one engine: all of it).
+    layout = pool_layout(
+        settings.engines,
+        offload,
+        model_bytes=model_bytes,
+        kv_budget=kv_budget,
+        threads=settings.threads,
+    )
     plan = plan_context(
         shape,
         slots=settings.slots,
-        kv_budget=kv_budget,
+        kv_budget=layout.kv_budget,
         kv_type=kv_type,
         requested=settings.ctx_per_slot,
     )
@@ -307,7 +409,7 @@ async def open_engine(
         n_ctx_train=shape.n_ctx_train,
         gpu_layers=offload.gpu_layers,
         port=settings.engine_port,
-        threads=settings.threads,
+        threads=layout.threads,
         slot_save_dir=store_dir,
         kv_type=kv_type,
         # A sliding-window model's restored slots are reused only with a full-size cache; the
@@ -328,30 +430,58 @@ async def open_engine(
             *(["swa=full"] if config.swa_full else []),
         ]
     )
-    async with LlamaServerProcess(config, binary=binary, on_progress=progress) as process:
-        supervisor = EngineSupervisor(
-            process, max_failures=settings.max_restarts, window=settings.restart_window
+    configs = layout.configs(config)
+    if len(configs) > 1:
+        progress(f"a pool of {len(configs)} llama-servers: {layout.describe()}")
+    async with contextlib.AsyncExitStack() as stack:
+        processes = [
+            LlamaServerProcess(each, binary=binary, on_progress=progress) for each in configs
+        ]
+        for process in processes:
+            stack.push_async_callback(process.__aexit__, None, None, None)
+        await start_all(processes)
+        supervisors = [
+            EngineSupervisor(
+                process, max_failures=settings.max_restarts, window=settings.restart_window
+            )
+            for process in processes
+        ]
+        members = tuple(
+            EngineMember(
+                process.base_url,
+                api_key=process.api_key,
+                status=supervisor.status,
+                supervisor=supervisor,
+                slot_dir=process.running_config.slot_save_dir
+                if isinstance(process.running_config, EngineConfig)
+                else None,
+            )
+            for process, supervisor in zip(processes, supervisors, strict=True)
         )
+        first = members[0]
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(supervisor.run)
+                for supervisor in supervisors:
+                    tg.start_soon(supervisor.run)
                 try:
                     yield EngineHandle(
-                        process.base_url,
+                        first.base_url,
                         config.effective_ctx_per_slot,
                         store_dir,
                         compat,
-                        api_key=process.api_key,
-                        status=supervisor.status,
-                        supervisor=supervisor,
+                        api_key=first.api_key,
+                        status=first.status,
+                        supervisor=first.supervisor,
                         kv_bytes_per_token=plan.bytes_per_token,
                         model=model,
                         device=offload.describe(),
                         warnings=(offload.warning,) if offload.warning else (),
                         probe_tokens=probe_length(shape.sliding_window, batch=config.batch or 512),
+                        members=members,
                     )
                 finally:
-                    supervisor.stand_down()
+                    for supervisor in supervisors:
+                        supervisor.stand_down()
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # The supervisor never raises: what failed is the body, which callers expect bare.

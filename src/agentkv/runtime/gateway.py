@@ -530,6 +530,13 @@ class Gateway:
                 best = (gain, checkpoint)
         return None if best is None else best[1]
 
+    # -- a pool of engines ----------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Slots came back into placement without a lease ending (a pool's engine rejoined):
+        hand them out to whoever waits."""
+        self._dispatch()
+
     # -- watchdog -------------------------------------------------------------------------------
 
     def sweep(self) -> list[Lease]:
@@ -574,7 +581,9 @@ class Gateway:
                     "stored": row.stored,
                     "busy": row.refcount > 0,
                     "state": (
-                        "idle"
+                        "out"
+                        if row.refcount == 0 and self._slots.is_out(row.slot)
+                        else "idle"
                         if row.refcount == 0
                         else "decoding"
                         if row.slot in running and running[row.slot].decoding

@@ -162,6 +162,15 @@ class KVCache:
                 self.gateway.slots.invalidate(slot)
             log.info("engine restarted (generation %d): slot contents forgotten", generation)
 
+    def engine_changed(self, slots: range, up: bool) -> None:
+        """An engine of a pool left placement (``up`` False) or rejoined it, its slots empty
+        either way (:class:`agentkv.runtime.pool.EnginePool`); the queue goes on elsewhere."""
+        if up:
+            self.gateway.slots.bring_back(slots)
+            self.gateway.wake()
+        else:
+            self.gateway.slots.take_out(slots)
+
     # -- preparing a leased slot ------------------------------------------------------------------
 
     async def park(self, lease: Lease) -> bool:

@@ -49,6 +49,7 @@ from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Gateway
 from agentkv.runtime.joinable import Joinable
 from agentkv.runtime.kvcache import KVCache
+from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.prefetch import Prefetcher
 from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, RequestStatus
 from agentkv.runtime.relay import Relay
@@ -320,6 +321,9 @@ class Runtime:
         self._tg.start_soon(self.kvcache.run_upkeep, 60.0)
         if self.client.status is not None:
             self._tg.start_soon(self.kvcache.follow_engine_restarts, self.client.status)
+        if isinstance(self.client, EnginePool):
+            # Engines that go down leave placement; when they come back they rejoin, empty.
+            self._tg.start_soon(self.client.watch, self.kvcache.engine_changed)
         self.compactor.attach(self._tg)
         return self
 
@@ -436,6 +440,8 @@ class Runtime:
         table = self.gateway.table()
         table["store"] = self.store.table() if self.store is not None else None
         table["compactions"] = self.compactor.store.table()
+        if isinstance(self.client, EnginePool):
+            table["engines"] = self.client.table()
         table["agents"] = self.history.agents()
         self.tree.annotate(table)
         table["running"] = [r.view() for r in self.running()]

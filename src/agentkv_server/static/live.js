@@ -124,6 +124,9 @@ function slotProgress(row, table) {
     if (row.stored) parts.push("saved in the store");
     return el("div", { class: "muted" }, parts.join(", "));
   }
+  if (row.state === "out") {
+    return el("div", { class: "muted" }, "its engine is down: out of placement until it rejoins");
+  }
   return el("div", {});
 }
 
