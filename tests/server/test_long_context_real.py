@@ -24,14 +24,16 @@ AGENT = "long-talker"
 def low_water(live: Live) -> Iterator[None]:
     """Compact past 700 tokens and keep 4 recent messages, for this test only."""
     runtime = live.runtime
-    compactor = runtime.compactor
+    compactor, admission = runtime.compactor, runtime.admission
     old = runtime.config, compactor.keep_recent, compactor.summary_tokens
-    runtime.config = attrs.evolve(old[0], compact_at=700)
+    # Admission decides when to compact, from the config it was given.
+    runtime.config = admission.config = attrs.evolve(old[0], compact_at=700)
     compactor.keep_recent, compactor.summary_tokens = 4, 120
     try:
         yield
     finally:
         runtime.config, compactor.keep_recent, compactor.summary_tokens = old
+        admission.config = old[0]
 
 
 def history(turns: int) -> list[dict[str, Any]]:
