@@ -59,8 +59,8 @@ async def main(
         async with built.runtime as runtime, anyio.create_task_group() as tg:
             for name in AGENTS:
                 tg.start_soon(agent, runtime, name, echo)
-        table = runtime.table()
-    echo(f"slots: {[(s['slot'], s['agent'], s['tokens']) for s in table['slots']]}")
+        snapshot = runtime.snapshot()
+    echo(f"slots: {[(s.slot, s.agent, s.tokens) for s in snapshot.slots]}")
     return runtime.records()
 
 

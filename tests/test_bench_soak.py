@@ -17,6 +17,7 @@ import attrs
 import httpx
 import pytest
 
+from agentkv.snapshot import BackgroundRow, QueueRow, unstructure
 from agentkv_bench import cli
 from agentkv_bench.soak import (
     Exchange,
@@ -32,6 +33,7 @@ from agentkv_bench.soak import (
     soak_table,
     verdict,
 )
+from tests._snapshot import empty_snapshot, slot_row
 
 OVERLOADED = {"type": "error", "error": {"type": "overloaded_error", "message": "restarting"}}
 
@@ -153,18 +155,15 @@ def test_anthropic_error_shape() -> None:
 # -- the leak counter ------------------------------------------------------------------------
 
 
-def _slot(slot: int, *, busy: bool = False, leases: tuple[int, ...] = ()) -> dict[str, Any]:
-    return {"slot": slot, "agent": None, "busy": busy, "leases": list(leases), "state": "idle"}
-
-
 def test_leaked_leases_counts_busy_slots_leases_and_tickets() -> None:
-    idle = {"slots": [_slot(0), _slot(1)], "queue": [], "background": []}
+    idle = empty_snapshot(slots=(slot_row(0), slot_row(1)))
     assert leaked_leases(idle) == 0
-    held = {**idle, "slots": [_slot(0, busy=True, leases=(7,)), _slot(1)]}
+    held = attrs.evolve(idle, slots=(slot_row(0, busy=True, leases=(7,)), slot_row(1)))
     assert leaked_leases(held) == 2  # as the fuzz test counts: the busy flag and the lease
-    queued = {**idle, "queue": [{"ticket": 3}], "background": [{"ticket": 4}]}
+    ticket = QueueRow(3, "a", 1, 10, 0.5, 0.5, None, None, None)
+    queued = attrs.evolve(idle, queue=(ticket,), background=(BackgroundRow(4, "a", 0.5),))
     assert leaked_leases(queued) == 2
-    assert leaked_leases({"slots": [_slot(0, leases=(1, 2))]}) == 2
+    assert leaked_leases(empty_snapshot(slots=(slot_row(0, leases=(1, 2)),))) == 2
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -501,9 +500,8 @@ def _stand_in(engine: subprocess.Popen[bytes], restart_s: float) -> Any:
 
     async def slots(request: Request) -> Response:
         busy = state["open"] > 0
-        return JSONResponse(
-            {"slots": [{"slot": 0, "busy": busy, "leases": [1] if busy else []}], "queue": []}
-        )
+        slot = slot_row(0, busy=busy, leases=(1,) if busy else ())
+        return JSONResponse(unstructure(empty_snapshot(slots=(slot,))))
 
     return Starlette(
         routes=[

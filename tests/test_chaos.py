@@ -29,6 +29,7 @@ import anyio
 import httpx
 import pytest
 
+from agentkv.snapshot import RuntimeSnapshot
 from tests.fakes import FakeLlama, served, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -213,9 +214,9 @@ def reply_text(response: httpx.Response) -> str:
 
 async def run_agents(
     fake: FakeLlama, store: Path, *, seed: int | None, rate: float, together: bool
-) -> tuple[list[str], ChaosLink | None, dict[str, Any]]:
+) -> tuple[list[str], ChaosLink | None, RuntimeSnapshot]:
     """4 agents × 2 turns on 2 slots with the prefix store on: the replies' texts, the chaos
-    link (None without faults) and the runtime's table afterwards."""
+    link (None without faults) and the runtime's snapshot afterwards."""
     link = None if seed is None else ChaosLink(fake, seed=seed, rate=rate)
     texts: list[str] = []
     settings: dict[str, Any] = {
@@ -243,14 +244,14 @@ async def run_agents(
             else:
                 for agent in range(4):
                     await one(agent, turn)
-        table = http.runtime.table()  # type: ignore[attr-defined]
-    return texts, link, table
+        snapshot = http.runtime.snapshot()  # type: ignore[attr-defined]
+    return texts, link, snapshot
 
 
-def assert_idle(table: dict[str, Any]) -> None:
+def assert_idle(snapshot: RuntimeSnapshot) -> None:
     """No slot busy, no lease held, nothing queued."""
-    assert all(not s["busy"] and not s["leases"] for s in table["slots"]), table["slots"]
-    assert table["queue"] == [] and table["background"] == []
+    assert all(not s.busy and not s.leases for s in snapshot.slots), snapshot.slots
+    assert snapshot.queue == () and snapshot.background == ()
 
 
 def fake_engine(store: Path) -> FakeLlama:
@@ -335,7 +336,7 @@ async def test_an_engine_that_is_down_is_a_clean_error(tmp_path: Path) -> None:
         error = response.json()
         assert error["type"] == "error" and error["error"]["type"] == "overloaded_error"
         assert "cannot reach llama-server" in error["error"]["message"]
-        assert_idle(http.runtime.table())  # type: ignore[attr-defined]
+        assert_idle(http.runtime.snapshot())  # type: ignore[attr-defined]
 
 
 class Scripted:
@@ -385,7 +386,7 @@ async def two_agents(fake: FakeLlama, store: Path, link: Scripted | None) -> lis
                 tg.start_soon(one, 0, texts)
                 await anyio.sleep(0.05)
                 tg.start_soon(one, 1, texts)
-        assert_idle(http.runtime.table())  # type: ignore[attr-defined]
+        assert_idle(http.runtime.snapshot())  # type: ignore[attr-defined]
     return texts
 
 
@@ -421,7 +422,7 @@ async def test_a_reply_cut_mid_stream_is_continued_whole(tmp_path: Path) -> None
             link.times = 1
             body = {**conversation(0, 1), "stream": stream}
             assert reply_text(await http.post("/v1/messages", json=body)) == REPLY
-        assert_idle(http.runtime.table())  # type: ignore[attr-defined]
+        assert_idle(http.runtime.snapshot())  # type: ignore[attr-defined]
     assert link.seen["/v1/chat/completions"] == 4  # each reply: the cut call and its continuation
     continued = fake.requests[1]["messages"][-1]
     assert continued["role"] == "assistant" and REPLY.startswith(continued["content"])

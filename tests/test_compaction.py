@@ -15,6 +15,7 @@ from agentkv.compaction import (
     summary_request,
 )
 from agentkv.fingerprint import PrefixFingerprinter
+from agentkv.snapshot import PendingCompactionRow
 
 FP = PrefixFingerprinter()
 TOOLS = [{"type": "function", "function": {"name": "Read", "parameters": {"type": "object"}}}]
@@ -129,7 +130,7 @@ def test_only_one_compaction_per_agent_runs_at_a_time() -> None:
     assert store.begin("a") and not store.begin("a") and store.begin("b")
     store.end("a", None)
     assert store.begin("a")
-    assert {"agent": "a", "pending": True} in store.table()
+    assert PendingCompactionRow("a", True) in store.snapshot()
 
 
 def test_summary_request_carries_the_replaced_turns() -> None:

@@ -465,9 +465,9 @@ def test_fuzz_both_message_routes() -> None:
     elapsed = time.monotonic() - started
     leaked = 0
     for runtime in runtimes:
-        table = runtime.table()
-        leaked += sum(slot["busy"] + len(slot["leases"]) for slot in table["slots"])
-        assert table["queue"] == [] and table["background"] == [], table
+        snapshot = runtime.snapshot()
+        leaked += sum(slot.busy + len(slot.leases) for slot in snapshot.slots)
+        assert snapshot.queue == () and snapshot.background == (), snapshot
     assert leaked == 0
     for fake in fakes:
         assert all(count == 0 for count in fake.active.values()), fake.active

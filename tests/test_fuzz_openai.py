@@ -396,9 +396,9 @@ def test_fuzz_both_openai_routes() -> None:
         portal.call(client.aclose)
 
     elapsed = time.monotonic() - started
-    table = runtime.table()
-    leaked = sum(slot["busy"] + len(slot["leases"]) for slot in table["slots"])
-    assert table["queue"] == [] and table["background"] == [], table
+    snapshot = runtime.snapshot()
+    leaked = sum(slot.busy + len(slot.leases) for slot in snapshot.slots)
+    assert snapshot.queue == () and snapshot.background == (), snapshot
     assert leaked == 0
     assert all(count == 0 for count in fake.active.values()), fake.active
     total = sum(statuses.values())

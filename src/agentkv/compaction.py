@@ -21,6 +21,7 @@ import attrs
 
 from agentkv._types import Fingerprint
 from agentkv.fingerprint import PrefixFingerprinter
+from agentkv.snapshot import CompactionRow, PendingCompactionRow
 
 __all__ = ["Compaction", "CompactionPlan", "CompactionStore", "plan_compaction", "summary_request"]
 
@@ -210,17 +211,19 @@ class CompactionStore:
                 applied.append(compaction)
         return current, fingerprint, applied
 
-    def table(self) -> list[dict[str, Any]]:
-        """What the slot table shows: one row per compaction in force."""
-        return [
-            {
-                "agent": agent,
-                "messages_replaced": c.plan.cut,
-                "tokens_before": c.tokens_before,
-                "tokens_after": c.tokens_after,
-                "saved_tokens": c.saved_tokens,
-                "summary_chars": len(c.summary),
-            }
+    def snapshot(self) -> tuple[CompactionRow | PendingCompactionRow, ...]:
+        """What the operator's view shows: one row per compaction in force, then the pending."""
+        in_force = tuple(
+            CompactionRow(
+                agent=agent,
+                messages_replaced=c.plan.cut,
+                tokens_before=c.tokens_before,
+                tokens_after=c.tokens_after,
+                saved_tokens=c.saved_tokens,
+                summary_chars=len(c.summary),
+            )
             for agent, done in sorted(self._done.items())
             for c in done
-        ] + [{"agent": agent, "pending": True} for agent in sorted(self._pending)]
+        )
+        pending = tuple(PendingCompactionRow(agent, True) for agent in sorted(self._pending))
+        return in_force + pending

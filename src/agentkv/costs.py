@@ -20,6 +20,8 @@ from collections.abc import Mapping
 
 import attrs
 
+from agentkv.snapshot import CostsView
+
 __all__ = ["CostModel", "PrefillModel", "RateModel"]
 
 
@@ -147,15 +149,15 @@ class CostModel:
         if predicted > 1:
             self.decode.observe(predicted, predicted_ms / 1000)
 
-    def view(self) -> dict[str, float]:
+    def view(self) -> CostsView:
         """The prices as the operator sees them (rounded)."""
-        return {
-            "prefill_tokens_per_s_at_0": round(self.prefill.tokens_per_second(0, 1000), 1),
-            "prefill_tokens_per_s_at_10k": round(self.prefill.tokens_per_second(10_000, 1000), 1),
-            "decode_tokens_per_s": round(self.decode.rate, 1),
-            "restore_bytes_per_s": round(self.restore.rate),
-            "bytes_per_token": round(self.bytes_per_token),
-        }
+        return CostsView(
+            prefill_tokens_per_s_at_0=round(self.prefill.tokens_per_second(0, 1000), 1),
+            prefill_tokens_per_s_at_10k=round(self.prefill.tokens_per_second(10_000, 1000), 1),
+            decode_tokens_per_s=round(self.decode.rate, 1),
+            restore_bytes_per_s=round(self.restore.rate),
+            bytes_per_token=round(self.bytes_per_token),
+        )
 
     def observe_bytes_per_token(self, tokens: int, nbytes: int) -> None:
         if tokens > 0 and nbytes > 0:

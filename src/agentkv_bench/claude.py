@@ -27,6 +27,7 @@ import anyio
 import attrs
 import httpx
 
+from agentkv.snapshot import unstructure
 from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
 from agentkv_bench.metrics import difference, read_counters
 from agentkv_bench.report import fmt, render_table, write_report
@@ -193,8 +194,8 @@ async def run_real_cli(
                         first_word,
                     )
                     if engine.runtime is not None:
-                        table = engine.runtime.table()
-                        report["placements"] = table.get("placements")
+                        placements = engine.runtime.snapshot().placements
+                        report["placements"] = unstructure(placements)
             reports.append(report)
             bench.say(f"real-cli/{name}: {report['wall_s']} s, {report['correct']} right")
     finally:

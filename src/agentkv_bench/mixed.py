@@ -426,7 +426,7 @@ async def run_mixed(
         summary["label"] = _LABELS[name]
         summary["api"] = apis
         summary["per_api"] = _per_api(run.results, apis, api_minimum[layout])
-        summary["agentkv"] = _hits(run.table)
+        summary["agentkv"] = _hits(run.snapshot)
         if log is not None and config is not None:
             summary["tickets"] = [attrs.asdict(t) for t in log.tickets]
             for api, row in summary["per_api"].items():

@@ -162,7 +162,7 @@ async def gateway_overhead(
             runtime = app.state.runtime
             stream_record = runtime.records()[-1]
             memory = await _idle_memory(http, gw_url, message, idle_agents)
-            known = len(runtime.table()["agents"])
+            known = len(runtime.snapshot().agents)
         await client.aclose()
 
     return {

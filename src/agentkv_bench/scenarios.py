@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import httpx
 
+from agentkv.snapshot import RuntimeSnapshot, StoreSnapshot, unstructure
 from agentkv_bench.claude_workload import (
     ClaudeSpec,
     PrioritySpec,
@@ -66,7 +67,8 @@ class Measured:
     wall: float
     results: list[RequestResult]
     counters: dict[str, float]
-    table: dict[str, Any] | None
+    #: agentkv's own view at the end (None: the configuration runs no agentkv runtime here).
+    snapshot: RuntimeSnapshot | None
 
 
 async def measure(engine: Engine, phases: Sequence[tuple[str, Workload]]) -> Measured:
@@ -80,19 +82,27 @@ async def measure(engine: Engine, phases: Sequence[tuple[str, Workload]]) -> Mea
             results.extend(got)
         wall = clock()
         after = await read_counters(http, engine.engine_url)
-    table = engine.runtime.table() if engine.runtime is not None else None
-    return Measured(wall, results, difference(after, before), table)
+    snapshot = engine.runtime.snapshot() if engine.runtime is not None else None
+    return Measured(wall, results, difference(after, before), snapshot)
 
 
-def _hits(table: dict[str, Any] | None) -> dict[str, Any]:
-    """agentkv's own view of where prompts came from (its slot table)."""
-    if table is None:
+def _store_summary(store: StoreSnapshot | None) -> dict[str, Any]:
+    """The store's counters, for a report (its entries left out; {} when it is off)."""
+    if store is None:
         return {}
-    store = table.get("store") or {}
+    summary: dict[str, Any] = unstructure(store)
+    del summary["entries"]
+    return summary
+
+
+def _hits(snapshot: RuntimeSnapshot | None) -> dict[str, Any]:
+    """agentkv's own view of where prompts came from (its snapshot), for a report."""
+    if snapshot is None:
+        return {}
     return {
-        "placements": table.get("placements"),
-        "store": {k: v for k, v in store.items() if k != "entries"},
-        "recent": table.get("recent"),
+        "placements": unstructure(snapshot.placements),
+        "store": _store_summary(snapshot.store),
+        "recent": unstructure(snapshot.recent),
     }
 
 
@@ -268,7 +278,7 @@ async def run_claude(bench: Bench, spec: ClaudeSpec, configs: Sequence[str]) -> 
         correct, asked = answers_correct(workload, run.results)
         extra = {**_flags(engine), "layout": layout, "answers_correct": correct, "asked": asked}
         summary = summarize(name, run.wall, run.results, run.counters, sticks[layout], extra)
-        summary["agentkv"] = _hits(run.table)
+        summary["agentkv"] = _hits(run.snapshot)
         reports.append(summary)
         bench.say(f"claude/{name}: {summary['wall_s']} s")
     report = {
@@ -365,7 +375,7 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
         first = await measure(engine, [("first life", warm)])
     bench.say("restart: agentkv restarted on the same store")
     async with start(bench.setup, "agentkv", store_dir=store) as engine:
-        loaded = engine.runtime.table()["store"] if engine.runtime else None
+        loaded = engine.runtime.snapshot().store if engine.runtime else None
         after = await measure(engine, [("after restart", newcomer)])
     bench.say("restart: agentkv without a store (cold)")
     async with start(bench.setup, "agentkv-nostore", store_dir=None) as engine:
@@ -377,7 +387,7 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
     ttft_after = after.results[0].ttft if after.results else None
     ttft_cold = cold.results[0].ttft if cold.results else None
     first_life = summarize("agentkv", first.wall, first.results, first.counters, sticks["agentkv"])
-    first_life["agentkv"] = _hits(first.table)
+    first_life["agentkv"] = _hits(first.snapshot)
     report = {
         "scenario": "restart",
         "workload": attrs.asdict(spec),
@@ -385,7 +395,7 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
         "newcomer_tokens": newcomer_tokens,
         "newcomer_own_tokens": own,
         "first_life": first_life,
-        "store_after_restart": {k: v for k, v in (loaded or {}).items() if k != "entries"},
+        "store_after_restart": _store_summary(loaded),
         "ttft_after_restart_s": ttft_after,
         "ttft_cold_s": ttft_cold,
         "speedup": round(ttft_cold / ttft_after, 1) if ttft_after and ttft_cold else None,
@@ -463,7 +473,7 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
             "agentkv-preempt": "agentkv, preempt-from 1",
         }.get(name, summary["label"])
         summary["warmup_ttft_s"] = next((r.ttft for r in run.results if r.phase == "warmup"), None)
-        summary["agentkv"] = _hits(run.table)
+        summary["agentkv"] = _hits(run.snapshot)
         reports.append(summary)
         bench.say(f"priority/{name}: {summary['wall_s']} s")
     report = {

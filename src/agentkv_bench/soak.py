@@ -47,6 +47,7 @@ from anyio.abc import Process
 from httpx_sse import SSEError, aconnect_sse
 
 from agentkv.runtime.engine import free_port
+from agentkv.snapshot import RuntimeSnapshot, structure_snapshot, unstructure
 from agentkv_bench.report import fmt, percentile, rounded, write_report
 from agentkv_bench.workload import WORDS
 
@@ -267,12 +268,11 @@ def classify(exchange: Exchange) -> tuple[Outcome, str]:
     return "ok", ""
 
 
-def leaked_leases(table: Mapping[str, Any]) -> int:
+def leaked_leases(snapshot: RuntimeSnapshot) -> int:
     """What an idle server must not hold: busy slots and their leases (counted as the fuzz test
     counts them), queued and background tickets."""
-    slots = table.get("slots") or []
-    held = sum(int(bool(s.get("busy"))) + len(s.get("leases") or ()) for s in slots)
-    return held + len(table.get("queue") or ()) + len(table.get("background") or ())
+    held = sum(int(s.busy) + len(s.leases) for s in snapshot.slots)
+    return held + len(snapshot.queue) + len(snapshot.background)
 
 
 # -- one request --------------------------------------------------------------------------------
@@ -637,24 +637,26 @@ async def drive_soak(
 
         # The server may still be finishing a dropped request: give it a while to settle.
         settle_started = time.monotonic()
-        table: dict[str, Any] = {}
+        snapshot: RuntimeSnapshot | None = None
         leaked: int | None = None
         with anyio.move_on_after(spec.settle):
             while True:
+                # A snapshot of another shape (SnapshotShapeError, another agentkv) cannot be
+                # read: it counts as leaking, like no answer at all.
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     response = await http.get(
                         url + "/agentkv/slots", headers={"x-api-key": api_key}
                     )
                     if response.status_code == 200:
-                        table = response.json()
-                        leaked = leaked_leases(table)
+                        snapshot = structure_snapshot(response.json())
+                        leaked = leaked_leases(snapshot)
                         if leaked == 0:
                             break
                 await anyio.sleep(0.5)
         settled_s = time.monotonic() - settle_started
         restarts_after = (await _health(http, url)).get("engine_restarts")
     return _report(
-        spec, results, kill, wall, table, leaked, settled_s, restarts_before, restarts_after
+        spec, results, kill, wall, snapshot, leaked, settled_s, restarts_before, restarts_after
     )
 
 
@@ -663,7 +665,7 @@ def _report(
     results: Sequence[_Result],
     kill: _Kill,
     wall: float,
-    table: Mapping[str, Any],
+    snapshot: RuntimeSnapshot | None,
     leaked: int | None,
     settled_s: float,
     restarts_before: Any,
@@ -697,7 +699,7 @@ def _report(
         "ok_p95_s": rounded(percentile(ok_times, 0.95), 2),
         "wall_s": round(wall, 2),
         "total_s": round(wall + settled_s, 1),
-        "slots_after": table.get("slots"),
+        "slots_after": unstructure(snapshot.slots) if snapshot is not None else None,
         "per_request": [
             {
                 "agent": r.planned.agent,

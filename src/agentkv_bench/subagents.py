@@ -38,6 +38,7 @@ import anyio
 import attrs
 import httpx
 
+from agentkv.snapshot import RuntimeSnapshot, unstructure
 from agentkv.sse import encode_event
 from agentkv.tokens import common_prefix
 from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
@@ -438,15 +439,18 @@ def _step_rows(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
     }
 
 
-def _continuation_record(table: dict[str, Any] | None, tokens: int) -> dict[str, Any] | None:
+def _continuation_record(snapshot: RuntimeSnapshot | None, tokens: int) -> dict[str, Any] | None:
     """agentkv's record of the coordinator's continuation (what it computed and reused): the
     session's request of that many prompt tokens (with the tree off, sub-agents share the name)."""
-    if table is None:
+    if snapshot is None:
         return None
-    mine = [r for r in table.get("recent") or [] if r.get("agent") == SESSION]
-    exact = [r for r in mine if r.get("prompt_tokens") == tokens]
+    mine = [r for r in snapshot.recent if r.agent == SESSION]
+    exact = [r for r in mine if r.prompt_tokens == tokens]
     found = exact or mine
-    return dict(found[-1]) if found else None
+    if not found:
+        return None
+    record: dict[str, Any] = unstructure(found[-1])
+    return record
 
 
 async def run_subagents(
@@ -484,13 +488,13 @@ async def run_subagents(
             wall, results, counters = await measure_fan_out(
                 engine.url, engine.engine_url, workload, only=only
             )
-            table = engine.runtime.table() if engine.runtime is not None else None
+            snapshot = engine.runtime.snapshot() if engine.runtime is not None else None
         summary = summarize(name, wall, results, counters, None, {"flags": engine.flags})
         summary["label"] = _LABELS.get(name, summary["label"])
         summary["steps"] = _step_rows(results)
-        summary["tree"] = table.get("tree") if table else None
+        summary["tree"] = unstructure(snapshot.tree) if snapshot else None
         summary["continuation_record"] = _continuation_record(
-            table, facts["tokens"][workload.continuation.name]
+            snapshot, facts["tokens"][workload.continuation.name]
         )
         seconds = counters.get("prompt_seconds", 0.0)
         summary["prefill_tokens_per_s"] = (

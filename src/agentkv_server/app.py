@@ -45,6 +45,7 @@ from agentkv.openai_sse import (
 from agentkv.openai_translate import OpenAIRequest, OpenAITranslator
 from agentkv.runtime.lifecycle import Emitted, Exchange, Failed, KeepAlive, Prepared, Runtime
 from agentkv.runtime.pool import EnginePool
+from agentkv.snapshot import unstructure
 from agentkv.sse import encode_event
 from agentkv_server.body import read_json
 from agentkv_server.config import ServerConfig
@@ -315,12 +316,11 @@ class _Routes:
         ``engine_unavailable``."""
         client = self.runtime.client
         state, detail = await client.engine_state()
-        table = self.runtime.gateway.table()
         body: dict[str, Any] = {
             "status": state,
             "engine": state == "ready",
             "slots": self.runtime.config.n_slots,
-            "queued": len(table["queue"]),
+            "queued": self.runtime.gateway.queue_depth,
         }
         headers = None
         if client.status is not None:
@@ -336,8 +336,9 @@ class _Routes:
         return JSONResponse(body, status_code=200 if state == "ready" else 503, headers=headers)
 
     async def slots(self, request: Request) -> Response:
+        """``GET /agentkv/slots``: the runtime's snapshot, unstructured (docs/observability.md)."""
         self.check_auth(request)
-        return JSONResponse(self.runtime.table())
+        return JSONResponse(unstructure(self.runtime.snapshot()))
 
     async def clear_store(self, request: Request) -> Response:
         """``DELETE /agentkv/store`` (``?agent=ID`` for one agent): delete saved KV states."""

@@ -18,8 +18,7 @@ client input and unbounded; every label here takes a handful of values.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,11 +26,20 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
+from agentkv.agents import AgentView
 from agentkv.exceptions import AgentKVError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.record import RequestRecord
+from agentkv.snapshot import (
+    CompactionRow,
+    PendingCompactionRow,
+    Placements,
+    RuntimeSnapshot,
+    SlotRow,
+    StoreSnapshot,
+)
 
 __all__ = ["ServerMetrics"]
 
@@ -43,7 +51,6 @@ _DURATION_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 1800)
 _SECTIONS = ("system", "tools", "tool", "message", "messages")
 #: ``out``: the slot's engine, in a pool of engines, is down.
 _STATES = ("idle", "prefilling", "decoding", "out")
-_SOURCES = (("slot", "from_slot"), ("store", "from_store"), ("none", "cold"))
 
 
 def _status(record: RequestRecord) -> str:
@@ -216,16 +223,16 @@ class _RuntimeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         runtime = self.metrics.runtime
-        table = runtime.gateway.table()
-        yield from _slots(table)
-        yield from _queue(table)
-        yield from _placements(table["placements"])
-        store = runtime.store.table() if runtime.store is not None else None
+        snapshot = runtime.snapshot()
+        yield from _slots(snapshot.slots)
+        yield from _queue(snapshot)
+        yield from _placements(snapshot.placements)
+        store = snapshot.store
         yield _gauge("agentkv_store_enabled", "1 when the prefix store is on", 1 if store else 0)
         if store is not None:
             yield from _store(store)
-        yield from _compactions(runtime.compactor.store.table())
-        yield from _tree(runtime.tree.view())
+        yield from _compactions(snapshot.compactions)
+        yield from _tree(snapshot.tree)
         costs = runtime.costs
         yield _gauge(
             "agentkv_prefill_tokens_per_second",
@@ -252,92 +259,95 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
-def _slots(table: dict[str, Any]) -> Iterator[Metric]:
-    rows = table["slots"]
+def _slots(rows: Sequence[SlotRow]) -> Iterator[Metric]:
     states = GaugeMetricFamily("agentkv_slots", "Engine slots by state", labels=["state"])
     for state in _STATES:
-        states.add_metric([state], sum(1 for row in rows if row["state"] == state))
+        states.add_metric([state], sum(1 for row in rows if row.state == state))
     yield states
     held = GaugeMetricFamily(
         "agentkv_slot_tokens", "Tokens of KV cache each slot holds", labels=["slot"]
     )
     for row in rows:
-        held.add_metric([str(row["slot"])], row["tokens"])
+        held.add_metric([str(row.slot)], row.tokens)
     yield held
 
 
-def _queue(table: dict[str, Any]) -> Iterator[Metric]:
-    queue = table["queue"]
+def _queue(snapshot: RuntimeSnapshot) -> Iterator[Metric]:
+    queue = snapshot.queue
     yield _gauge("agentkv_queue_depth", "Requests waiting for a slot", len(queue))
     yield _gauge(
         "agentkv_queue_longest_wait_seconds",
         "How long the longest-waiting queued request has waited",
-        max((t["waited_s"] for t in queue), default=0.0),
+        max((t.waited_s for t in queue), default=0.0),
     )
     yield _gauge(
         "agentkv_queue_waiting_for_checkpoint",
         "Queued requests that wait for a shared prefix being computed, to restore it",
-        sum(1 for t in queue if t["waiting_for_checkpoint"] is not None),
+        sum(1 for t in queue if t.waiting_for_checkpoint is not None),
     )
     yield _gauge(
         "agentkv_background_queue_depth",
         "Background work (compactions) waiting for an idle slot",
-        len(table["background"]),
+        len(snapshot.background),
     )
     yield _gauge(
         "agentkv_checkpoints_running",
         "Shared prompt heads being computed to be saved for other agents",
-        len(table["checkpoints"]),
+        len(snapshot.checkpoints),
     )
 
 
-def _placements(stats: dict[str, Any]) -> Iterator[Metric]:
+def _placements(stats: Placements) -> Iterator[Metric]:
     placements = CounterMetricFamily(
         "agentkv_placements",
         "Slots handed out, by where the cached part of the prompt came from: the slot's own "
         "KV cache, the prefix store, or none (computed from scratch)",
         labels=["source"],
     )
-    for source, key in _SOURCES:
-        placements.add_metric([source], stats[key])
+    for source, count in (
+        ("slot", stats.from_slot),
+        ("store", stats.from_store),
+        ("none", stats.cold),
+    ):
+        placements.add_metric([source], count)
     yield placements
     planned = CounterMetricFamily(
         "agentkv_planned_prompt_tokens",
         "Prompt tokens agentkv expected to reuse or compute when it chose each slot",
         labels=["kind"],
     )
-    planned.add_metric(["reused"], stats["planned_reused_tokens"])
-    planned.add_metric(["computed"], stats["planned_computed_tokens"])
+    planned.add_metric(["reused"], stats.planned_reused_tokens)
+    planned.add_metric(["computed"], stats.planned_computed_tokens)
     yield planned
     yield _counter(
         "agentkv_leases_reclaimed",
         "Slots taken back by the watchdog from requests that held them too long",
-        stats["reclaimed"],
+        stats.reclaimed,
     )
 
 
-def _store(store: dict[str, Any]) -> Iterator[Metric]:
+def _store(store: StoreSnapshot) -> Iterator[Metric]:
     yield _gauge(
-        "agentkv_store_entries", "Saved slot states in the prefix store", len(store["entries"])
+        "agentkv_store_entries", "Saved slot states in the prefix store", len(store.entries)
     )
-    yield _gauge("agentkv_store_bytes", "Bytes of saved slot states on disk", store["bytes"])
-    yield _gauge("agentkv_store_budget_bytes", "The prefix store's size budget", store["budget"])
+    yield _gauge("agentkv_store_bytes", "Bytes of saved slot states on disk", store.bytes)
+    yield _gauge("agentkv_store_budget_bytes", "The prefix store's size budget", store.budget)
     counters = (
-        ("saves", "saves", "Slot states saved to the store"),
-        ("restores", "restores", "Slot states restored from the store"),
-        ("restored_tokens", "tokens_restored", "Prompt tokens restored instead of computed"),
-        ("seconds_saved", "seconds_saved", "Estimated prefill seconds that restores saved"),
-        ("save_seconds", "save_seconds", "Seconds spent saving slot states"),
-        ("restore_seconds", "restore_seconds", "Seconds spent restoring slot states"),
-        ("evictions", "evicted", "Entries deleted to stay within the budget"),
-        ("expired", "expired", "Parked contexts deleted because their agent went away"),
-        ("refused", "refused", "Entries refused at startup (another engine, bad file)"),
+        ("saves", store.saves, "Slot states saved to the store"),
+        ("restores", store.restores, "Slot states restored from the store"),
+        ("restored_tokens", store.tokens_restored, "Prompt tokens restored instead of computed"),
+        ("seconds_saved", store.seconds_saved, "Estimated prefill seconds that restores saved"),
+        ("save_seconds", store.save_seconds, "Seconds spent saving slot states"),
+        ("restore_seconds", store.restore_seconds, "Seconds spent restoring slot states"),
+        ("evictions", store.evicted, "Entries deleted to stay within the budget"),
+        ("expired", store.expired, "Parked contexts deleted because their agent went away"),
+        ("refused", store.refused, "Entries refused at startup (another engine, bad file)"),
     )
-    for name, key, doc in counters:
-        yield _counter(f"agentkv_store_{name}", doc, store[key])
+    for name, value, doc in counters:
+        yield _counter(f"agentkv_store_{name}", doc, value)
 
 
-def _tree(rows: list[Any]) -> Iterator[Metric]:
+def _tree(rows: Sequence[AgentView]) -> Iterator[Metric]:
     agents = GaugeMetricFamily(
         "agentkv_agents",
         "Agents known to the agent tree: coordinators (a session or X-Agent-Id) and the "
@@ -359,8 +369,8 @@ def _tree(rows: list[Any]) -> Iterator[Metric]:
     )
 
 
-def _compactions(rows: list[dict[str, Any]]) -> Iterator[Metric]:
-    done = [row for row in rows if not row.get("pending")]
+def _compactions(rows: Sequence[CompactionRow | PendingCompactionRow]) -> Iterator[Metric]:
+    done = [row for row in rows if isinstance(row, CompactionRow)]
     yield _gauge(
         "agentkv_compactions",
         "Compactions in force (older messages replaced by a summary)",
@@ -370,5 +380,5 @@ def _compactions(rows: list[dict[str, Any]]) -> Iterator[Metric]:
     yield _gauge(
         "agentkv_compaction_saved_tokens",
         "Prompt tokens the compactions in force save on every request",
-        sum(int(row["saved_tokens"]) for row in done),
+        sum(row.saved_tokens for row in done),
     )

@@ -12,11 +12,20 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
 
+import attrs
 import httpx
 
+from agentkv.agents import AgentView
 from agentkv.runtime.record import divergence_text
+from agentkv.snapshot import (
+    QueueRow,
+    RequestView,
+    RuntimeSnapshot,
+    SlotRow,
+    SnapshotShapeError,
+    structure_snapshot,
+)
 
 __all__ = ["add_server_options", "build_parser", "fetch", "main", "render"]
 
@@ -58,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def fetch(
     url: str, api_key: str | None = None, *, transport: httpx.BaseTransport | None = None
-) -> dict[str, Any]:
-    """The server's slot table (``GET /agentkv/slots``); :class:`StatusError` when unreadable."""
+) -> RuntimeSnapshot:
+    """The server's snapshot (``GET /agentkv/slots``); :class:`StatusError` when unreadable,
+    or when its shape is not this version's."""
     headers = {"x-api-key": api_key} if api_key else {}
     try:
         with httpx.Client(transport=transport, timeout=10.0) as client:
@@ -75,10 +85,16 @@ def fetch(
     if response.status_code != 200:
         raise StatusError(f"{url}/agentkv/slots answered HTTP {response.status_code}")
     try:
-        table: dict[str, Any] = response.json()
+        data = response.json()
     except ValueError as exc:
         raise StatusError(f"{url}/agentkv/slots did not answer JSON; is it agentkv?") from exc
-    return table
+    try:
+        return structure_snapshot(data)
+    except SnapshotShapeError as exc:
+        raise StatusError(
+            f"{url}/agentkv/slots answered a snapshot of another shape ({exc}); "
+            "is the server another version of agentkv?"
+        ) from exc
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -124,116 +140,110 @@ def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[in
     return [line(header), *(line(row) for row in rows)]
 
 
-def _running_on(table: dict[str, Any], slot: int) -> dict[str, Any] | None:
-    for record in table.get("running") or []:
-        if record.get("slot") == slot and record.get("status") == "running":
-            return dict(record)
+def _running_on(snapshot: RuntimeSnapshot, slot: int) -> RequestView | None:
+    for record in snapshot.running:
+        if record.slot == slot and record.status == "running":
+            return record
     return None
 
 
-def _slot_progress(row: dict[str, Any], table: dict[str, Any]) -> str:
-    running = _running_on(table, row["slot"])
-    if row["state"] == "prefilling":
-        for checkpoint in table.get("checkpoints") or []:
-            if checkpoint["slot"] == row["slot"]:
-                done, total = checkpoint["progress"], checkpoint["tokens"]
+def _slot_progress(row: SlotRow, snapshot: RuntimeSnapshot) -> str:
+    running = _running_on(snapshot, row.slot)
+    if row.state == "prefilling":
+        for checkpoint in snapshot.checkpoints:
+            if checkpoint.slot == row.slot:
+                done, total = checkpoint.progress, checkpoint.tokens
                 return f"shared head {_num(done)}/{_num(total)} ({_pct(done, total)})"
-        if running is not None and running.get("prefilled") is not None:
-            done, total = running["prefilled"], running["prompt_tokens"]
+        if running is not None and running.prefilled is not None:
+            done, total = running.prefilled, running.prompt_tokens
             return f"{_num(done)}/{_num(total)} prompt tokens ({_pct(done, total)})"
         if running is not None:
-            return f"{_num(running['prompt_tokens'])} prompt tokens, starting"
+            return f"{_num(running.prompt_tokens)} prompt tokens, starting"
         return "starting"
-    if row["state"] == "decoding" and running is not None:
-        seconds = running.get("generating_s") or 0.0
-        generated = running.get("generated", 0)
+    if row.state == "decoding" and running is not None:
+        seconds = running.generating_s or 0.0
+        generated = running.generated
         rate = f"{generated / seconds:.1f} tokens/s" if seconds >= 0.5 else "- tokens/s"
         return f"{rate}, {_num(generated)} generated"
-    if row.get("idle_s") is not None:
-        return f"idle {_secs(row['idle_s'])}" + (", saved" if row.get("stored") else "")
+    if row.idle_s is not None:
+        return f"idle {_secs(row.idle_s)}" + (", saved" if row.stored else "")
     return ""
 
 
-def _labelled(row: dict[str, Any]) -> str:
+def _labelled(row: SlotRow | QueueRow | RequestView) -> str:
     """An agent's name, with the description of the call that started it where known."""
-    agent = row.get("agent") or "-"
-    description = row.get("description")
-    return f"{agent} ({description})" if description else agent
+    agent = row.agent or "-"
+    return f"{agent} ({row.description})" if row.description else agent
 
 
-def _tree(table: dict[str, Any]) -> list[str]:
+def _tree(tree: Sequence[AgentView]) -> list[str]:
     """The agent tree: each coordinator, then its sub-agents indented under it."""
-    tree = table.get("tree")
-    if tree is None:
-        return []
     out = ["", f"agents ({len(tree)})"]
     if not tree:
         return [*out, "  none yet"]
     rows = []
     for row in tree:
-        depth = int(row.get("depth") or 0)
-        name = row["agent"]
-        if row.get("parent") and name.startswith(row["root"] + "/"):
-            name = name[len(row["root"]) + 1 :]
-        if depth:
-            name = "  " * (depth - 1) + "└ " + name
-        waits = row.get("waiting_for") or 0
-        if waits:
-            state = f"waits for {_count(waits, 'sub-agent', 'sub-agents')}"
-        elif row.get("parent"):
-            state = "waited on" if row.get("waited_on") else "background"
+        name = row.agent
+        if row.parent and name.startswith(row.root + "/"):
+            name = name[len(row.root) + 1 :]
+        if row.depth:
+            name = "  " * (row.depth - 1) + "└ " + name
+        if row.waiting_for:
+            state = f"waits for {_count(row.waiting_for, 'sub-agent', 'sub-agents')}"
+        elif row.parent:
+            state = "waited on" if row.waited_on else "background"
         else:
             state = ""
-        kind = row.get("subagent_type")
-        what = row.get("description") or ""
-        if kind:
+        what = row.description or ""
+        if row.subagent_type:
+            kind = row.subagent_type
             what = f"{what} [{kind}]" if what else f"[{kind}]"
-        rows.append([name, str(row["priority"]), str(row["requests"]), state, what])
+        rows.append([name, str(row.priority), str(row.requests), state, what])
     return out + _columns(["agent", "prio", "requests", "state", "started for"], rows, {2})
 
 
-def render(table: dict[str, Any], *, url: str = "", now: float | None = None) -> str:
-    """The table as plain text: slots, queue, the agent tree, store and placements, recent
+def render(snapshot: RuntimeSnapshot, *, url: str = "", now: float | None = None) -> str:
+    """The snapshot as plain text: slots, queue, the agent tree, store and placements, recent
     requests."""
     stamp = time.strftime("%H:%M:%S", time.localtime(now))
     out = [f"agentkv {url}  {stamp}" if url else f"agentkv  {stamp}", ""]
 
-    slots = table["slots"]
+    slots = snapshot.slots
     out.append(f"slots ({len(slots)})")
     rows = [
         [
-            str(row["slot"]),
+            str(row.slot),
             _labelled(row),
-            "-" if row.get("priority") is None else str(row["priority"]),
-            _num(row["tokens"]),
-            row["state"],
-            _slot_progress(row, table),
+            "-" if row.priority is None else str(row.priority),
+            _num(row.tokens),
+            row.state,
+            _slot_progress(row, snapshot),
         ]
         for row in slots
     ]
     out += _columns(["slot", "agent", "prio", "tokens", "state", "progress"], rows, {3})
 
-    queue = table["queue"]
-    checkpoints = {c["id"]: c for c in table.get("checkpoints") or []}
+    queue = snapshot.queue
+    checkpoints = {c.id: c for c in snapshot.checkpoints}
     out += ["", f"queue ({len(queue)})"]
     if queue:
         rows = []
         for ticket in queue:
             waits = "a slot"
-            blocked = ticket.get("waiting_for_checkpoint")
+            blocked = ticket.waiting_for_checkpoint
             if blocked is not None:
                 c = checkpoints.get(blocked)
                 waits = f"checkpoint #{blocked}" + (
-                    f" on slot {c['slot']} ({_pct(c['progress'], c['tokens'])})" if c else ""
+                    f" on slot {c.slot} ({_pct(c.progress, c.tokens)})" if c else ""
                 )
             rows.append(
                 [
-                    str(ticket["ticket"]),
+                    str(ticket.ticket),
                     _labelled(ticket),
-                    str(ticket["priority"]),
-                    _num(ticket["tokens"]),
-                    _secs(ticket["waited_s"]),
-                    f"{ticket['score']:.2f}",
+                    str(ticket.priority),
+                    _num(ticket.tokens),
+                    _secs(ticket.waited_s),
+                    f"{ticket.score:.2f}",
                     waits,
                 ]
             )
@@ -244,41 +254,40 @@ def render(table: dict[str, Any], *, url: str = "", now: float | None = None) ->
         )
     else:
         out.append("  nobody is waiting")
-    out += _tree(table)
+    out += _tree(snapshot.tree)
 
     out.append("")
-    placements = table["placements"]
-    acquired = placements["acquired"]
-    warm = placements["from_slot"] + placements["from_store"]
+    placements = snapshot.placements
+    warm = placements.from_slot + placements.from_store
     out.append(
-        f"placements: {_pct(warm, acquired)} warm ({placements['from_slot']} from a slot, "
-        f"{placements['from_store']} from the store, {placements['cold']} cold)"
+        f"placements: {_pct(warm, placements.acquired)} warm ({placements.from_slot} from a "
+        f"slot, {placements.from_store} from the store, {placements.cold} cold)"
     )
-    store = table.get("store")
+    store = snapshot.store
     if store is None:
         out.append("store: off")
     else:
         out.append(
-            f"store: {_count(len(store['entries']), 'entry', 'entries')}, "
-            f"{_bytes(store['bytes'])} of "
-            f"{_bytes(store['budget'])}, {store['saves']} saves, {store['restores']} restores, "
-            f"{store['seconds_saved']:.1f}s of prefill saved"
+            f"store: {_count(len(store.entries), 'entry', 'entries')}, "
+            f"{_bytes(store.bytes)} of "
+            f"{_bytes(store.budget)}, {store.saves} saves, {store.restores} restores, "
+            f"{store.seconds_saved:.1f}s of prefill saved"
         )
 
-    recent = list(reversed(table.get("recent") or []))[:8]
+    recent = list(reversed(snapshot.recent))[:8]
     out += ["", "recent requests (newest first)"]
     if recent:
         rows = [
             [
                 _labelled(r),
-                str(r["priority"]),
-                "-" if r["slot"] is None else str(r["slot"]),
-                r["source"] or "-",
-                f"{_num(r['cached_tokens'])}/{_num(r['prompt_tokens'])}",
-                _secs(r["ttft_s"]),
-                _secs(r["total_s"]),
-                r["status"],
-                divergence_text(r["divergence"]) if r.get("divergence") else "",
+                str(r.priority),
+                "-" if r.slot is None else str(r.slot),
+                r.source or "-",
+                f"{_num(r.cached_tokens)}/{_num(r.prompt_tokens)}",
+                _secs(r.ttft_s),
+                _secs(r.total_s),
+                r.status,
+                divergence_text(attrs.asdict(r.divergence)) if r.divergence else "",
             ]
             for r in recent
         ]

@@ -158,10 +158,10 @@ async def test_four_agents_behind_a_dropping_link_get_eight_clean_replies(
                     async with anyio.create_task_group() as tg:
                         for agent in range(4):
                             tg.start_soon(one, agent, turn)
-            table = runtime.table()
+            snapshot = runtime.snapshot()
     assert len(replies) == 8
-    assert all(not s["busy"] and not s["leases"] for s in table["slots"]), table["slots"]
-    assert table["placements"]["acquired"] >= 8
+    assert all(not s.busy and not s.leases for s in snapshot.slots), snapshot.slots
+    assert snapshot.placements.acquired >= 8
     print(
         f"\nlink: 8/8 replies clean; proxy saw {proxy.requests} requests on "
         f"{proxy.connections} connections, {proxy.reused} on reused ones, {proxy.dropped} dropped; "

@@ -189,12 +189,12 @@ async def test_a_ticket_cancelled_while_queued_is_withdrawn() -> None:
         }
         first = runtime.submit(await runtime.prepare(busy, agent="a", priority=1))
         second = runtime.submit(await runtime.prepare(waiting, agent="b", priority=1))
-        assert len(runtime.table()["queue"]) == 1
+        assert len(runtime.snapshot().queue) == 1
         with anyio.move_on_after(0.1):
             async for _ in second.events():
                 pass
         await wait_for(lambda: second.done)
-        assert runtime.table()["queue"] == []
+        assert runtime.snapshot().queue == ()
         await first.message()
         assert [r["messages"][-1]["content"] for r in fake.requests] == ["first"]
 
@@ -218,7 +218,7 @@ async def test_an_overlong_prompt_waits_for_its_agents_background_compaction() -
         # Long enough to schedule a background compaction, which queues behind the hog.
         first = runtime.submit(await runtime.prepare(earlier, agent="agent", priority=1))
         assert runtime.compactor.store.pending("agent")
-        await wait_for(lambda: runtime.table()["background"])
+        await wait_for(lambda: runtime.snapshot().background)
         # The next turn cannot fit as it stands: it waits for that compaction, made urgent.
         later = {
             "model": "m",
@@ -405,7 +405,7 @@ async def test_the_watchdog_leaves_a_request_alone_while_the_engine_reports_prog
     async with running(fake, n_slots=1, lease_ttl=0.5, watchdog_interval=0.05) as runtime:
         body = {**first_request("go"), "max_tokens": 200}
         assert await ask(runtime, body, "slow") == reply
-        assert runtime.gateway.table()["placements"]["reclaimed"] == 0
+        assert runtime.gateway.snapshot().placements.reclaimed == 0
 
 
 async def test_the_watchdog_reclaims_a_lease_whose_engine_falls_silent() -> None:
@@ -421,7 +421,7 @@ async def test_the_watchdog_reclaims_a_lease_whose_engine_falls_silent() -> None
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(slow)
-            await wait_for(lambda: runtime.gateway.table()["placements"]["reclaimed"] >= 1, 3.0)
+            await wait_for(lambda: runtime.gateway.snapshot().placements.reclaimed >= 1, 3.0)
             await task_done.wait()
 
 

@@ -216,8 +216,9 @@ async def test_an_engine_that_dies_leaves_placement_and_rejoins_empty(tmp_path: 
         assert exchange.record.slot == 1
         await wait_for(lambda: not pool.members[1].up)
         assert runtime.gateway.slots.is_out(1)
-        assert [row["state"] for row in runtime.table()["slots"]] == ["idle", "out"]
-        assert runtime.table()["engines"][1]["up"] is False
+        snapshot = runtime.snapshot()
+        assert [row.state for row in snapshot.slots] == ["idle", "out"]
+        assert snapshot.engines is not None and snapshot.engines[1].up is False
         # Everything goes on on engine 0, one after the other.
         a.prefill_delay = 0.0
         async with anyio.create_task_group() as tg:

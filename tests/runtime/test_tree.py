@@ -72,9 +72,9 @@ def test_queued_subagent_tickets_take_their_new_priority_keeping_their_arrival()
     ticket = gateway.submit(place.agent, place.priority, (4, 5, 6))
     clock.now = 3.0
     tree.place("s", None, 1, user("go on"))
-    (queued,) = gateway.table()["queue"]
-    assert queued["ticket"] == ticket.id and queued["priority"] == 2
-    assert queued["waited_s"] == 3.0  # the same arrival: aging counts from it
+    (queued,) = gateway.snapshot().queue
+    assert queued.ticket == ticket.id and queued.priority == 2
+    assert queued.waited_s == 3.0  # the same arrival: aging counts from it
     assert busy.id != ticket.id
 
 

@@ -13,6 +13,7 @@ import pytest
 from agentkv import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
+from agentkv.snapshot import RuntimeSnapshot
 from agentkv_server import create_app
 from tests.fakes import FakeLlama, tokenize, wait_for
 from tests.test_sse import sdk_final_message
@@ -41,8 +42,8 @@ def sse_events(raw: str) -> list[dict[str, Any]]:
     return events
 
 
-def table(http: httpx.AsyncClient) -> dict[str, Any]:
-    return http.runtime.table()  # type: ignore[attr-defined,no-any-return]
+def snapshot(http: httpx.AsyncClient) -> RuntimeSnapshot:
+    return http.runtime.snapshot()  # type: ignore[attr-defined,no-any-return]
 
 
 async def test_non_streaming_reply_is_an_anthropic_message(serve: Any) -> None:
@@ -59,7 +60,7 @@ async def test_non_streaming_reply_is_an_anthropic_message(serve: Any) -> None:
     assert msg["content"][0]["text"] == "Hello there, agent."
     assert msg["stop_reason"] == "end_turn"
     assert msg["usage"]["output_tokens"] > 0
-    assert table(http)["slots"][0]["busy"] is False
+    assert snapshot(http).slots[0].busy is False
 
 
 async def test_streaming_events_come_in_anthropic_order(serve: Any) -> None:
@@ -231,7 +232,7 @@ async def test_engine_error_before_stream_is_an_error_status(serve: Any) -> None
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "api_error"
     assert "injected failure" in r.json()["error"]["message"]
-    assert all(s["busy"] is False for s in table(http)["slots"])
+    assert all(s.busy is False for s in snapshot(http).slots)
 
 
 async def test_engine_error_in_stream_is_an_error_event(serve: Any) -> None:
@@ -243,7 +244,7 @@ async def test_engine_error_in_stream_is_an_error_event(serve: Any) -> None:
     assert events[0]["type"] == "message_start"
     assert events[-1]["type"] == "error"
     assert events[-1]["error"]["type"] in {"api_error", "overloaded_error"}
-    assert all(s["busy"] is False for s in table(http)["slots"])
+    assert all(s.busy is False for s in snapshot(http).slots)
 
 
 async def test_unreachable_engine_is_a_clear_error_not_a_hang(serve: Any) -> None:
@@ -301,10 +302,10 @@ async def test_client_disconnect_cancels_engine_and_frees_slot(serve: Any) -> No
     }
     with anyio.fail_after(5):
         await app(scope, receive, send)
-    await wait_for(lambda: runtime.table()["recent"])
+    await wait_for(lambda: runtime.snapshot().recent)
     assert fake.started == 1 and fake.finished == 0
-    assert all(s["busy"] is False for s in runtime.table()["slots"])
-    assert runtime.table()["recent"][-1]["status"] == "cancelled"
+    assert all(s.busy is False for s in runtime.snapshot().slots)
+    assert runtime.snapshot().recent[-1].status == "cancelled"
     # The next request is unaffected.
     fake.delay = 0
     r = await http.post("/v1/messages", json=BODY)
@@ -432,7 +433,7 @@ async def test_broken_tool_call_is_retried_once_with_constrained_decoding(serve:
     assert "tools" in first and "response_format" not in first
     assert "tools" not in second
     assert second["response_format"]["type"] == "json_schema"
-    assert table(http)["recent"][-1]["retried"] is True
+    assert snapshot(http).recent[-1].retried is True
 
 
 async def test_tool_repair_can_be_switched_off(serve: Any) -> None:
@@ -468,11 +469,11 @@ async def test_p0_suspends_a_background_request_in_its_prefill(serve: Any, tmp_p
         assert events[0]["type"] == "message_start"
         assert events[-1]["type"] == "message_stop"
         assert sum(e["type"] == "content_block_start" for e in events) == 1
-    records = {r["agent"]: r for r in table(http)["recent"]}
-    assert records["background"]["suspended"] == 1
-    assert records["coordinator"]["suspended"] == 0
+    records = {r.agent: r for r in snapshot(http).recent}
+    assert records["background"].suspended == 1
+    assert records["coordinator"].suspended == 0
     assert [action for _, action, _ in fake.slot_actions].count("save") >= 1
-    assert table(http)["slots"][0]["busy"] is False
+    assert snapshot(http).slots[0].busy is False
 
 
 async def test_a_reply_suspended_mid_stream_reaches_its_client_whole(
@@ -502,7 +503,7 @@ async def test_a_reply_suspended_mid_stream_reaches_its_client_whole(
     message = sdk_final_message(events)
     text = message.content[0].text  # type: ignore[union-attr]
     assert text.startswith("x") and text.endswith("y" * 10) and set(text) == {"x", "y"}
-    assert {r["agent"]: r["suspended"] for r in table(http)["recent"]} == {
+    assert {r.agent: r.suspended for r in snapshot(http).recent} == {
         "coordinator": 0,
         "background": 1,
     }
@@ -521,4 +522,4 @@ async def test_a_looping_reply_is_stopped_and_its_engine_stream_closed(serve: An
     assert events[-2]["delta"]["stop_reason"] == "end_turn"
     assert events[-2]["usage"]["output_tokens"] > 0
     assert (fake.started, fake.finished) == (1, 0)
-    assert table(http)["recent"][-1]["status"] == "ok"
+    assert snapshot(http).recent[-1].status == "ok"

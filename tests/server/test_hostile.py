@@ -35,9 +35,9 @@ def anyio_backend() -> str:
 
 def assert_idle(http: httpx.AsyncClient) -> None:
     """No lease held, no ticket queued: nothing is left behind by a refused request."""
-    table = http.runtime.table()  # type: ignore[attr-defined]
-    assert all(not slot["busy"] and not slot["leases"] for slot in table["slots"])
-    assert table["queue"] == [] and table["background"] == []
+    snapshot = http.runtime.snapshot()  # type: ignore[attr-defined]
+    assert all(not slot.busy and not slot.leases for slot in snapshot.slots)
+    assert snapshot.queue == () and snapshot.background == ()
 
 
 def assert_400(response: httpx.Response, message: str, status: int = 400) -> None:

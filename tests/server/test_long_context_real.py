@@ -12,6 +12,7 @@ import attrs
 import httpx
 import pytest
 
+from agentkv.snapshot import CompactionRow, RequestView
 from tests.server.conftest import Live
 
 pytestmark = pytest.mark.engine
@@ -91,8 +92,8 @@ def ask(live: Live, messages: list[dict[str, Any]], **headers: str) -> httpx.Res
     return httpx.post(f"{live.url}/v1/messages", json=body, headers=headers, timeout=600)
 
 
-def record(live: Live, agent: str) -> dict[str, Any]:
-    return [r for r in live.runtime.table()["recent"] if r["agent"] == agent][-1]
+def record(live: Live, agent: str) -> RequestView:
+    return [r for r in live.runtime.snapshot().recent if r.agent == agent][-1]
 
 
 def test_compaction_runs_in_the_background_and_the_next_turn_hits_the_new_prefix(
@@ -125,14 +126,14 @@ def test_compaction_runs_in_the_background_and_the_next_turn_hits_the_new_prefix
     t.start()
     t.join(timeout=300)
     assert urgent["r"].status_code == 200
-    assert record(live, "coordinator")["queued_s"] < 1.0
+    assert record(live, "coordinator").queued_s < 1.0
 
     deadline = time.monotonic() + 300
     while live.runtime.compactor.store.pending(AGENT):
         assert time.monotonic() < deadline, "compaction did not finish"
         time.sleep(0.5)
-    rows = [r for r in live.runtime.compactor.store.table() if r["agent"] == AGENT]
-    assert len(rows) == 1 and rows[0]["saved_tokens"] > 0
+    rows = [r for r in live.runtime.compactor.store.snapshot() if r.agent == AGENT]
+    assert len(rows) == 1 and isinstance(rows[0], CompactionRow) and rows[0].saved_tokens > 0
 
     reply = first.json()["content"][0]["text"] if first.json()["content"] else "Noted."
     follow_up = [
@@ -145,7 +146,7 @@ def test_compaction_runs_in_the_background_and_the_next_turn_hits_the_new_prefix
     usage = second.json()["usage"]
     total = usage["input_tokens"] + usage["cache_read_input_tokens"]
     assert total < tokens_before  # the engine saw the summary, not the whole history
-    assert record(live, AGENT)["source"] == "slot"
+    assert record(live, AGENT).source == "slot"
     assert usage["cache_read_input_tokens"] >= 0.5 * total
     answer = "".join(b.get("text", "") for b in second.json()["content"])
     assert "HELIOTROPE" in answer.upper()
@@ -153,7 +154,7 @@ def test_compaction_runs_in_the_background_and_the_next_turn_hits_the_new_prefix
 
 def test_oversize_prompt_gets_prompt_is_too_long(live: Live) -> None:
     """A prompt larger than a slot's context is refused with the exact Anthropic text."""
-    before = len(live.runtime.table()["recent"])
+    before = len(live.runtime.snapshot().recent)
     huge = " ".join(f"token{i}" for i in range(6000))
     r = ask(live, [{"role": "user", "content": huge}], **{"x-agent-id": "oversize"})
     assert r.status_code == 400
@@ -162,4 +163,4 @@ def test_oversize_prompt_gets_prompt_is_too_long(live: Live) -> None:
     found = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", err["message"])
     assert found, err["message"]
     assert int(found.group(1)) > int(found.group(2))
-    assert len(live.runtime.table()["recent"]) == before  # never sent to the engine
+    assert len(live.runtime.snapshot().recent) == before  # never sent to the engine

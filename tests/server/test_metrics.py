@@ -120,7 +120,7 @@ async def test_counters_move_after_requests(serve: Any, tmp_path: Path) -> None:
     assert value(after, "agentkv_placements_total", source="store") == 0
     assert value(after, "agentkv_slots", state="idle") == 2
     assert value(after, "agentkv_queue_depth") == 0
-    held = {row["slot"]: row["tokens"] for row in http.runtime.table()["slots"]}  # type: ignore[attr-defined]
+    held = {row.slot: row.tokens for row in http.runtime.snapshot().slots}  # type: ignore[attr-defined]
     for slot, tokens in held.items():
         assert value(after, "agentkv_slot_tokens", slot=str(slot)) == tokens
     assert value(after, "agentkv_store_entries") == len(http.runtime.store.index.entries())  # type: ignore[attr-defined]
@@ -141,9 +141,9 @@ async def test_store_saves_and_restores_are_counted_with_their_time(
         r = await http.post("/v1/messages", json=body, headers={"x-agent-id": agent})
         assert r.status_code == 200
     samples = await scrape(http)
-    store = http.runtime.store.table()  # type: ignore[attr-defined]
-    assert store["saves"] >= 1 and store["restores"] == 1
-    assert value(samples, "agentkv_store_saves_total") == store["saves"]
+    store = http.runtime.store.snapshot()  # type: ignore[attr-defined]
+    assert store.saves >= 1 and store.restores == 1
+    assert value(samples, "agentkv_store_saves_total") == store.saves
     assert value(samples, "agentkv_store_restores_total") == 1
     assert value(samples, "agentkv_placements_total", source="store") == 1
     assert value(samples, "agentkv_store_restored_tokens_total") == len(
@@ -151,7 +151,7 @@ async def test_store_saves_and_restores_are_counted_with_their_time(
     )
     assert value(samples, "agentkv_store_save_seconds_total") > 0
     assert value(samples, "agentkv_store_restore_seconds_total") > 0
-    assert value(samples, "agentkv_store_bytes") == store["bytes"] > 0
+    assert value(samples, "agentkv_store_bytes") == store.bytes > 0
 
 
 async def test_slots_and_queue_are_read_at_scrape_time(serve: Any) -> None:
@@ -167,7 +167,7 @@ async def test_slots_and_queue_are_read_at_scrape_time(serve: Any) -> None:
     async with anyio.create_task_group() as tg:
         for agent in ("a", "b", "c"):
             tg.start_soon(call, agent)
-        await wait_for(lambda: len(runtime.table()["queue"]) == 2)
+        await wait_for(lambda: runtime.gateway.queue_depth == 2)
         await anyio.sleep(0.2)
         samples = await scrape(http)
         assert value(samples, "agentkv_slots", state="prefilling") == 1

@@ -260,7 +260,7 @@ async def test_engine_failure_mid_stream_is_response_failed(serve: Any) -> None:
     assert r.status_code == 200
     types = [json.loads(f.split("data: ", 1)[1])["type"] for f in r.text.strip().split("\n\n")]
     assert types[-2:] == ["error", "response.failed"]
-    assert all(not slot["busy"] for slot in http.runtime.table()["slots"])  # type: ignore[attr-defined]
+    assert all(not slot.busy for slot in http.runtime.snapshot().slots)  # type: ignore[attr-defined]
 
 
 async def test_models_list_reads_as_openai(serve: Any) -> None:
@@ -284,5 +284,5 @@ async def test_a_codex_sub_agent_hangs_under_its_parent_thread(serve: Any) -> No
     first, second = records(http)
     assert (first.agent, first.parent) == (parent, None)
     assert (second.agent, second.parent) == (f"{parent}/child-thread", parent)
-    tree = http.runtime.table()["tree"]  # type: ignore[attr-defined]
-    assert [row["agent"] for row in tree] == [parent, f"{parent}/child-thread"]
+    tree = http.runtime.snapshot().tree  # type: ignore[attr-defined]
+    assert [row.agent for row in tree] == [parent, f"{parent}/child-thread"]

@@ -202,9 +202,9 @@ def test_four_agents_on_two_slots_reuse_their_cache(live: Live) -> None:
         cached = second.cache_read_input_tokens or 0
         total = second.input_tokens + cached
         assert cached >= 0.8 * total, (name, second)
-    table = live.runtime.table()
-    assert all(not slot["busy"] for slot in table["slots"])
-    assert table["queue"] == []
+    snapshot = live.runtime.snapshot()
+    assert all(not slot.busy for slot in snapshot.slots)
+    assert snapshot.queue == ()
 
 
 def test_urgent_request_is_served_before_earlier_background_requests(live: Live) -> None:
@@ -221,7 +221,7 @@ def test_urgent_request_is_served_before_earlier_background_requests(live: Live)
 
     def wait_for(condition: Any, what: str) -> None:
         deadline = time.monotonic() + 120
-        while not condition(live.runtime.table()):
+        while not condition(live.runtime.snapshot()):
             assert time.monotonic() < deadline, what
             time.sleep(0.02)
 
@@ -229,18 +229,18 @@ def test_urgent_request_is_served_before_earlier_background_requests(live: Live)
     busy = [threading.Thread(target=call, args=(f"busy-{i}", 1, 300)) for i in range(2)]
     for t in busy:
         t.start()
-    wait_for(lambda t: all(s["busy"] for s in t["slots"]), "both slots busy")
+    wait_for(lambda t: all(s.busy for s in t.slots), "both slots busy")
     waiting = [threading.Thread(target=call, args=(f"bg-{i}", 2, 4)) for i in range(3)]
     for i, t in enumerate(waiting):
         t.start()
-        wait_for(lambda t, n=i + 1: len(t["queue"]) == n, "background request queued")
+        wait_for(lambda t, n=i + 1: len(t.queue) == n, "background request queued")
     urgent = threading.Thread(target=call, args=("coordinator", 0, 4))
     urgent.start()
     wait_for(lambda t: len(t["queue"]) == 4, "urgent request queued")
     for t in [*busy, *waiting, urgent]:
         t.join(timeout=600)
     assert len(done) == 6
-    seq = {r["agent"]: r["dispatch_seq"] for r in live.runtime.table()["recent"]}
+    seq = {r.agent: r.dispatch_seq for r in live.runtime.snapshot().recent}
     assert all(seq["coordinator"] < seq[f"bg-{i}"] for i in range(3)), seq
 
 
@@ -268,15 +268,15 @@ def test_disconnect_mid_stream_frees_the_slot(live: Live) -> None:
     # The connection is closed now. Both agentkv and the engine must let go of the slot.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        ours = live.runtime.table()["slots"]
+        ours = live.runtime.snapshot().slots
         engine = live.engine_slots()
-        if all(not s["busy"] for s in ours) and not any(s["is_processing"] for s in engine):
+        if all(not s.busy for s in ours) and not any(s["is_processing"] for s in engine):
             break
         time.sleep(0.2)
     else:
         pytest.fail(f"slot still busy: agentkv={ours} engine={engine}")
-    recent = live.runtime.table()["recent"]
-    assert [r["status"] for r in recent if r["agent"] == "leaver"] == ["cancelled"]
+    recent = live.runtime.snapshot().recent
+    assert [r.status for r in recent if r.agent == "leaver"] == ["cancelled"]
     msg = sdk(live).messages.create(
         model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Still there?"}]
     )
@@ -318,8 +318,8 @@ def test_a_degenerate_loop_is_stopped_on_the_real_engine(live: Live) -> None:
     while any(s["is_processing"] for s in live.engine_slots()):
         assert time.monotonic() < deadline, "llama-server still generating"
         time.sleep(0.2)
-    recent = [r for r in live.runtime.table()["recent"] if r["agent"] == "looper"]
-    assert [r["status"] for r in recent] == ["ok"]
+    recent = [r for r in live.runtime.snapshot().recent if r.agent == "looper"]
+    assert [r.status for r in recent] == ["ok"]
     print(f"stopped after {msg.usage.output_tokens} tokens, {elapsed:.1f} s")
 
 
@@ -332,9 +332,9 @@ def test_tiny_capability_probe_is_answered_by_the_engine(live: Live) -> None:
     assert time.monotonic() - started < 30
     assert msg.stop_reason == "max_tokens"
     assert msg.usage.output_tokens == 1
-    recent = [r for r in live.runtime.table()["recent"] if r["agent"] == "prober"]
-    assert [r["status"] for r in recent] == ["ok"]
-    assert recent[0]["output_tokens"] == 1
+    recent = [r for r in live.runtime.snapshot().recent if r.agent == "prober"]
+    assert [r.status for r in recent] == ["ok"]
+    assert recent[0].output_tokens == 1
 
 
 def test_more_agents_than_slots_get_their_parked_context_back(live: Live) -> None:
@@ -359,8 +359,8 @@ def test_more_agents_than_slots_get_their_parked_context_back(live: Live) -> Non
     for name in ("park-a", "park-b", "park-c"):  # c's miss evicts a's slot: a is parked
         turn(name, 0)
     again = turn("park-a", 1)
-    records = [r for r in live.runtime.table()["recent"] if r["agent"] == "park-a"]
-    assert records[-1]["source"] == "store"
+    records = [r for r in live.runtime.snapshot().recent if r.agent == "park-a"]
+    assert records[-1].source == "store"
     cached = again.usage.cache_read_input_tokens or 0
     assert cached >= 0.9 * (again.usage.input_tokens + cached)
     parked = {row["agent"] for row in live.engine_table()["store"]["entries"]}

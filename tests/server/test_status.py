@@ -1,4 +1,4 @@
-"""``agentkv-server status``: the slot table as text, from a runtime's real table."""
+"""``agentkv-server status``: the snapshot as text, from a runtime's real snapshot."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ import re
 from typing import Any
 
 import anyio
+import attrs
 import httpx
 import pytest
 
+from agentkv.snapshot import Divergence, unstructure
 from agentkv_server import status
 from agentkv_server.cli import build_parser
 from agentkv_server.cli import main as cli_main
+from tests._snapshot import empty_snapshot, request_view
 from tests.fakes import FakeLlama, wait_for
 
 pytestmark = pytest.mark.anyio
@@ -53,55 +56,81 @@ async def test_status_shows_prefill_progress_queue_and_recent_requests(serve: An
         tg.start_soon(call, "first")
         await wait_for(lambda: any(r.prefilled for r in runtime.running()))
         tg.start_soon(call, "second")
-        await wait_for(lambda: runtime.table()["queue"])
-        text = status.render(
-            status.fetch("http://agentkv", transport=serving(runtime.table())), url="x"
-        )
+        await wait_for(lambda: runtime.snapshot().queue)
+        served = unstructure(runtime.snapshot())
+        text = status.render(status.fetch("http://agentkv", transport=serving(served)), url="x")
     lines = text.splitlines()
     (slot,) = [line for line in lines if re.match(r"\s+0\s+first\s", line)]
     assert "prefilling" in slot
     assert re.search(r"\d+/\d+ prompt tokens \(\d+%\)", slot), slot
     (queued,) = [line for line in lines if re.match(r"\s+\d+\s+second\s", line)]
     assert queued.rstrip().endswith("a slot")
-    text = status.render(runtime.table())
+    text = status.render(runtime.snapshot())
     recent = text.split("recent requests (newest first)")[1].splitlines()[2:]
     assert [line.split()[0] for line in recent] == ["second", "first"]
     assert all(" ok" in line for line in recent)
 
 
 def test_status_says_why_a_prompt_missed_the_cache() -> None:
-    table = {
-        "slots": [],
-        "queue": [],
-        "placements": {"acquired": 1, "from_slot": 0, "from_store": 0, "cold": 1},
-        "store": None,
-        "recent": [
-            {
-                "agent": "coder",
-                "priority": 1,
-                "slot": 0,
-                "source": "slot",
-                "cached_tokens": 812,
-                "prompt_tokens": 9000,
-                "ttft_s": 20.5,
-                "total_s": 25.0,
-                "status": "ok",
-                "divergence": {"position": 812, "section": "tool 3 (Bash)", "seconds": 19.9},
-            }
-        ],
-    }
-    text = status.render(table)
-    assert "token 812 in tool 3 (Bash): ~19.9 s" in text
+    divergence = Divergence(
+        reused=812,
+        computed=8188,
+        seconds=19.9,
+        position=812,
+        section="tool 3 (Bash)",
+        candidate=None,
+    )
+    snapshot = empty_snapshot(
+        placements=attrs.evolve(empty_snapshot().placements, acquired=1, cold=1),
+        recent=(
+            request_view(
+                "coder",
+                source="slot",
+                cached_tokens=812,
+                prompt_tokens=9000,
+                ttft_s=20.5,
+                total_s=25.0,
+                divergence=divergence,
+            ),
+        ),
+    )
+    text = status.render(snapshot)
+    assert "token 812 in tool 3 (Bash): reused 812, computed 8188, ~19.9 s" in text
     assert "store: off" in text and "0% warm" in text
 
 
 def test_status_needs_the_key_and_says_so() -> None:
-    table = {"slots": [], "queue": [], "placements": {}, "store": None, "recent": []}
+    snapshot = empty_snapshot()
+    table = unstructure(snapshot)
     with pytest.raises(status.StatusError, match="needs its API key"):
         status.fetch("http://agentkv", transport=serving(table, key="k"))
     with pytest.raises(status.StatusError, match="refused that API key"):
         status.fetch("http://agentkv", "wrong", transport=serving(table, key="k"))
-    assert status.fetch("http://agentkv", "k", transport=serving(table, key="k")) == table
+    assert status.fetch("http://agentkv", "k", transport=serving(table, key="k")) == snapshot
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda t: t.pop("costs"), "costs"),
+        (lambda t: t["placements"].update(warm=3), "warm"),
+        (lambda t: t.update(slots={"0": {}}), "slots"),
+        (lambda t: t["placements"].update(acquired="many"), "acquired"),
+    ],
+)
+def test_status_refuses_a_snapshot_of_another_shape(change: Any, named: str) -> None:
+    """A field missing, added, or of another type (another agentkv version) is an error that
+    says so, never a table drawn from half the data."""
+    table = unstructure(empty_snapshot())
+    change(table)
+    with pytest.raises(status.StatusError, match="another shape") as raised:
+        status.fetch("http://agentkv", transport=serving(table))
+    assert named in str(raised.value)
+
+
+def test_status_refuses_json_that_is_no_snapshot() -> None:
+    with pytest.raises(status.StatusError, match="another shape"):
+        status.fetch("http://agentkv", transport=serving([]))  # type: ignore[arg-type]
 
 
 def test_status_of_a_server_that_is_not_there(capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,7 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agentkv.snapshot import structure_snapshot
 from agentkv_server import status
 from tests.fakes import FakeLlama, served
 
@@ -90,7 +91,7 @@ async def test_a_captured_fan_out_is_a_tree_of_three(
     assert metric(metrics, "agentkv_agents", kind="coordinator") == 1
     assert metric(metrics, "agentkv_agents", kind="subagent_waited_on") == 2
 
-    text = status.render(table)
+    text = status.render(structure_snapshot(table))
     tree = text.split("agents (3)")[1].split("\n\n")[0]
     assert "coordinator" in tree and "└ " in tree and "Write the front end" in tree
 

@@ -36,16 +36,24 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 import attrs
 
-from agentkv._types import Lease, Placement, Source, Ticket
+from agentkv._types import Lease, Placement, SlotView, Source, Ticket
 from agentkv.costs import CostModel
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.scheduler import FairScheduler
 from agentkv.slots import SlotManager
+from agentkv.snapshot import (
+    BackgroundRow,
+    CheckpointRow,
+    GatewaySnapshot,
+    Placements,
+    QueueRow,
+    SlotRow,
+    SlotState,
+)
 from agentkv.store import StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 
@@ -567,76 +575,85 @@ class Gateway:
 
     # -- the operator's view --------------------------------------------------------------------
 
-    def table(self) -> dict[str, Any]:
-        """Slots, queue, checkpoints and counters, as plain data."""
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a slot (not background work)."""
+        return len(self._scheduler)
+
+    def snapshot(self) -> GatewaySnapshot:
+        """Slots, queue, checkpoints and counters, as typed rows (with no place in the agent
+        tree: :meth:`agentkv.runtime.tree.AgentTree.annotate` adds it)."""
         now = self.clock()
         stats = self._slots.stats()
         running = {r.lease.slot: r for r in self._running.values()}
-        return {
-            "slots": [
-                {
-                    "slot": row.slot,
-                    "agent": row.agent,
-                    "tokens": len(row.tokens),
-                    "stored": row.stored,
-                    "busy": row.refcount > 0,
-                    "state": (
-                        "out"
-                        if row.refcount == 0 and self._slots.is_out(row.slot)
-                        else "idle"
-                        if row.refcount == 0
-                        else "decoding"
-                        if row.slot in running and running[row.slot].decoding
-                        else "prefilling"
-                    ),
-                    "priority": running[row.slot].priority if row.slot in running else None,
-                    "idle_s": (
+        return GatewaySnapshot(
+            slots=tuple(
+                SlotRow(
+                    slot=row.slot,
+                    agent=row.agent,
+                    tokens=len(row.tokens),
+                    stored=row.stored,
+                    busy=row.refcount > 0,
+                    state=self._state(row, running),
+                    priority=running[row.slot].priority if row.slot in running else None,
+                    idle_s=(
                         None
                         if row.last_used is None or row.refcount
                         else round(now - row.last_used, 3)
                     ),
-                    "leases": list(row.lease_ids),
-                }
+                    leases=row.lease_ids,
+                    parent=None,
+                    description=None,
+                )
                 for row in self._slots.table()
-            ],
-            "queue": [
-                {
-                    "ticket": ticket.id,
-                    "agent": ticket.agent,
-                    "priority": ticket.priority,
-                    "tokens": len(ticket.tokens),
-                    "waited_s": round(now - ticket.arrival, 3),
-                    "score": round(score, 3),
-                    "waiting_for_checkpoint": self._blocked_id(ticket),
-                }
+            ),
+            queue=tuple(
+                QueueRow(
+                    ticket=ticket.id,
+                    agent=ticket.agent,
+                    priority=ticket.priority,
+                    tokens=len(ticket.tokens),
+                    waited_s=round(now - ticket.arrival, 3),
+                    score=round(score, 3),
+                    waiting_for_checkpoint=self._blocked_id(ticket),
+                    parent=None,
+                    description=None,
+                )
                 for ticket, score in self._scheduler.queued(now)
-            ],
-            "background": [
-                {"ticket": t.id, "agent": t.agent, "waited_s": round(now - t.arrival, 3)}
+            ),
+            background=tuple(
+                BackgroundRow(ticket=t.id, agent=t.agent, waited_s=round(now - t.arrival, 3))
                 for t, _ in self._background.queued(now)
-            ],
-            "checkpoints": [
-                {
-                    "id": c.id,
-                    "agent": c.agent,
-                    "slot": c.slot,
-                    "tokens": len(c.tokens),
-                    "progress": c.progress,
-                    "running_s": round(now - c.started, 3),
-                }
+            ),
+            checkpoints=tuple(
+                CheckpointRow(
+                    id=c.id,
+                    agent=c.agent,
+                    slot=c.slot,
+                    tokens=len(c.tokens),
+                    progress=c.progress,
+                    running_s=round(now - c.started, 3),
+                )
                 for c in self._checkpoints.values()
-            ],
-            "placements": {
-                "acquired": stats.acquired,
-                "from_slot": stats.from_slot,
-                "from_store": stats.from_store,
-                "cold": stats.cold,
-                "reclaimed": stats.reclaimed,
-                "hit_rate": round(stats.hit_rate, 4),
-                "planned_reused_tokens": stats.reused_tokens,
-                "planned_computed_tokens": stats.computed_tokens,
-            },
-        }
+            ),
+            placements=Placements(
+                acquired=stats.acquired,
+                from_slot=stats.from_slot,
+                from_store=stats.from_store,
+                cold=stats.cold,
+                reclaimed=stats.reclaimed,
+                hit_rate=round(stats.hit_rate, 4),
+                planned_reused_tokens=stats.reused_tokens,
+                planned_computed_tokens=stats.computed_tokens,
+            ),
+        )
+
+    def _state(self, row: SlotView, running: dict[int, _Running]) -> SlotState:
+        if row.refcount == 0:
+            return "out" if self._slots.is_out(row.slot) else "idle"
+        if row.slot in running and running[row.slot].decoding:
+            return "decoding"
+        return "prefilling"
 
     def _blocked_id(self, ticket: Ticket) -> int | None:
         waiter = self._waiters.get(ticket.id)

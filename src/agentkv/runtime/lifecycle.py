@@ -55,6 +55,7 @@ from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, Req
 from agentkv.runtime.relay import Relay
 from agentkv.runtime.store import PrefixStore
 from agentkv.runtime.tree import AgentTree
+from agentkv.snapshot import RuntimeSnapshot
 from agentkv.sse import SSEAssembler
 from agentkv.tokens import Tokens
 from agentkv.translate import MessagesTranslator
@@ -435,16 +436,22 @@ class Runtime:
         """The most recent finished requests (the last 64), oldest first."""
         return self.history.records()
 
-    def table(self) -> dict[str, Any]:
+    def snapshot(self) -> RuntimeSnapshot:
         """The operator's view: slots, queue, store, agents, recent requests."""
-        table = self.gateway.table()
-        table["store"] = self.store.table() if self.store is not None else None
-        table["compactions"] = self.compactor.store.table()
-        if isinstance(self.client, EnginePool):
-            table["engines"] = self.client.table()
-        table["agents"] = self.history.agents()
-        self.tree.annotate(table)
-        table["running"] = [r.view() for r in self.running()]
-        table["recent"] = [r.view() for r in self.history.records()[-16:]]
-        table["costs"] = self.costs.view()
-        return table
+        gateway = self.gateway.snapshot()
+        tree = tuple(self.tree.view())
+        return RuntimeSnapshot(
+            slots=self.tree.annotate(gateway.slots, tree),
+            queue=self.tree.annotate(gateway.queue, tree),
+            background=gateway.background,
+            checkpoints=gateway.checkpoints,
+            placements=gateway.placements,
+            store=self.store.snapshot() if self.store is not None else None,
+            compactions=self.compactor.store.snapshot(),
+            engines=self.client.snapshot() if isinstance(self.client, EnginePool) else None,
+            agents=self.history.agents(),
+            tree=tree,
+            running=tuple(r.view() for r in self.running()),
+            recent=tuple(r.view() for r in self.history.records()[-16:]),
+            costs=self.costs.view(),
+        )

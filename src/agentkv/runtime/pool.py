@@ -45,6 +45,7 @@ import attrs
 from agentkv.exceptions import EngineError, EngineTimeoutError, EngineUnavailableError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.status import EngineStatus
+from agentkv.snapshot import EngineRow
 
 if TYPE_CHECKING:
     from agentkv.runtime.hints import EngineHints
@@ -506,19 +507,19 @@ class EnginePool(LlamaSlotClient):
         """The restarts of every engine's supervisor, summed (an upstream has none)."""
         return sum(m.client.status.restarts for m in self.members if m.client.status is not None)
 
-    def table(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> tuple[EngineRow, ...]:
         """One row per engine, for the operator."""
-        return [
-            {
-                "engine": m.index,
-                "url": m.base_url,
-                "slots": [m.slots.start, m.slots.stop - 1],
-                "up": m.up,
-                "detail": m.detail,
-                "rejoined": m.rejoined,
-            }
+        return tuple(
+            EngineRow(
+                engine=m.index,
+                url=m.base_url,
+                slots=(m.slots.start, m.slots.stop - 1),
+                up=m.up,
+                detail=m.detail,
+                rejoined=m.rejoined,
+            )
             for m in self.members
-        ]
+        )
 
     async def aclose(self) -> None:
         for member in self.members:

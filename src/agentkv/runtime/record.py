@@ -30,6 +30,7 @@ from typing import Any
 
 import attrs
 
+from agentkv.snapshot import AgentTotals, Divergence, RequestView
 from agentkv.translate import first_difference
 
 __all__ = [
@@ -203,11 +204,13 @@ class RequestRecord:
             return self.error_type or "api_error"
         return self.status.value
 
-    def view(self) -> dict[str, Any]:
-        """The record as JSON-ready data (the slot table's rows); ``status`` as shown."""
-        data = attrs.asdict(self)
+    def view(self) -> RequestView:
+        """The record as the operator's view shows it, frozen; ``status`` as shown."""
+        data = attrs.asdict(self, recurse=False)
         data["status"] = self.shown_status
-        return data
+        divergence = _divergence(self)
+        data["divergence"] = None if divergence is None else Divergence(**divergence)
+        return RequestView(**data)
 
     @property
     def shown_status(self) -> str:
@@ -384,6 +387,6 @@ class RequestHistory:
         """The most recent records, oldest first."""
         return list(self._recent)
 
-    def agents(self) -> dict[str, dict[str, Any]]:
+    def agents(self) -> dict[str, AgentTotals]:
         """Per agent seen: requests, prompt and cached tokens, and the last priority."""
-        return dict(self._agents)
+        return {agent: AgentTotals(**totals) for agent, totals in self._agents.items()}

@@ -43,6 +43,7 @@ from agentkv.exceptions import (
     EngineUnavailableError,
 )
 from agentkv.runtime.client import LlamaSlotClient
+from agentkv.snapshot import StoreEntryRow, StoreSnapshot
 from agentkv.store import EntryKind, StoreEntry, StoreIndex, entry_id
 from agentkv.tokens import Tokens, digest
 
@@ -306,36 +307,37 @@ class PrefixStore:
             json.dump(data, f)
         os.replace(temp, self.directory / INDEX_FILE)
 
-    def table(self) -> dict[str, Any]:
+    def snapshot(self) -> StoreSnapshot:
+        """The store's size, counters and entries (most valuable first), for the operator."""
         stats = self.index.stats()
         now = self.wall()
-        return {
-            "directory_entries": stats.entries,
-            "bytes": stats.bytes,
-            "budget": stats.budget,
-            "saves": stats.saves,
-            "restores": stats.restores,
-            "tokens_restored": stats.hits_tokens,
-            "seconds_saved": stats.seconds_saved,
-            "save_seconds": round(self.save_seconds, 6),
-            "restore_seconds": round(self.restore_seconds, 6),
-            "evicted": stats.evicted,
-            "expired": stats.expired,
-            "refused": stats.refused,
-            "entries": [
-                {
-                    "id": entry.id,
-                    "kind": entry.kind.value,
-                    "agent": entry.agent,
-                    "tokens": entry.n_tokens,
-                    "bytes": entry.nbytes,
-                    "hits": entry.hits,
-                    "idle_s": round(now - entry.last_used, 1),
-                    "value": round(entry.value(now), 1),
-                }
+        return StoreSnapshot(
+            directory_entries=stats.entries,
+            bytes=stats.bytes,
+            budget=stats.budget,
+            saves=stats.saves,
+            restores=stats.restores,
+            tokens_restored=stats.hits_tokens,
+            seconds_saved=stats.seconds_saved,
+            save_seconds=round(self.save_seconds, 6),
+            restore_seconds=round(self.restore_seconds, 6),
+            evicted=stats.evicted,
+            expired=stats.expired,
+            refused=stats.refused,
+            entries=tuple(
+                StoreEntryRow(
+                    id=entry.id,
+                    kind=entry.kind,
+                    agent=entry.agent,
+                    tokens=entry.n_tokens,
+                    bytes=entry.nbytes,
+                    hits=entry.hits,
+                    idle_s=round(now - entry.last_used, 1),
+                    value=round(entry.value(now), 1),
+                )
                 for entry in sorted(self.index.entries(), key=lambda e: -e.value(now))
-            ],
-        }
+            ),
+        )
 
 
 def _size(path: Path) -> int:

@@ -11,16 +11,20 @@ its root with its own priority, as before sub-agents were recognised.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
 from agentkv.agents import AGENT_TOOL, AgentCall, AgentDirectory, AgentPlace, AgentView
 from agentkv.runtime.gateway import Gateway
 from agentkv.runtime.prefetch import Prefetcher
+from agentkv.snapshot import QueueRow, SlotRow
 from agentkv.sse import accumulate
 
 __all__ = ["AgentTree", "Labelled"]
+
+#: A row of the operator's view that names an agent: it shows the agent's place in the tree.
+Placed = TypeVar("Placed", SlotRow, QueueRow)
 
 
 class Labelled(Protocol):
@@ -128,15 +132,16 @@ class AgentTree:
                 if place is not None:
                     record.description = place.description
 
-    def annotate(self, table: dict[str, Any]) -> None:
-        """Add the tree to the operator's table, and each slot's and ticket's place in it."""
-        rows = self.view()
-        table["tree"] = [attrs.asdict(row) for row in rows]
-        by_agent = {row.agent: row for row in rows}
-        for item in [*table.get("slots", ()), *table.get("queue", ())]:
-            row = by_agent.get(item.get("agent") or "")
-            item["parent"] = row.parent if row else None
-            item["description"] = row.description if row else None
+    def annotate(self, rows: Sequence[Placed], tree: Sequence[AgentView]) -> tuple[Placed, ...]:
+        """Slot or queue ``rows`` of the operator's view, each with its agent's place in
+        ``tree`` (this tree's :meth:`view`): its parent and the description of its call."""
+        by_agent = {row.agent: row for row in tree}
+        placed = []
+        for item in rows:
+            row = by_agent.get(item.agent or "")
+            parent, description = (row.parent, row.description) if row else (None, None)
+            placed.append(attrs.evolve(item, parent=parent, description=description))
+        return tuple(placed)
 
     def _reprioritise(self, parent: str, now: float) -> None:
         """Queued requests of ``parent``'s sub-agents take their priority as inferred now."""
