@@ -1,4 +1,5 @@
-"""The one cattrs converter, and the walk that turns its errors into a 400 naming the field.
+"""The cattrs converter of client JSON, and the walk that turns its errors into a 400 naming the
+field (the operator's view has its own, in :mod:`agentkv.snapshot`).
 
 Client JSON is structured only here, at the edge. The converter is strict about the *types* of known
 fields (cattrs would otherwise turn ``1`` into ``"1"``) but ignores unknown keys, because the
