@@ -146,3 +146,29 @@ def test_a_request_suspended_for_urgent_work_counts_its_quiet_aging_from_the_sus
     gateway._dispatch()  # as any event does
     assert gateway._waiters[again.id].lease is not None
     del sibling
+
+
+def test_an_urgent_arrival_quiets_every_less_urgent_prefill_at_once() -> None:
+    """Two P2 prompts prefill on both slots when a P0 request arrives: both are suspended at
+    once (each stops at the end of the engine's batch in progress), not the second only when P0
+    starts; the first slot given back is P0's, and the other stays free while P0 prepares."""
+    gateway = _gateway()
+    first, first_suspended = _start(gateway, "bg-1", 2, BACKGROUND, head=None)
+    second, second_suspended = _start(gateway, "bg-2", 2, OTHER, head=None)
+    urgent = gateway.submit("coordinator", 0, tuple(range(80_001, 81_001)))
+    assert first_suspended == ["bg-1"] and second_suspended == ["bg-2"]
+    # The one that was not the chosen victim gives its slot back first: P0 takes it.
+    gateway.release(first, holds=BACKGROUND[:512])
+    lease = gateway._waiters[urgent.id].lease
+    assert lease is not None and lease.slot == first.slot
+    again = gateway.submit("bg-1", 2, BACKGROUND, head=None)
+    # The other comes back while P0 still restores its context (not declared running yet): a
+    # P2 prompt does not start next to it.
+    gateway.release(second, holds=OTHER[:512])
+    assert gateway._waiters[again.id].lease is None
+    del gateway._waiters[urgent.id]
+    gateway.running(lease, 0, lambda: None)
+    assert gateway._waiters[again.id].lease is None
+    # P0 done: the queued P2 request goes.
+    gateway.release(lease, holds=None)
+    assert gateway._waiters[again.id].lease is not None

@@ -317,15 +317,21 @@ class Gateway:
     def _quiet_for(self, urgent: _Running) -> None:
         """An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
         are computing prompts on other slots, so that it has the engine to itself."""
+        for other in self._quiet_candidates(exclude=urgent.lease.id):
+            self._suspend(other, f"lease {urgent.lease.id} (priority 0) runs")
+
+    def _quiet_candidates(self, *, exclude: int) -> list[_Running]:
+        """The running requests an urgent one quiets: less urgent, still computing a prompt."""
         if self.config.preempt_from is None:
-            return
-        for other in list(self._running.values()):
-            if (
-                other.lease.id != urgent.lease.id
-                and not other.decoding
-                and other.priority >= max(self.config.preempt_from, 1)
-            ):
-                self._suspend(other, f"lease {urgent.lease.id} (priority 0) runs")
+            return []
+        return [
+            other
+            for other in self._running.values()
+            if other.lease.id != exclude
+            and not other.decoding
+            and not other.suspending
+            and other.priority >= max(self.config.preempt_from, 1)
+        ]
 
     def alive(self, lease: Lease) -> None:
         """The engine reported progress for ``lease`` (prompt computed, tokens generated): the
@@ -357,6 +363,13 @@ class Gateway:
         victim = max(victims, key=lambda r: (r.priority, not r.decoding, r.lease.acquired_at))
         self._reserved[victim.lease.id] = ticket.id
         self._suspend(victim, f"ticket {ticket.id} (priority {ticket.priority}) needs a slot")
+        # The other less urgent prefills would be suspended as soon as the ticket runs (quiet
+        # while urgent). Suspending them now lets every one stop at the end of the engine batch
+        # in progress, instead of one batch after another while the urgent prompt shares them;
+        # the first slot given back is the ticket's.
+        for other in self._quiet_candidates(exclude=victim.lease.id):
+            self._reserved.setdefault(other.lease.id, ticket.id)
+            self._suspend(other, f"ticket {ticket.id} (priority 0) is about to run")
 
     def _suspend(self, running: _Running, reason: str) -> None:
         if running.suspend is None or running.suspending:
@@ -377,8 +390,13 @@ class Gateway:
         running.suspend()
 
     def _urgent_running(self) -> bool:
-        return self.config.preempt_from is not None and any(
-            r.priority == 0 for r in self._running.values()
+        """A priority-0 request holds a slot: running, or granted and preparing it (restoring
+        its context) — a slot given back meanwhile must not start a less urgent prefill."""
+        if self.config.preempt_from is None:
+            return False
+        return any(r.priority == 0 for r in self._running.values()) or any(
+            lease_id not in self._running and ticket.priority == 0
+            for lease_id, ticket in self._lease_ticket.items()
         )
 
     # -- checkpoints ----------------------------------------------------------------------------
