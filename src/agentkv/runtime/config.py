@@ -209,6 +209,14 @@ class RuntimeConfig:
         "seconds after which an unused agent context is deleted (its agent is gone)",
         group="prefix store",
     )
+    stop_save: float = setting(
+        15.0,
+        "seconds a clean stop may spend saving what idle slots hold that the store does not (each "
+        "agent's latest context), so that agents find it again after a restart; 0: never",
+        group="prefix store",
+        metavar="SECONDS",
+        validator=_ge(0),
+    )
     park_min: int = setting(
         256,
         "an agent's context is saved before its slot is overwritten when it holds at least this "

@@ -262,6 +262,35 @@ class KVCache:
             gateway.end_checkpoint(checkpoint)
         return entry
 
+    async def save_for_restart(self) -> int:
+        """At a clean stop: save what each idle slot holds that the store does not have (at
+        least ``park_min`` tokens more than any entry), as that agent's context, so that its
+        next turn after a restart restores it instead of computing it. The number saved.
+
+        Nothing is tried when the engine no longer answers (a Ctrl-C in a terminal reaches
+        llama-server too)."""
+        store = self.store
+        if store is None or not await self.client.health():
+            return 0
+        saved = 0
+        slots = self.gateway.slots
+        for row in slots.table():
+            store = self.store  # a failed save may have switched it off
+            if store is None:
+                break
+            if row.refcount or row.stored is not None or not row.tokens:
+                continue
+            best = store.index.best(row.tokens)
+            if len(row.tokens) - (best[1] if best else 0) < self.gateway.config.park_min:
+                continue
+            entry = await self.guard(
+                store.save(row.slot, EntryKind.CONTEXT, agent=row.agent, sections=row.sections)
+            )
+            if entry is not None:
+                slots.mark_stored(row.slot, entry.id)
+                saved += 1
+        return saved
+
     # -- a suspended request's progress -----------------------------------------------------------
 
     async def save_progress(self, slot: int, agent: str) -> tuple[Tokens | None, StoreEntry | None]:

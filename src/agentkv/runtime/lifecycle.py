@@ -330,6 +330,12 @@ class Runtime:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.compactor.attach(None)
+        if self.config.stop_save > 0:
+            # Agents' latest contexts outlive the process (bounded: a stop never hangs on it).
+            with anyio.move_on_after(self.config.stop_save, shield=True):
+                saved = await self.kvcache.save_for_restart()
+                if saved:
+                    log.info("saved %d slot(s) to the prefix store for the next start", saved)
         tg, self._tg = self._tg, None
         if tg is not None:
             tg.cancel_scope.cancel()
