@@ -333,7 +333,11 @@ class Runtime:
         if self.config.stop_save > 0:
             # Agents' latest contexts outlive the process (bounded: a stop never hangs on it).
             with anyio.move_on_after(self.config.stop_save, shield=True):
-                saved = await self.kvcache.save_for_restart()
+                try:
+                    saved = await self.kvcache.save_for_restart()
+                except Exception as exc:  # a stop never fails for it (the engine may be gone)
+                    log.warning("could not save the slots for the next start: %r", exc)
+                    saved = 0
                 if saved:
                     log.info("saved %d slot(s) to the prefix store for the next start", saved)
         tg, self._tg = self._tg, None
