@@ -147,3 +147,21 @@ def test_records_round_trip_and_mismatched_tokens_are_refused() -> None:
     )
     assert sorted(refused) == sorted([b.id, s.id, "junk"])
     assert [e.id for e in again.entries()] == [a.id]
+
+
+def test_a_shared_head_outlives_the_contexts_that_start_with_it() -> None:
+    """An agent's context (or a suspended request's progress) that extends a shared head does
+    not supersede it: the context expires, or is dropped, and the head stays for everyone."""
+    index = StoreIndex(budget=10 * MB, context_ttl=100)
+    head = entry(tuple(range(50)))
+    index.add(head, 0)
+    context = entry(tuple(range(80)), EntryKind.CONTEXT, agent="a")
+    progress = entry(tuple(range(70)), EntryKind.SUSPENDED, agent="b")
+    assert index.add(context, 1) == []
+    assert index.add(progress, 1) == []
+    assert {e.id for e in index.entries()} == {head.id, context.id, progress.id}
+    assert [e.id for e in index.expire(500)] == [context.id]
+    found = index.best((*range(50), 999))
+    assert found is not None and found[0].id == head.id
+    # A longer shared head still replaces it.
+    assert index.add(entry(tuple(range(60))), 2) == [head]

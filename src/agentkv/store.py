@@ -207,7 +207,10 @@ class StoreIndex:
 
         An entry that alone is over the budget is refused: it is returned itself and not added.
         Non-pinned entries whose tokens are a prefix of the new one are superseded (the new file
-        serves every request they served), and so is the same agent's older context.
+        serves every request they served), and so is the same agent's older context. A shared
+        head (a ``prefix`` entry) is superseded only by a longer shared head: an agent's context
+        or a suspended request's progress that starts with it expires, is cleared with its agent
+        or is dropped when its request ends, and must not take the head with it.
         """
         if entry.nbytes > self.budget:
             self._counts["refused"] += 1
@@ -225,7 +228,10 @@ class StoreIndex:
             prefix_of_new = old.n_tokens <= entry.n_tokens and (
                 common_prefix(old.tokens, entry.tokens) == old.n_tokens
             )
-            if same_context or (prefix_of_new and old.kind is not EntryKind.SUSPENDED):
+            shared_head = old.kind is EntryKind.PREFIX and entry.kind is not EntryKind.PREFIX
+            if same_context or (
+                prefix_of_new and old.kind is not EntryKind.SUSPENDED and not shared_head
+            ):
                 hits += old.hits if prefix_of_new else 0
                 removed.append(self._entries.pop(old.id))
         previous = self._entries.pop(entry.id, None)
