@@ -236,7 +236,7 @@ def test_urgent_request_is_served_before_earlier_background_requests(live: Live)
         wait_for(lambda t, n=i + 1: len(t.queue) == n, "background request queued")
     urgent = threading.Thread(target=call, args=("coordinator", 0, 4))
     urgent.start()
-    wait_for(lambda t: len(t["queue"]) == 4, "urgent request queued")
+    wait_for(lambda t: len(t.queue) == 4, "urgent request queued")
     for t in [*busy, *waiting, urgent]:
         t.join(timeout=600)
     assert len(done) == 6
