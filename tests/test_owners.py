@@ -110,3 +110,19 @@ def test_the_scan_finds_a_planted_write() -> None:
         (4, "set_content", "content"),
         (5, "release", "lease"),
     ]
+
+
+#: No module of ``src/`` grows past this many lines; the request's script stays short.
+MAX_MODULE_LINES = 800
+MAX_LIFECYCLE_LINES = 450
+
+
+def test_no_module_outgrows_its_bound() -> None:
+    sizes = {
+        path.relative_to(SRC).as_posix(): len(path.read_text("utf-8").splitlines())
+        for path in SRC.rglob("*.py")
+    }
+    assert sizes, SRC
+    too_long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
+    assert not too_long, too_long
+    assert sizes["agentkv/runtime/lifecycle.py"] <= MAX_LIFECYCLE_LINES

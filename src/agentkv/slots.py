@@ -25,6 +25,7 @@ import attrs
 
 from agentkv._types import Lease, Placement, SlotView, Source
 from agentkv.costs import CostModel
+from agentkv.snapshot import Placements
 from agentkv.store import StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 
@@ -65,6 +66,19 @@ class SlotStats:
         """Share of prompt tokens that were reused rather than computed."""
         total = self.reused_tokens + self.computed_tokens
         return self.reused_tokens / total if total else None
+
+    def view(self) -> Placements:
+        """The counters as the operator's view shows them."""
+        return Placements(
+            acquired=self.acquired,
+            from_slot=self.from_slot,
+            from_store=self.from_store,
+            cold=self.cold,
+            reclaimed=self.reclaimed,
+            hit_rate=round(self.hit_rate, 4),
+            planned_reused_tokens=self.reused_tokens,
+            planned_computed_tokens=self.computed_tokens,
+        )
 
 
 def place(

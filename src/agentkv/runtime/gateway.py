@@ -49,7 +49,6 @@ from agentkv.snapshot import (
     BackgroundRow,
     CheckpointRow,
     GatewaySnapshot,
-    Placements,
     QueueRow,
     SlotRow,
     SlotState,
@@ -602,7 +601,6 @@ class Gateway:
         """Slots, queue, checkpoints and counters, as typed rows (with no place in the agent
         tree: :meth:`agentkv.runtime.tree.AgentTree.annotate` adds it)."""
         now = self.clock()
-        stats = self._slots.stats()
         running = {r.lease.slot: r for r in self._running.values()}
         return GatewaySnapshot(
             slots=tuple(
@@ -654,16 +652,7 @@ class Gateway:
                 )
                 for c in self._checkpoints.values()
             ),
-            placements=Placements(
-                acquired=stats.acquired,
-                from_slot=stats.from_slot,
-                from_store=stats.from_store,
-                cold=stats.cold,
-                reclaimed=stats.reclaimed,
-                hit_rate=round(stats.hit_rate, 4),
-                planned_reused_tokens=stats.reused_tokens,
-                planned_computed_tokens=stats.computed_tokens,
-            ),
+            placements=self._slots.stats().view(),
         )
 
     def _state(self, row: SlotView, running: dict[int, _Running]) -> SlotState:

@@ -262,6 +262,19 @@ class KVCache:
             gateway.end_checkpoint(checkpoint)
         return entry
 
+    async def save_at_stop(self, limit: float) -> int:
+        """:meth:`save_for_restart`, bounded by ``limit`` seconds and shielded from the stop's
+        cancellation; a failure is logged, never raised (the engine may be gone)."""
+        saved = 0
+        with anyio.move_on_after(limit, shield=True):
+            try:
+                saved = await self.save_for_restart()
+            except Exception as exc:
+                log.warning("could not save the slots for the next start: %r", exc)
+        if saved:
+            log.info("saved %d slot(s) to the prefix store for the next start", saved)
+        return saved
+
     async def save_for_restart(self) -> int:
         """At a clean stop: save what each idle slot holds that the store does not have (at
         least ``park_min`` tokens more than any entry), as that agent's context, so that its

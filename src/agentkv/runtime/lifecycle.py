@@ -330,22 +330,12 @@ class Runtime:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.compactor.attach(None)
-        if self.config.stop_save > 0:
-            # Agents' latest contexts outlive the process (bounded: a stop never hangs on it).
-            with anyio.move_on_after(self.config.stop_save, shield=True):
-                try:
-                    saved = await self.kvcache.save_for_restart()
-                except Exception as exc:  # a stop never fails for it (the engine may be gone)
-                    log.warning("could not save the slots for the next start: %r", exc)
-                    saved = 0
-                if saved:
-                    log.info("saved %d slot(s) to the prefix store for the next start", saved)
+        if self.config.stop_save > 0:  # agents' latest contexts outlive the process
+            await self.kvcache.save_at_stop(self.config.stop_save)
         tg, self._tg = self._tg, None
         if tg is not None:
             tg.cancel_scope.cancel()
             await tg.__aexit__(None, None, None)
-
-    # -- preparing --------------------------------------------------------------------------------
 
     def place_agent(
         self, root: str, sub: str | None, priority: int, body: Mapping[str, Any]
@@ -353,18 +343,13 @@ class Runtime:
         """Which agent of the tree a request belongs to (``root``, or its sub-agent ``sub``) and
         the priority it runs at; pass both to :meth:`prepare`."""
         place = self.tree.place(root, sub, priority, body)
-        if sub is None:
-            # A coordinator's request may name the sub-agents its calls started: their records
-            # finished before that was known.
+        if sub is None:  # it may name the sub-agents its calls started, whose records ended
             self.tree.relabel(self.history.records())
         return place
 
     async def prepare(self, body: Mapping[str, Any], *, agent: str, priority: int) -> Prepared:
-        """Validate and fit a Messages request; raises a 4xx :class:`AgentKVError` before any
-        response starts (a prompt that cannot fit gets ``prompt is too long``)."""
+        """Validate and fit a Messages request (:meth:`Admission.prepare`)."""
         return await self.admission.prepare(body, agent=agent, priority=priority)
-
-    # -- submitting -------------------------------------------------------------------------------
 
     def submit(self, prepared: Prepared) -> Exchange:
         """Queue a prepared request and start it; a retry of a running request joins it."""
@@ -418,8 +403,6 @@ class Runtime:
         self.history.add(record)
         keep = self._tg is not None and exchange.failure is None
         self.joinable.ended(exchange.prepared.key, exchange, keep=keep)
-
-    # -- background work and views ----------------------------------------------------------------
 
     def later(self, work: Callable[..., Any], *args: Any) -> bool:
         """Run ``work(*args)`` in the background; False (dropped) when the runtime is stopping."""
