@@ -43,6 +43,7 @@ SCENARIOS = (
     "subagents",
     "mixed",
     "real-cli",
+    "real-cli-fanout",
     "overhead",
     "soak",
 )
@@ -53,6 +54,7 @@ _CONFIGS = {
     "subagents": ("alone", "plain", "agentkv-notree", "agentkv", "agentkv-warm"),
     "mixed": ("direct", "agentkv"),
     "real-cli": ("llama-server", "agentkv", "agentkv-warm"),
+    "real-cli-fanout": ("llama-server", "agentkv"),
 }
 #: Context per slot: the synthetic prompts are short; Claude Code's first request is ~11.8K.
 _CTX = {"agents": 4096}
@@ -72,8 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the prefix store across a restart; priority: P0 while sub-agents prefill; subagents: a "
         "Claude Code coordinator fanning out to sub-agents (its replies scripted); mixed: Claude "
         "Code and Codex agents together, each API its own route; real-cli: "
-        "the real Claude Code CLI; overhead: the gateway against a fake engine; soak: many "
-        "clients, dropped requests and an engine kill against agentkv-server (default agents)",
+        "the real Claude Code CLI; real-cli-fanout: the real CLI's coordinator starting two "
+        "sub-agents (its first reply scripted); overhead: the gateway against a fake engine; "
+        "soak: many clients, dropped requests and an engine kill against agentkv-server "
+        "(default agents)",
     )
     parser.add_argument("--quick", action="store_true", help="the small CI-sized version")
     size = parser.add_argument_group("size")
@@ -96,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size.add_argument("--rounds", type=int, help="priority: P0 arrivals (default 3; quick 2)")
     size.add_argument("--subagents", type=int, help="priority: sub-agents (default 2)")
+    size.add_argument("--runs", type=int, help="real-cli-fanout: runs (default 3; quick 1)")
     size.add_argument(
         "--delay", type=float, help="priority: seconds from the sub-agents' start to P0's arrival"
     )
@@ -126,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs",
         help="comma list of configurations (agents, claude: plain,tuned,agentkv; priority: "
         "alone,plain,tuned,agentkv,agentkv-preempt; subagents: alone,plain,agentkv-notree,agentkv,"
-        "agentkv-warm; mixed: direct,agentkv; real-cli: llama-server,agentkv,agentkv-warm)",
+        "agentkv-warm; mixed: direct,agentkv; real-cli: llama-server,agentkv,agentkv-warm; "
+        "real-cli-fanout: llama-server,agentkv)",
     )
     parser.add_argument(
         "--tuned-args",
@@ -257,6 +263,18 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
         report = await run_mixed(bench, mixed_spec, _configs(args, scenario))
         return report, mixed_table(report)
     from agentkv_bench.claude import CliSpec, find_claude, real_cli_table, run_real_cli
+
+    if scenario == "real-cli-fanout":
+        from agentkv_bench.fanout import FanoutSpec, fanout_table, run_fanout
+
+        fanout_spec = _evolve(FanoutSpec(runs=1) if args.quick else FanoutSpec(), runs=args.runs)
+        report = await run_fanout(
+            bench,
+            fanout_spec,
+            claude=find_claude(args.claude_bin),
+            configs=_configs(args, scenario),
+        )
+        return report, fanout_table(report)
 
     cli_spec = _evolve(
         CliSpec(agents=1, sessions=1) if args.quick else CliSpec(),

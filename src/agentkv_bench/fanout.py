@@ -1,0 +1,324 @@
+"""The ``real-cli-fanout`` scenario: the real Claude Code CLI's coordinator starts two sub-agents.
+
+One ``claude -p`` session per run and configuration, through a **harness proxy** in front of
+the configuration:
+
+1. The coordinator's first request goes to the engine with ``max_tokens`` 1: its ~12K-token
+   prompt is computed as it would be for a real reply. The default model cannot be relied on to
+   call Claude Code's ``Agent`` tool, so **the proxy then answers the CLI itself** with a reply
+   of two ``Agent`` calls (foreground: the coordinator waits for both). This is the harness's
+   only script; nothing in agentkv is told anything.
+2. The CLI starts the two sub-agents at once; their requests (``x-claude-code-agent-id``, the
+   coordinator's session) go to the configuration unchanged, and the engine answers them.
+3. With their results, the CLI sends the coordinator's continuation: its first prompt, the
+   ``Agent`` calls, the sub-agents' reports. It goes to the configuration unchanged; the proxy
+   reads llama-server's ``/metrics`` around it (nothing else runs then: the coordinator waited
+   for both sub-agents), which gives how much of its prompt was computed.
+
+Configurations, each on a fresh llama-server and, for agentkv, an empty store: ``llama-server``
+(Claude Code talking to llama-server's own ``/v1/messages``) and ``agentkv`` (the defaults).
+``--runs`` repeats the pair; every run has both, side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+
+from agentkv.snapshot import unstructure
+from agentkv_bench.claude import _env, make_project
+from agentkv_bench.engines import serve_app, start
+from agentkv_bench.metrics import difference, read_counters
+from agentkv_bench.report import fmt, render_table, write_report
+from agentkv_bench.scenarios import Bench
+from agentkv_bench.subagents import agent_call, scripted_sse
+
+__all__ = ["FanoutProxy", "FanoutSpec", "fanout_table", "run_fanout"]
+
+CONFIGS = ("llama-server", "agentkv")
+_START = {"llama-server": "plain", "agentkv": "agentkv"}
+#: The two ``Agent`` calls of the scripted reply: (tool_use id, description, the sub-agent's task).
+CALLS = (
+    ("toolu_01FANOUTFRONTEND00000000", "Write the front end", "Reply with the single word: front"),
+    ("toolu_01FANOUTBACKEND000000000", "Write the back end", "Reply with the single word: back"),
+)
+PROMPT = "Split the work between two agents"
+
+
+@attrs.frozen
+class FanoutSpec:
+    runs: int = 3
+    #: One ``claude -p`` session's bound (seconds): a cold ~12K-token prefill takes minutes here.
+    timeout: float = 3600.0
+
+
+def _kind(headers: dict[str, str], body: Any) -> str:
+    """Which of the fan-out's requests this is."""
+    if "x-claude-code-agent-id" in headers:
+        return "subagent"
+    if not isinstance(body, dict) or not any(
+        isinstance(tool, dict) and tool.get("name") == "Agent" for tool in body.get("tools") or []
+    ):
+        return "other"
+    messages = body.get("messages") or []
+    if any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
+        return "continuation"
+    return "coordinator"
+
+
+@attrs.define
+class Exchange:
+    """One request the CLI sent, as the proxy saw it (times from the run's start)."""
+
+    kind: str
+    agent: str | None
+    started: float
+    status: int | None = None
+    first_byte: float | None = None
+    first_delta: float | None = None
+    ended: float | None = None
+    #: The stream carried an ``event: error`` (an error the client saw after a 200).
+    error_event: bool = False
+    #: For the continuation: llama-server's prompt counters around it.
+    computed: int | None = None
+    cached: int | None = None
+
+
+@attrs.define
+class FanoutProxy:
+    """The harness: primes and scripts the coordinator's first request, forwards the rest."""
+
+    upstream: str
+    engine_url: str
+    origin: float = attrs.field(factory=time.monotonic)
+    exchanges: list[Exchange] = attrs.field(factory=list)
+    scripted: int = 0
+
+    def _now(self) -> float:
+        return round(time.monotonic() - self.origin, 3)
+
+    def app(self, http: httpx.AsyncClient) -> Any:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import Response, StreamingResponse
+        from starlette.routing import Route
+
+        skip = {"host", "content-length", "accept-encoding"}
+
+        async def forward(request: Request) -> Response:
+            body = await request.body()
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            parsed = json.loads(body) if body and request.url.path == "/v1/messages" else None
+            kind = _kind(headers, parsed) if parsed is not None else "other"
+            record = Exchange(kind, headers.get("x-claude-code-agent-id"), self._now())
+            self.exchanges.append(record)
+            send = {k: v for k, v in request.headers.items() if k.lower() not in skip}
+            if kind == "coordinator" and self.scripted == 0 and isinstance(parsed, dict):
+                self.scripted += 1
+                # Computed on the engine as a real reply would be; the reply itself is scripted.
+                primed = json.dumps({**parsed, "max_tokens": 1}).encode()
+                async with http.stream(
+                    "POST", self.upstream + "/v1/messages", headers=send, content=primed
+                ) as response:
+                    record.status = response.status_code
+                    async for chunk in response.aiter_raw():
+                        record.error_event |= b"event: error" in chunk
+                record.ended = self._now()
+                blocks: list[dict[str, Any]] = [
+                    {"type": "text", "text": "I will split the work between two agents."}
+                ]
+                blocks += [
+                    agent_call(call, what, task, background=False) for call, what, task in CALLS
+                ]
+                return Response(scripted_sse(blocks), media_type="text/event-stream")
+            before = await read_counters(http, self.engine_url) if kind == "continuation" else None
+            upstream = http.build_request(
+                request.method,
+                self.upstream + request.url.path,
+                params=request.query_params,
+                headers=send,
+                content=body,
+            )
+            response = await http.send(upstream, stream=True)
+            record.status = response.status_code
+
+            async def relay() -> AsyncIterator[bytes]:
+                try:
+                    async for chunk in response.aiter_raw():
+                        if record.first_byte is None:
+                            record.first_byte = self._now()
+                        if record.first_delta is None and b"content_block_delta" in chunk:
+                            record.first_delta = self._now()
+                        record.error_event |= b"event: error" in chunk
+                        yield chunk
+                finally:
+                    await response.aclose()
+                    record.ended = self._now()
+                    if before is not None:
+                        counters = difference(await read_counters(http, self.engine_url), before)
+                        record.computed = int(counters["prompt_computed"])
+                        record.cached = int(counters["prompt_cached"])
+
+            out_headers = {
+                k: v
+                for k, v in response.headers.items()
+                if k.lower() not in {"content-length", "transfer-encoding", "content-encoding"}
+            }
+            return StreamingResponse(relay(), status_code=response.status_code, headers=out_headers)
+
+        methods = ["GET", "POST", "HEAD", "PUT", "DELETE"]
+        return Starlette(routes=[Route("/{path:path}", forward, methods=methods)])
+
+
+async def _one(
+    bench: Bench, name: str, claude: Path, project: Path, home: Path, spec: FanoutSpec, store: Path
+) -> dict[str, Any]:
+    setup = bench.setup
+    store_dir = store if name == "agentkv" else None
+    if store_dir is not None and store_dir.exists():
+        shutil.rmtree(store_dir)
+    async with start(setup, _START[name], store_dir=store_dir) as engine:
+        timeout = httpx.Timeout(spec.timeout, connect=10.0)
+        async with httpx.AsyncClient(timeout=timeout) as http:
+            before = await read_counters(http, engine.engine_url)
+            proxy = FanoutProxy(engine.url, engine.engine_url)
+            async with serve_app(proxy.app(http)) as url:
+                env = _env(url, home, "coordinator", 0, setup.ctx)
+                proxy.origin = started = time.monotonic()
+                rc: int | None
+                try:
+                    with anyio.fail_after(spec.timeout):
+                        done = await anyio.run_process(
+                            [str(claude), "-p", PROMPT], cwd=project, env=env, check=False
+                        )
+                    rc, out = done.returncode, done.stdout.decode(errors="replace")
+                    err = done.stderr.decode(errors="replace")
+                except TimeoutError:
+                    rc, out, err = None, "", "timed out"
+                wall = time.monotonic() - started
+            counters = difference(await read_counters(http, engine.engine_url), before)
+        tree = None
+        if engine.runtime is not None:
+            tree = unstructure(engine.runtime.snapshot().tree)
+    rows = [attrs.asdict(e) for e in proxy.exchanges]
+    continuation = next((e for e in proxy.exchanges if e.kind == "continuation"), None)
+    prompt = (continuation.computed or 0) + (continuation.cached or 0) if continuation else 0
+    sent = [e for e in proxy.exchanges if e.kind != "other"]
+    return {
+        "name": name,
+        "wall_s": round(wall, 1),
+        "rc": rc,
+        "answer": out.strip()[:200],
+        "stderr": err.strip()[-300:],
+        "subagents": len({e.agent for e in proxy.exchanges if e.kind == "subagent"}),
+        "errors": sum(1 for e in sent if e.status != 200 or e.error_event),
+        "prefill_computed": int(counters["prompt_computed"]),
+        "continuation_computed": continuation.computed if continuation else None,
+        "continuation_prompt": prompt or None,
+        "continuation_fraction": round((continuation.computed or 0) / prompt, 4)
+        if continuation and prompt
+        else None,
+        "continuation_ttft_s": round(continuation.first_delta - continuation.started, 2)
+        if continuation and continuation.first_delta is not None
+        else None,
+        "exchanges": rows,
+        "tree": tree,
+    }
+
+
+async def run_fanout(
+    bench: Bench, spec: FanoutSpec, *, claude: Path, configs: Sequence[str] = CONFIGS
+) -> dict[str, Any]:
+    """``spec.runs`` runs of every configuration; ``real-cli-fanout.{json,txt}``."""
+    for name in configs:
+        if name not in CONFIGS:
+            raise ValueError(f"unknown configuration {name!r} (one of {', '.join(CONFIGS)})")
+    root = Path(tempfile.mkdtemp(prefix="agentkv-bench-fanout-"))
+    started = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    try:
+        project, home = make_project(root)
+        for run in range(1, spec.runs + 1):
+            reports = []
+            for name in configs:
+                bench.say(f"real-cli-fanout run {run}/{spec.runs}: {name}")
+                store = bench.out / "stores" / "real-cli-fanout"
+                report = await _one(bench, name, claude, project, home, spec, store)
+                bench.say(
+                    f"real-cli-fanout run {run}: {name} {report['wall_s']} s, "
+                    f"{report['errors']} errors, continuation computed "
+                    f"{report['continuation_computed']} of {report['continuation_prompt']}"
+                )
+                reports.append(report)
+            runs.append({"run": run, "configs": reports})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {
+        "scenario": "real-cli-fanout",
+        "spec": attrs.asdict(spec),
+        "slots": bench.setup.slots,
+        "ctx_per_slot": bench.setup.ctx,
+        "model": bench.setup.model.name,
+        "runs": runs,
+        "targets": targets(runs),
+        "total_s": round(time.monotonic() - started, 1),
+    }
+    await write_report(result, fanout_table(result), bench.out, stem="real-cli-fanout")
+    return result
+
+
+def targets(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every run beats llama-server alone; the continuation computes under 5 %; no error."""
+    beats, under, clean = [], [], []
+    for run in runs:
+        by = {c["name"]: c for c in run["configs"]}
+        ours, alone = by.get("agentkv"), by.get("llama-server")
+        if ours is None:
+            continue
+        if alone is not None:
+            beats.append(ours["wall_s"] < alone["wall_s"])
+        fraction = ours["continuation_fraction"]
+        under.append(fraction is not None and fraction < 0.05)
+        clean.append(ours["errors"] == 0 and ours["rc"] == 0 and ours["subagents"] == 2)
+    return {
+        "every_run_beats_llama_server": all(beats) if beats else None,
+        "continuation_under_5_percent": all(under) if under else None,
+        "no_client_error": all(clean) if clean else None,
+    }
+
+
+def fanout_table(result: dict[str, Any]) -> str:
+    lines = [
+        "Real Claude Code: a coordinator starts two sub-agents (its first reply scripted by the "
+        f"harness), {result['slots']} slots, {len(result['runs'])} runs",
+        "",
+    ]
+    for run in result["runs"]:
+        configs = run["configs"]
+        rows = [
+            ("wall time", lambda c: fmt(c["wall_s"], " s")),
+            ("prefill computed (tokens)", lambda c: fmt(c["prefill_computed"])),
+            (
+                "continuation computed",
+                lambda c: f"{c['continuation_computed']} of {c['continuation_prompt']}",
+            ),
+            ("continuation first token", lambda c: fmt(c["continuation_ttft_s"], " s")),
+            (
+                "sub-agents / errors / exit",
+                lambda c: f"{c['subagents']} / {c['errors']} / {c['rc']}",
+            ),
+        ]
+        lines.append(f"run {run['run']}")
+        lines.append(render_table([{**c, "label": c["name"]} for c in configs], rows))
+        lines.append("")
+    lines += [f"{k}: {v}" for k, v in result["targets"].items()]
+    return "\n".join(lines)
