@@ -7,7 +7,8 @@ the same store, and runs the first agent in project C, which it has never seen. 
 prints the CLI's wall time and what the slot table says about the request: where the cached
 part came from, cached and prompt tokens (llama-server's ``cache_n``), and the time to the first
 token as agentkv measured it. ``--json FILE`` writes the same figures as JSON. ``--warm-store
-DIR`` skips A and B and starts on a copy of a store another run left behind.
+DIR`` skips A and B and starts on a copy of a store another run left behind; ``--keep-store DIR``
+leaves one (copied after A and B, with the server stopped).
 
 The figures in docs/claude-code.md ("Fresh agents in other projects") come from this script.
 """
@@ -66,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         help="skip A and B: start on a copy of this store directory (one an agentkv-server "
         "kept after a first agent in another project) and run only C",
     )
+    parser.add_argument(
+        "--keep-store",
+        type=Path,
+        help="copy the store to this directory after A and B (for later --warm-store runs)",
+    )
     args = parser.parse_args(argv)
     claude = find_claude()
     rows = []
@@ -75,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             with AgentKVServer(root / "server", extra_args=extra) as server:
                 rows.append(_agent(server, "a", "alpha", root, claude))
                 rows.append(_agent(server, "b", "beta", root, claude))
+            if args.keep_store is not None:
+                shutil.copytree(root / "server" / "store", args.keep_store, dirs_exist_ok=True)
         else:
             shutil.copytree(args.warm_store, root / "server" / "store")
         with AgentKVServer(root / "server", extra_args=extra) as server:
             row = _agent(server, "c", "gamma", root, claude)
             row["after_restart"] = True
             rows.append(row)
+        if args.json:  # the second server's log (C's request), beside the figures
+            args.json.with_name(args.json.stem + "-server.log").write_text(server.log())
     if len(rows) == 3:
         print(f"B/A wall time: {rows[1]['wall_s'] / rows[0]['wall_s']:.3f}x")
     print(f"C first token after the restart: {rows[-1]['ttft_s']} s")
