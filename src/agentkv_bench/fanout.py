@@ -42,7 +42,14 @@ from agentkv_bench.report import fmt, render_table, write_report
 from agentkv_bench.scenarios import Bench
 from agentkv_bench.subagents import agent_call, scripted_sse
 
-__all__ = ["FanoutProxy", "FanoutSpec", "fanout_table", "run_fanout"]
+__all__ = [
+    "PROXIED_METHODS",
+    "FanoutProxy",
+    "FanoutSpec",
+    "fanout_table",
+    "passed_on",
+    "run_fanout",
+]
 
 CONFIGS = ("llama-server", "agentkv")
 _START = {"llama-server": "plain", "agentkv": "agentkv"}
@@ -59,6 +66,17 @@ class FanoutSpec:
     runs: int = 3
     #: One ``claude -p`` session's bound (seconds): a cold ~12K-token prefill takes minutes here.
     timeout: float = 3600.0
+
+
+#: What a harness proxy forwards.
+PROXIED_METHODS = ["GET", "POST", "HEAD", "PUT", "DELETE"]
+#: The body is framed again by the proxy's own server.
+_FRAMING = frozenset({"content-length", "transfer-encoding", "content-encoding"})
+
+
+def passed_on(response: httpx.Response) -> dict[str, str]:
+    """The upstream response's headers a proxy passes on to its client."""
+    return {k: v for k, v in response.headers.items() if k.lower() not in _FRAMING}
 
 
 def _kind(headers: dict[str, str], body: Any) -> str:
@@ -168,15 +186,11 @@ class FanoutProxy:
                         record.computed = int(counters["prompt_computed"])
                         record.cached = int(counters["prompt_cached"])
 
-            out_headers = {
-                k: v
-                for k, v in response.headers.items()
-                if k.lower() not in {"content-length", "transfer-encoding", "content-encoding"}
-            }
-            return StreamingResponse(relay(), status_code=response.status_code, headers=out_headers)
+            return StreamingResponse(
+                relay(), status_code=response.status_code, headers=passed_on(response)
+            )
 
-        methods = ["GET", "POST", "HEAD", "PUT", "DELETE"]
-        return Starlette(routes=[Route("/{path:path}", forward, methods=methods)])
+        return Starlette(routes=[Route("/{path:path}", forward, methods=PROXIED_METHODS)])
 
 
 async def _one(

@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import httpx
 
+from agentkv_bench.fanout import PROXIED_METHODS, passed_on
 from agentkv_bench.soak import server_script
 from tests._cli_run import run_bounded
 
@@ -367,15 +368,11 @@ class RecordingProxy:
                     record.ended = time.monotonic()
                     await response.aclose()
 
-            headers = {
-                k: v
-                for k, v in response.headers.items()
-                if k.lower() not in {"content-length", "transfer-encoding", "content-encoding"}
-            }
-            return StreamingResponse(relay(), status_code=response.status_code, headers=headers)
+            return StreamingResponse(
+                relay(), status_code=response.status_code, headers=passed_on(response)
+            )
 
-        methods = ["GET", "POST", "HEAD", "PUT", "DELETE"]
-        return Starlette(routes=[Route("/{path:path}", forward, methods=methods)])
+        return Starlette(routes=[Route("/{path:path}", forward, methods=PROXIED_METHODS)])
 
     def start(self) -> None:
         import uvicorn
