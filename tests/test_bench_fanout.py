@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import httpx
 
-from agentkv_bench.fanout import CALLS, FanoutProxy, _kind, targets
+from agentkv_bench.fanout import CALLS, FanoutProxy, request_kind, targets
 
 TOOLS = [{"name": "Agent", "input_schema": {"type": "object"}}, {"name": "Bash"}]
 
@@ -117,12 +117,12 @@ def test_an_error_event_after_a_200_is_counted() -> None:
     assert [e.error_event for e in proxy.exchanges] == [False, False, True]
 
 
-def test_kinds() -> None:
+def testrequest_kinds() -> None:
     body, _ = _request(FIRST)
-    assert _kind({}, body) == "coordinator"
-    assert _kind({"x-claude-code-agent-id": "a"}, body) == "subagent"
-    assert _kind({}, {**body, "messages": CONTINUATION}) == "continuation"
-    assert _kind({}, {**body, "tools": []}) == "other"
+    assert request_kind({}, body) == "coordinator"
+    assert request_kind({"x-claude-code-agent-id": "a"}, body) == "subagent"
+    assert request_kind({}, {**body, "messages": CONTINUATION}) == "continuation"
+    assert request_kind({}, {**body, "tools": []}) == "other"
 
 
 def _config(name: str, wall: float, fraction: float | None, errors: int = 0) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import json
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "FanoutSpec",
     "fanout_table",
     "passed_on",
+    "request_kind",
     "run_fanout",
 ]
 
@@ -79,8 +80,9 @@ def passed_on(response: httpx.Response) -> dict[str, str]:
     return {k: v for k, v in response.headers.items() if k.lower() not in _FRAMING}
 
 
-def _kind(headers: dict[str, str], body: Any) -> str:
-    """Which of the fan-out's requests this is."""
+def request_kind(headers: Mapping[str, str], body: Any) -> str:
+    """Which of a fan-out's requests this is (``headers`` lower-cased): ``subagent``,
+    ``coordinator`` (its first request), ``continuation`` or ``other``."""
     if "x-claude-code-agent-id" in headers:
         return "subagent"
     if not isinstance(body, dict) or not any(
@@ -136,7 +138,7 @@ class FanoutProxy:
             body = await request.body()
             headers = {k.lower(): v for k, v in request.headers.items()}
             parsed = json.loads(body) if body and request.url.path == "/v1/messages" else None
-            kind = _kind(headers, parsed) if parsed is not None else "other"
+            kind = request_kind(headers, parsed) if parsed is not None else "other"
             record = Exchange(kind, headers.get("x-claude-code-agent-id"), self._now())
             self.exchanges.append(record)
             send = {k: v for k, v in request.headers.items() if k.lower() not in skip}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from agentkv_bench.fanout import request_kind
 from agentkv_bench.subagents import agent_call, scripted_sse
 from tests.claude._cli import AgentKVServer, Exchange, RecordingProxy, make_project, run_claude
 
@@ -33,15 +34,8 @@ def coordinator_fans_out(exchange: Exchange) -> bytes | None:
     """The harness's answer to the coordinator's first request: two foreground Agent calls."""
     if exchange.method != "POST" or exchange.path != "/v1/messages":
         return None
-    if "x-claude-code-agent-id" in exchange.headers:
-        return None  # a sub-agent: the real thing
-    body = exchange.json()
-    if not isinstance(body, dict) or not any(
-        tool.get("name") == "Agent" for tool in body.get("tools") or []
-    ):
-        return None
-    if any(message.get("role") == "assistant" for message in body.get("messages") or []):
-        return None  # the continuation goes to agentkv
+    if request_kind(exchange.headers, exchange.json()) != "coordinator":
+        return None  # sub-agents and the continuation go to agentkv
     blocks = [{"type": "text", "text": "I will split the work between two agents."}]
     blocks += [
         agent_call(call, what, f"Reply with the single word: {word}", background=False)
