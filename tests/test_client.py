@@ -1048,13 +1048,62 @@ async def test_streams_ask_for_their_connection_to_be_closed() -> None:
     assert closes[2] != "close"
 
 
-async def test_the_clients_own_http_client_never_keeps_a_connection() -> None:
-    """The client agentkv creates keeps no idle connections: every call opens its own, so no
-    call can meet a connection llama-server closed after a stream."""
-    client = LlamaSlotClient(BASE)
-    pool = client._http._transport._pool  # type: ignore[attr-defined]
-    assert pool._max_keepalive_connections == 0
-    await client.aclose()
+async def test_the_clients_own_connections_safe_calls_share_one_streams_never() -> None:
+    """Over real TCP, the client agentkv creates: the calls safe to repeat share one kept-alive
+    connection; a chat completion, streamed or not, opens its own and closes it, so no call ever
+    meets a connection a stream used; a kept connection the engine closed while it was idle costs
+    nothing."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from agentkv.runtime.engine import free_port
+
+    seen: list[tuple[str, int]] = []
+
+    async def tokenize(request: Request) -> Response:
+        assert request.client is not None
+        seen.append(("tokenize", request.client.port))
+        return JSONResponse({"tokens": [1, 2]})
+
+    async def chat(request: Request) -> Response:
+        assert request.client is not None
+        seen.append(("chat", request.client.port))
+        body = await request.json()
+        if body["stream"]:
+            return Response(sse(chunk("hi", "stop")), media_type="text/event-stream")
+        return JSONResponse(COMPLETION)
+
+    app = Starlette(
+        routes=[
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ]
+    )
+    port = free_port()
+    # The engine closes an idle connection after 0.3 s, sooner than the client lets one idle.
+    config = uvicorn.Config(app, port=port, log_level="warning", timeout_keep_alive=0.3)
+    server = uvicorn.Server(config)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve)
+        while not server.started:  # noqa: ASYNC110 - uvicorn exposes readiness only as a flag
+            await anyio.sleep(0.01)
+        async with LlamaSlotClient(f"http://127.0.0.1:{port}") as client:
+            await client.tokenize("a")
+            await collect(client)
+            await client.tokenize("b")
+            assert (await client.chat(BODY, slot=0))["choices"]
+            await client.tokenize("c")
+            await anyio.sleep(0.6)  # the engine has closed the kept connection by now
+            await client.tokenize("d")
+            assert client.link.resent <= 1
+        server.should_exit = True
+    tokenized = [port for what, port in seen if what == "tokenize"]
+    chats = [port for what, port in seen if what == "chat"]
+    assert tokenized[0] == tokenized[1] == tokenized[2] != tokenized[3]
+    assert len(set(chats)) == 2 and not set(chats) & set(tokenized)
 
 
 async def test_a_slow_engine_is_waited_for_not_retried() -> None:

@@ -8,7 +8,8 @@ client, and prints how many of those calls failed:
 
 - ``pooled``: a plain ``httpx.AsyncClient`` (pooled, keep-alive), as agentkv used before;
 - ``close``: the same, with ``Connection: close`` on the stream only;
-- ``fixed``: ``LlamaSlotClient`` as it is (a connection per call, one resend after a drop).
+- ``fixed``: ``LlamaSlotClient`` as it is (a stream on a connection of its own, the other calls
+  on one kept-alive connection, one resend after a drop).
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ def upstream(engine: Engine) -> tuple[str, int]:
 async def test_a_call_after_a_stream_never_meets_a_closed_connection(engine: Engine) -> None:
     """40 times a streamed completion read to its end, then a tokenize on the same client (the
     sequence that failed 7 times in 40 with a pooled httpx client): no failure, and agentkv's
-    own client (a connection per call) resends nothing. With an injected pooling client, streams
-    close their connections, so no call fails either."""
+    own client (each stream on a connection of its own, the tokenize calls on one kept-alive
+    connection) resends nothing. With an injected pooling client, streams close their
+    connections, so no call fails either."""
     pooled = httpx.AsyncClient(timeout=120)
     clients = [
         engine.process.client(read_timeout=120),

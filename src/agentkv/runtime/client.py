@@ -4,12 +4,14 @@ Every request to the engine goes through here, so every upstream failure is mapp
 boundary, onto the agentkv exception tree: unreachable → :class:`EngineUnavailableError`, stalled →
 :class:`EngineTimeoutError`, error status or unparseable body → :class:`EngineResponseError`.
 
-Connections cannot go stale. llama-server advertises keep-alive after a streamed reply but
-sometimes closes the socket right after the stream ends; a pooled connection then fails the next
-request sent on it. So the client agentkv creates opens a new connection for every engine call
-(loopback connections cost well under a millisecond, and an idle keep-alive connection would hold
-one of llama-server's few HTTP threads), and a streamed request always asks for its connection to
-be closed afterwards, also on an injected, pooling client.
+No call meets a connection a stream used. llama-server advertises keep-alive after a streamed
+reply but sometimes closes the socket right after the stream ends; a pooled connection then fails
+the next request sent on it. So a chat completion (streamed or not) always has a connection of its
+own, which it asks to be closed afterwards (also on an injected, pooling client). The calls that
+are safe to repeat (templating, tokenizing, slot actions, the operator's reads) share one
+kept-alive connection, idle at most :data:`KEEPALIVE_SECONDS` (llama-server closes its own after
+5 s), which saves a connection's setup on the two calls before every reply; when that connection
+turns out closed anyway, the call is sent once more on a new one (below).
 
 Requests are retried only where a retry cannot repeat work or costs nothing:
 
@@ -97,14 +99,26 @@ _CONNECT_TIMEOUT = 10.0
 _SETTLE_SECONDS = 1.0
 
 
-def new_http_client(timeout: httpx.Timeout | float = 600.0) -> httpx.AsyncClient:
-    """The HTTP client for llama-server: a new connection for every call, never a pooled one.
+#: How long the connection of the calls that are safe to repeat may stay idle before it is
+#: closed (llama-server closes an idle one after 5 s; each one open holds one of its HTTP threads).
+KEEPALIVE_SECONDS = 2.0
+
+
+def new_http_client(
+    timeout: httpx.Timeout | float = 600.0, *, keep_alive: bool = False
+) -> httpx.AsyncClient:
+    """The HTTP client for llama-server: by default a new connection for every call.
 
     llama-server sometimes closes a connection right after a streamed reply although it said
-    keep-alive; a pooled connection is then dead when the next call takes it. Each idle
-    keep-alive connection would also hold one of llama-server's HTTP threads for 5 s.
+    keep-alive; a pooled connection is then dead when the next call takes it. ``keep_alive``:
+    one idle connection is kept, at most :data:`KEEPALIVE_SECONDS`, for calls that never stream
+    and are safe to send again.
     """
-    return httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=0))
+    if keep_alive:
+        limits = httpx.Limits(max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_SECONDS)
+    else:
+        limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 
 @attrs.define
@@ -156,6 +170,9 @@ class LlamaSlotClient:
         self._owns_http = http is None
         self._timeout = httpx.Timeout(read_timeout, connect=_CONNECT_TIMEOUT)
         self._http = http if http is not None else new_http_client(self._timeout)
+        #: The first try of a call that is safe to repeat: one kept-alive connection (an
+        #: injected client is used as it is).
+        self._kept = http if http is not None else new_http_client(self._timeout, keep_alive=True)
         self._connect_retries = max(0, connect_retries)
         self._retry_seconds = retry_seconds
         self._retry_backoff = retry_backoff
@@ -419,6 +436,7 @@ class LlamaSlotClient:
         """Close the HTTP client if this object created it."""
         if self._owns_http:
             await self._http.aclose()
+            await self._kept.aclose()
 
     async def __aenter__(self) -> LlamaSlotClient:
         return self
@@ -503,9 +521,20 @@ class LlamaSlotClient:
                 sleep=anyio.sleep,
                 reraise=True,
             )
+            # A call sent once more after a drop goes on a new connection.
+            http = self._kept if safe and not stream and dropped is None else self._http
             try:
                 return await retrying(
-                    self._send_once, method, path, what, json_body, params, stream, safe, headers
+                    self._send_once,
+                    http,
+                    method,
+                    path,
+                    what,
+                    json_body,
+                    params,
+                    stream,
+                    safe,
+                    headers,
                 )
             except NotReadyError as exc:
                 # Callers see the public type; the private subclass only steers the retries.
@@ -521,6 +550,7 @@ class LlamaSlotClient:
 
     def _build(
         self,
+        http: httpx.AsyncClient,
         method: str,
         path: str,
         json_body: Any,
@@ -533,7 +563,7 @@ class LlamaSlotClient:
             # A stream's connection is never used again: llama-server may close it once the
             # stream ends, though it advertised keep-alive, and a pool would hand it out dead.
             headers["connection"] = "close"
-        return self._http.build_request(
+        return http.build_request(
             method,
             self.base_url + path,
             json=json_body,
@@ -544,6 +574,7 @@ class LlamaSlotClient:
 
     async def _send_once(
         self,
+        http: httpx.AsyncClient,
         method: str,
         path: str,
         what: str,
@@ -557,10 +588,10 @@ class LlamaSlotClient:
             raise refused
         self.link.requests += 1
         try:
-            request = self._build(method, path, json_body, params, stream, headers)
+            request = self._build(http, method, path, json_body, params, stream, headers)
             # Always sent as a stream: what failed before the reply's first byte (safe to send
             # again) is then told apart from what failed while reading it.
-            response = await self._http.send(request, stream=True)
+            response = await http.send(request, stream=True)
         except HTTPX_ERRORS as exc:
             raise await self._engine_error(exc, what, started=False) from exc
         if response.is_success and stream:

@@ -290,6 +290,7 @@ class OpenAIEngineClient(LlamaSlotClient):
 
     async def _send_once(
         self,
+        http: httpx.AsyncClient,
         method: str,
         path: str,
         what: str,
@@ -301,7 +302,7 @@ class OpenAIEngineClient(LlamaSlotClient):
     ) -> httpx.Response:
         try:
             return await super()._send_once(
-                method, path, what, json_body, params, stream, safe, headers
+                http, method, path, what, json_body, params, stream, safe, headers
             )
         except EngineError as exc:
             raise self.renamed(exc) from exc.__cause__
