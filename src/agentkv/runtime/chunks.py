@@ -8,7 +8,8 @@ as an ``error`` field or as a chunk's ``error`` key.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
@@ -63,21 +64,45 @@ class _Decoder(SSEDecoder):
         return super().decode(line)
 
 
-async def _events(response: httpx.Response) -> AsyncGenerator[tuple[str, str], None]:
-    """``(event, data)`` of each server-sent event of ``response``."""
-    lines = SSELineDecoder()
-    decoder = _Decoder()
+class _Events:
+    """``(event, data)`` of each server-sent event of a response, a read's worth at a time.
 
-    def decoded(batch: list[str]) -> list[tuple[str, str]]:
-        events = (decoder.decode(line.rstrip("\n")) for line in batch)
-        return [(event.event, event.data) for event in events if event is not None]
+    Each read of the body gives a batch of events (a burst of the engine's stream often holds
+    several); the events of a batch are handed out without another trip through the event loop.
+    """
 
-    async for text in response.aiter_text():
-        for item in decoded(lines.decode(text)):
-            yield item
-    # A last event without its closing blank line still counts.
-    for item in decoded([*lines.flush(), ""]):
-        yield item
+    def __init__(self, response: httpx.Response) -> None:
+        self._texts = response.aiter_text()
+        self._lines = SSELineDecoder()
+        self._decoder = _Decoder()
+        self._batch: deque[tuple[str, str]] = deque()
+        self._ended = False
+
+    def _decoded(self, lines: list[str]) -> None:
+        decode, batch = self._decoder.decode, self._batch
+        for line in lines:
+            event = decode(line)
+            if event is not None:
+                batch.append((event.event, event.data))
+
+    async def next(self) -> tuple[str, str] | None:
+        """The next event; None once the body has ended."""
+        batch = self._batch
+        while not batch:
+            if self._ended:
+                return None
+            try:
+                text = await self._texts.__anext__()
+            except StopAsyncIteration:
+                self._ended = True
+                # A last event without its closing blank line still counts.
+                self._decoded([*self._lines.flush(), ""])
+                continue
+            self._decoded(self._lines.decode(text))
+        return batch.popleft()
+
+    async def aclose(self) -> None:
+        await self._texts.aclose()  # type: ignore[attr-defined]
 
 
 class ChunkStream:
@@ -92,7 +117,7 @@ class ChunkStream:
 
     def __init__(self, response: httpx.Response, engine_error: EngineErrorFor) -> None:
         self._engine_error = engine_error
-        self._events = _events(response)
+        self._events = _Events(response)
         self._done = False
         self._finished = False
 
@@ -101,9 +126,7 @@ class ChunkStream:
 
     async def _next_event(self) -> tuple[str, str] | None:
         try:
-            return await self._events.__anext__()
-        except StopAsyncIteration:
-            return None
+            return await self._events.next()
         except HTTPX_ERRORS as exc:
             self._done = True
             raise await self._engine_error(exc) from exc
