@@ -106,6 +106,8 @@ class RepetitionGuard:
     max_candidates: int = 32
 
     _tail: str = attrs.field(default="", init=False)
+    #: Text fed since the last look, joined onto the tail at the next look (not on every piece).
+    _pending: list[str] = attrs.field(factory=list, init=False)
     _unchecked: int = attrs.field(default=0, init=False)
     _tripped: Repetition | None = attrs.field(default=None, init=False)
 
@@ -117,7 +119,7 @@ class RepetitionGuard:
     @property
     def buffered(self) -> int:
         """How many characters the guard keeps (at most ``2 * window``, whatever it was fed)."""
-        return len(self._tail)
+        return len(self._tail) + self._unchecked
 
     @property
     def tripped(self) -> Repetition | None:
@@ -128,20 +130,24 @@ class RepetitionGuard:
         """Add generated text; the loop its tail now ends in, if any (then on every later call)."""
         if self._tripped is not None or not text:
             return self._tripped
-        tail = self._tail + text
-        window = self.window
-        if len(tail) > 2 * window:
-            tail = tail[-window:]
-        self._tail = tail
+        self._pending.append(text)
         self._unchecked += len(text)
         if self._unchecked >= self.check_every:
+            window = self.window
+            tail = self._tail + "".join(self._pending)
+            self._pending.clear()
             self._unchecked = 0
+            # Less than check_every characters arrive before the next join: two windows at most.
+            if len(tail) > 2 * window - self.check_every:
+                tail = tail[-window:]
+            self._tail = tail
             self._tripped = self._look(tail[-window:])
         return self._tripped
 
     def reset(self) -> None:
         """Forget everything (a new reply begins)."""
         self._tail, self._unchecked, self._tripped = "", 0, None
+        self._pending.clear()
 
     def _look(self, tail: str) -> Repetition | None:
         n = len(tail)

@@ -439,6 +439,8 @@ class SSEAssembler:
             self._output_tokens = int(usage.get("completion_tokens", 0))
         # llama-server's native fields; the OpenAI-shaped stream carries them only in some builds
         # (or under `__verbose`), and they are the only way to tell a stop sequence from an EOS.
+        if "stopping_word" not in chunk and "__verbose" not in chunk:
+            return  # a token's chunk, nearly every one
         for source in (chunk, chunk.get("__verbose") or {}):
             word = source.get("stopping_word")
             if isinstance(word, str) and word and source.get("stop_type", "word") == "word":
