@@ -1,0 +1,84 @@
+"""What the two engine calls before every reply cost on a real llama-server.
+
+    python -m tests.engine.templating_cost [ROUNDS]
+
+Starts llama-server with the default model (2 slots, a free port) and times, median of 15 each,
+``/apply-template`` and ``/tokenize`` for a one-word request and for Claude Code's own first
+request (``tests/fixtures/claude_code/b_file_task_3.json``, about 12,000 tokens), and
+``LlamaSlotClient.prompt_tokens`` (both calls) on a kept-alive connection and on a new
+connection per call, alternated ``ROUNDS`` times (default 3).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_server
+from agentkv.runtime.model import default_model_path
+from agentkv.translate import MessagesTranslator
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "claude_code" / "b_file_task_3.json"
+
+
+def bodies() -> dict[str, dict[str, Any]]:
+    request = json.loads(FIXTURE.read_text())
+    return {
+        "one word": {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 16},
+        "Claude Code's first request": MessagesTranslator()
+        .translate(request.get("body", request))
+        .body,
+    }
+
+
+async def median_ms(call: Callable[[], Awaitable[Any]], n: int = 15) -> float:
+    took = []
+    for _ in range(n):
+        started = time.perf_counter()
+        await call()
+        took.append(time.perf_counter() - started)
+    return sorted(took)[n // 2] * 1000
+
+
+async def measure(
+    name: str, body: dict[str, Any], kept: LlamaSlotClient, fresh: LlamaSlotClient, rounds: int
+) -> None:
+    text = await kept.apply_template(body)
+    tokens = await kept.tokenize(text, add_special=True)
+    print(f"{name}: {len(text)} characters templated, {len(tokens)} tokens")
+    for r in range(rounds):
+        template = await median_ms(lambda: kept.apply_template(body))
+        tokenize = await median_ms(lambda: kept.tokenize(text, add_special=True))
+        new = await median_ms(lambda: fresh.prompt_tokens(body))
+        both = await median_ms(lambda: kept.prompt_tokens(body))
+        print(
+            f"  round {r + 1}: apply-template {template:.1f} ms, tokenize {tokenize:.1f} ms; "
+            f"both, a new connection each {new:.1f} ms, kept-alive {both:.1f} ms"
+        )
+
+
+async def main(rounds: int) -> None:
+    root = Path(tempfile.mkdtemp(prefix="agentkv-templating-"))
+    config = EngineConfig(model=default_model_path(), slots=2, ctx_per_slot=32768, port=0)
+    async with LlamaServerProcess(
+        config, binary=find_llama_server(), log_dir=root, startup_timeout=300
+    ) as process:
+        kept = process.client(read_timeout=120)
+        fresh: LlamaSlotClient = process.client(read_timeout=120)
+        fresh._kept = fresh._http  # a new connection for every call, as before
+        for name, body in bodies().items():
+            await measure(name, body, kept, fresh, rounds)
+        await kept.aclose()
+        await fresh.aclose()
+
+
+if __name__ == "__main__":
+    anyio.run(main, int(sys.argv[1]) if len(sys.argv) > 1 else 3)
