@@ -18,8 +18,8 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 def loop_options(choice: str = "auto") -> dict[str, Any]:
     """anyio's ``backend_options`` for the event loop ``choice`` (one of :data:`EVENT_LOOPS`):
-    uvloop (``auto``: where it is installed), else asyncio's own loop. uvloop takes about a
-    quarter less CPU per request and per streamed event (docs/benchmarks.md, overhead)."""
+    uvloop (``auto``: where it is installed), else asyncio's own loop (docs/benchmarks.md,
+    overhead, has what each costs)."""
     if choice not in EVENT_LOOPS:
         raise ValueError(f"unknown event loop {choice!r} (one of {', '.join(EVENT_LOOPS)})")
     installed = importlib.util.find_spec("uvloop") is not None
