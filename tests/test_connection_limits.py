@@ -479,25 +479,3 @@ async def test_count_tokens_of_a_client_that_leaves_is_cancelled() -> None:
                 await cancelled.wait()
     assert sent[0]["status"] == 499
 
-
-def test_the_event_loop_is_uvloop_where_installed_and_asyncio_on_request(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``--event-loop``: auto picks uvloop when it is installed (a server dependency), asyncio
-    when asked or when uvloop is missing; asking for a missing uvloop is a clear error."""
-    import importlib.util
-
-    from agentkv_server.config import loop_options
-
-    assert parse().event_loop == "auto"
-    assert importlib.util.find_spec("uvloop") is not None
-    assert loop_options("auto") == loop_options("uvloop") == {"use_uvloop": True}
-    assert loop_options("asyncio") == {}
-    with pytest.raises(ValueError, match="unknown event loop"):
-        loop_options("trio")
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert loop_options("auto") == {}
-    with pytest.raises(ValueError, match="uvloop is not installed"):
-        loop_options("uvloop")
-    with pytest.raises(SystemExit, match="uvloop is not installed"):
-        cli.main(["--event-loop", "uvloop", "--upstream", "http://127.0.0.1:9"])

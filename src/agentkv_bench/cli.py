@@ -32,7 +32,6 @@ from agentkv_bench.scenarios import (
     run_restart,
 )
 from agentkv_bench.workload import WorkloadSpec
-from agentkv_server.config import loop_options
 
 __all__ = ["build_parser", "main"]
 
@@ -291,16 +290,12 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     scenario = "overhead" if args.overhead_only else args.scenario
-    # The bench runs on the event loop agentkv-server runs on (its gateway runs in-process in
-    # the overhead scenario).
-    options = loop_options()
     if scenario == "overhead":
         from agentkv_bench.overhead import gateway_overhead
 
-        result = anyio.run(gateway_overhead, backend_options=options)
-        print(json.dumps({**result, "event_loop": "uvloop" if options else "asyncio"}, indent=2))
+        print(json.dumps(anyio.run(gateway_overhead), indent=2))
         return 0
-    report, text = anyio.run(_run, args, scenario, backend_options=options)
+    report, text = anyio.run(_run, args, scenario)
     print(text)
     print(f"\nwritten under {args.out}; total {report['total_s']} s")
     # A scenario with pass criteria (soak) fails the command when they are not met.

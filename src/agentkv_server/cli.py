@@ -31,7 +31,7 @@ from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
 from agentkv_server import logs
 from agentkv_server.app import create_app
-from agentkv_server.config import EVENT_LOOPS, ServerConfig, loop_options
+from agentkv_server.config import ServerConfig
 from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
 
 __all__ = [
@@ -226,13 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=15,
         metavar="SECONDS",
         help="an idle keep-alive connection is closed after this long (default 15)",
-    )
-    conn.add_argument(
-        "--event-loop",
-        choices=EVENT_LOOPS,
-        default="auto",
-        help="the event loop: uvloop where it is installed (auto, the default), uvloop, or "
-        "asyncio's own",
     )
     conn.add_argument(
         "--max-connections",
@@ -546,11 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         raise SystemExit(f"agentkv-server: {exc}") from None
     try:
-        options = loop_options(args.event_loop)
-    except ValueError as exc:
-        raise SystemExit(f"agentkv-server: {exc}") from None
-    try:
-        anyio.run(_serve, args, backend_options=options)
+        anyio.run(_serve, args)
     except KeyboardInterrupt:
         return 130
     except AgentKVError as exc:

@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
-
 import attrs
 
 from agentkv.runtime.config import setting
 from agentkv_server.body import BodyLimits
 
-__all__ = ["EVENT_LOOPS", "ServerConfig", "loop_options"]
-
-#: The event loops ``--event-loop`` names.
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
-
-
-def loop_options(choice: str = "auto") -> dict[str, Any]:
-    """anyio's ``backend_options`` for the event loop ``choice`` (one of :data:`EVENT_LOOPS`):
-    uvloop (``auto``: where it is installed), else asyncio's own loop (docs/benchmarks.md,
-    overhead, has what each costs)."""
-    if choice not in EVENT_LOOPS:
-        raise ValueError(f"unknown event loop {choice!r} (one of {', '.join(EVENT_LOOPS)})")
-    installed = importlib.util.find_spec("uvloop") is not None
-    if choice == "uvloop" and not installed:
-        raise ValueError("--event-loop uvloop: uvloop is not installed (pip install uvloop)")
-    return {"use_uvloop": True} if choice != "asyncio" and installed else {}
+__all__ = ["ServerConfig"]
 
 
 @attrs.frozen
