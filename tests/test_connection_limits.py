@@ -478,4 +478,3 @@ async def test_count_tokens_of_a_client_that_leaves_is_cancelled() -> None:
                 gone.set()
                 await cancelled.wait()
     assert sent[0]["status"] == 499
-
