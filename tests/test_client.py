@@ -389,6 +389,55 @@ async def test_prompt_tokens_templates_then_tokenizes() -> None:
     assert sent["/tokenize"]["add_special"] is False
 
 
+async def test_prompt_tokens_asks_the_engine_once_per_question() -> None:
+    """The same body again costs no call; another body costs its template, and its tokenizing
+    only when the prompt is new; a different day asks the template again."""
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        payload = json.loads(request.content)
+        calls.append(request.url.path)
+        if request.url.path == "/apply-template":
+            text = payload["messages"][-1]["content"]
+            return httpx.Response(200, json={"prompt": "<|im_start|>user\n" + text.strip()})
+        return httpx.Response(200, json={"tokens": [ord(c) for c in payload["content"]]})
+
+    client = make_client(handler)
+    first = await client.prompt_tokens(BODY)
+    assert calls == ["/apply-template", "/tokenize"]
+    assert await client.prompt_tokens(dict(BODY)) == first
+    assert calls == ["/apply-template", "/tokenize"]
+    # Another body whose prompt is the same: templated, not tokenized again.
+    spaced = {**BODY, "messages": [{"role": "user", "content": " hi "}]}
+    assert await client.prompt_tokens(spaced) == first
+    assert calls == ["/apply-template", "/tokenize", "/apply-template"]
+    assert (client.memo.hits, client.memo.misses) == (3, 3)
+    # The plain calls always ask the engine.
+    await client.tokenize("a")
+    assert calls[-1] == "/tokenize" and len(calls) == 4
+
+
+async def test_prompt_tokens_asks_the_template_again_on_another_day(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Some chat templates write today's date: a kept prompt is for the day it was made."""
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path == "/apply-template":
+            return httpx.Response(200, json={"prompt": "<|im_start|>user\nhi"})
+        return httpx.Response(200, json={"tokens": [1, 2]})
+
+    client = make_client(handler)
+    monkeypatch.setattr("agentkv.runtime.client.time.strftime", lambda fmt: "2026-12-02")
+    await client.prompt_tokens(BODY)
+    await client.prompt_tokens(BODY)
+    monkeypatch.setattr("agentkv.runtime.client.time.strftime", lambda fmt: "2026-12-03")
+    await client.prompt_tokens(BODY)
+    assert calls == ["/apply-template", "/tokenize", "/apply-template"]
+
+
 async def test_slot_actions_hit_the_slot_endpoints() -> None:
     """save/restore/erase POST to /slots/{id}?action=... with the filename."""
     seen: list[tuple[str, str, Any]] = []

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -57,6 +58,7 @@ from agentkv.exceptions import (
     EngineStreamBrokenError,
     EngineUnavailableError,
 )
+from agentkv.prompts import PromptMemo, marker_candidates, template_key
 from agentkv.runtime.chunks import ChunkStream
 from agentkv.runtime.error_map import (
     GATEWAY_STATUSES,
@@ -98,6 +100,12 @@ _CONNECT_TIMEOUT = 10.0
 #: notice, so that the caller hears "restarting" rather than "truncated".
 _SETTLE_SECONDS = 1.0
 
+
+#: How many prompts tokenized in pieces are checked against the engine's whole tokenizing.
+SPLIT_CHECKS = 3
+#: At most this many strings are asked about at once, and this many remembered in all.
+_LEARN_AT_ONCE = 16
+_MARKERS_MAX = 512
 
 #: How long the connection of the calls that are safe to repeat may stay idle before it is
 #: closed (llama-server closes an idle one after 5 s; each one open holds one of its HTTP threads).
@@ -183,6 +191,13 @@ class LlamaSlotClient:
         #: What the engine link has seen: requests sent, and those sent again after a drop.
         self.link = LinkStats()
         self._vision: bool | None = None
+        #: The engine's templating and tokenizing answers, for the same question asked again.
+        self.memo = PromptMemo()
+        #: Special tokens the engine confirmed (text → id), and strings it did not.
+        self._markers: dict[str, int] = {}
+        self._not_markers: set[str] = set()
+        #: Prompts tokenized in pieces and found right so far; None: pieces gave a wrong answer.
+        self._split_checks: int | None = 0
 
     # -- chat ---------------------------------------------------------------------------------
 
@@ -241,15 +256,14 @@ class LlamaSlotClient:
 
     # -- prompt accounting --------------------------------------------------------------------
 
-    async def tokenize(self, content: str, *, add_special: bool = False) -> list[int]:
-        """Token ids of ``content``; special-token text (``<|im_start|>``) is parsed as such."""
+    async def tokenize(
+        self, content: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        """Token ids of ``content``; special-token text (``<|im_start|>``) is parsed as such
+        unless ``parse_special`` is False."""
+        payload = {"content": content, "add_special": add_special, "parse_special": parse_special}
         async with self._templating:
-            data = await self._request_json(
-                "POST",
-                "/tokenize",
-                "tokenize",
-                json_body={"content": content, "add_special": add_special, "parse_special": True},
-            )
+            data = await self._request_json("POST", "/tokenize", "tokenize", json_body=payload)
         tokens = data.get("tokens") if isinstance(data, Mapping) else None
         if not isinstance(tokens, list):
             raise EngineResponseError(f"llama-server tokenize returned {data!r:.200}")
@@ -268,11 +282,61 @@ class LlamaSlotClient:
         return prompt
 
     async def prompt_tokens(self, body: Mapping[str, Any]) -> list[int]:
-        """The prompt tokens of a chat ``body``, exactly as llama-server computes them."""
-        prompt = await self.apply_template(body)
+        """The prompt tokens of a chat ``body``, exactly as llama-server computes them; an answer
+        the engine gave before comes from :attr:`memo` (:mod:`agentkv.prompts`)."""
+        memo = self.memo
+        key = template_key(body, time.strftime("%Y-%m-%d"))  # strftime_now: the local day
+        prompt = memo.template(key)
+        if prompt is None:
+            prompt = await self.apply_template(body)
+            memo.keep_template(key, prompt)
+        tokens = memo.tokens(prompt)
+        if tokens is None:
+            tokens = await self._tokenize_prompt(prompt)
+            memo.keep_tokens(prompt, tokens)
+        return tokens
+
+    async def _tokenize_prompt(self, prompt: str) -> list[int]:
+        """A templated prompt's tokens; when it begins like a prompt tokenized before, only its
+        rest from a special token on is sent (:meth:`PromptMemo.split`)."""
         # llama-server tokenizes the templated chat prompt with add_special=True and
         # parse_special=True; the chat template already wrote any BOS the model wants.
-        return await self.tokenize(prompt, add_special=True)
+        found = self.memo.nearest(prompt) if self._split_checks is not None else None
+        if found is None:
+            return await self.tokenize(prompt, add_special=True)
+        base, shared = found
+        await self._learn_markers(self.memo.window(base, shared))
+        split = self.memo.split(prompt, base, shared, self._markers)
+        if split is None:
+            return await self.tokenize(prompt, add_special=True)
+        tokens = split.head + await self.tokenize(split.text)
+        if self._split_checks is not None and self._split_checks < SPLIT_CHECKS:
+            # The first answers made this way are checked against the engine's whole answer.
+            whole = await self.tokenize(prompt, add_special=True)
+            if whole != tokens:
+                log.warning(
+                    "%s tokenizes a prompt differently from its pieces; prompts are tokenized "
+                    "whole from now on",
+                    self.engine_name,
+                )
+                self._split_checks = None
+                return whole
+            self._split_checks += 1
+        return tokens
+
+    async def _learn_markers(self, text: str) -> None:
+        """Ask the engine which of the strings in ``text`` that look like special tokens are: one
+        token when parsed as special, other tokens when not."""
+        known = self._markers.keys() | self._not_markers
+        for candidate in sorted(marker_candidates(text) - known)[:_LEARN_AT_ONCE]:
+            if len(known) >= _MARKERS_MAX:
+                return
+            ids = await self.tokenize(candidate)
+            if len(ids) == 1 and await self.tokenize(candidate, parse_special=False) != ids:
+                self._markers[candidate] = ids[0]
+            else:
+                self._not_markers.add(candidate)
+            known = self._markers.keys() | self._not_markers
 
     @contextlib.asynccontextmanager
     async def prefill(

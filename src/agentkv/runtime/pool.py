@@ -291,9 +291,11 @@ class EnginePool(LlamaSlotClient):
 
     # -- calls that name no slot ---------------------------------------------------------------
 
-    async def tokenize(self, content: str, *, add_special: bool = False) -> list[int]:
+    async def tokenize(
+        self, content: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
         tokens: list[int] = await self._first_up(
-            lambda c: c.tokenize(content, add_special=add_special)
+            lambda c: c.tokenize(content, add_special=add_special, parse_special=parse_special)
         )
         return tokens
 

@@ -435,7 +435,9 @@ class OpenAIEngineClient(LlamaSlotClient):
         characters per token the engine's replies showed (:attr:`calibration`)."""
         return estimated_tokens(body, chars_per_token=self.calibration.chars_per_token)
 
-    async def tokenize(self, content: str, *, add_special: bool = False) -> list[int]:
+    async def tokenize(
+        self, content: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
         """An estimate of ``content``'s tokens (see :func:`estimated_tokens`)."""
         return estimated_tokens(
             {"messages": [{"role": "", "content": content}]},

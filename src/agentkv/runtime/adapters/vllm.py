@@ -101,7 +101,10 @@ class VLLMClient(OpenAIEngineClient):
         tokens = await self._tokenize(request)
         return await super().prompt_tokens(body) if tokens is None else tokens
 
-    async def tokenize(self, content: str, *, add_special: bool = False) -> list[int]:
+    async def tokenize(
+        self, content: str, *, add_special: bool = False, parse_special: bool = True
+    ) -> list[int]:
+        """vLLM's tokens of ``content`` (``parse_special`` is ignored: vLLM has no such option)."""
         request = {
             "model": await self._model_name(),
             "prompt": content,

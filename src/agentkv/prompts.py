@@ -1,0 +1,217 @@
+"""PromptMemo: the engine's templating and tokenizing answers, kept for the same question.
+
+Before a reply agentkv asks llama-server twice: the prompt its chat template makes of the request
+(``/apply-template``), then that prompt's tokens (``/tokenize``). For one loaded model both answers
+depend on the question alone, so a question asked again is answered from here, and costs no call:
+a client's retry, ``count_tokens`` and then the request it counted, the shareable head that an
+agent's requests measure again and again, a compaction's second look at the same prompt.
+
+A chat template has one input besides the request: the clock (``strftime_now``; some templates
+write today's date into the system prompt). So a templated prompt is kept for the day it was made
+(:func:`template_key` takes the day).
+
+A new prompt mostly begins with one it has seen: an agent's next request is its last one and a few
+more messages. llama-server tokenizes a prompt piece by piece between its special tokens
+(``<|im_start|>``: the text is split at every one of them first, and each piece between is
+tokenized on its own), so the tokens of a kept prompt up to a special token that the new one
+shares are the new one's too. :meth:`PromptMemo.split` finds the latest such token well inside
+the shared beginning; only the rest is sent to be tokenized. Which strings are special tokens is
+the engine's to say (:func:`marker_candidates` only proposes them), and the client checks the
+first answers made this way against the engine's whole tokenizing before it trusts them.
+
+Bounded by the bytes of what it keeps, the least recently used first out: a token takes 4 bytes
+(an ``array``), a prompt what ``sys.getsizeof`` says. Pure: values in, values out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = ["MEMO_BYTES", "PromptMemo", "Split", "marker_candidates", "template_key"]
+
+#: What a memo keeps at most, in bytes: about 150 of Claude Code's 12,000-token prompts.
+MEMO_BYTES = 8 << 20
+#: What an entry costs besides its value (the key, the dict's slot, the tuple).
+_ENTRY_BYTES = 200
+#: How many of the latest tokenized prompts a new one is compared with.
+_RECENT = 8
+#: A split is made this far inside the shared beginning at least (characters): a special token
+#: that ends closer to where the prompts differ could be the start of a longer one.
+_MARGIN = 64
+#: Where special tokens are learnt from: this many characters at the start of the shared
+#: beginning and at its end (a chat template writes one at every message).
+_WINDOW = 8192
+#: A shared beginning shorter than this is tokenized again whole: the saving would be small.
+SPLIT_MIN = 2048
+#: Text that could be a special token: ``<|im_start|>``, ``<start_of_turn>``, ``[INST]``.
+_CANDIDATE = re.compile(r"<\|[^<>|\s]{1,48}\|>|</?[A-Za-z_][\w:.-]{0,48}>|\[/?[A-Z_]{2,24}\]")
+
+
+def marker_candidates(text: str) -> set[str]:
+    """The strings in ``text`` that look like special tokens (for the engine to confirm)."""
+    return set(_CANDIDATE.findall(text))
+
+
+def _shared(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` share at the start (slices compared in C)."""
+    n = min(len(a), len(b))
+    if a.startswith(b[:n]):
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a.startswith(b[low:mid], low):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+@attrs.frozen
+class Split:
+    """A prompt's tokens from a kept prompt's: ``head``, then those of ``text`` (tokenized with no
+    BOS or EOS added)."""
+
+    head: list[int]
+    text: str
+    #: Where ``text`` begins in the prompt (characters).
+    at: int
+
+
+def template_key(body: Mapping[str, Any], day: str) -> str:
+    """The key of a chat ``body``'s templated prompt on ``day`` (``"2026-12-02"``, say)."""
+    text = json.dumps(body, separators=(",", ":"))
+    return hashlib.sha256(f"{day}\n{text}".encode()).hexdigest()[:32]
+
+
+@attrs.define(eq=False)
+class PromptMemo:
+    """Templated prompts by :func:`template_key`, and token ids by prompt text."""
+
+    max_bytes: int = MEMO_BYTES
+    #: Answers given from the memo, and questions it could not answer.
+    hits: int = 0
+    misses: int = 0
+    #: Prompts tokenized from a kept one's tokens and the rest (:meth:`split`).
+    partial: int = 0
+    _entries: OrderedDict[tuple[str, str], tuple[str | array[int], int]] = attrs.field(
+        factory=OrderedDict, init=False
+    )
+    _bytes: int = attrs.field(default=0, init=False)
+    #: The latest prompts kept with their tokens, the newest last.
+    _recent: deque[str] = attrs.field(factory=lambda: deque(maxlen=_RECENT), init=False)
+
+    @property
+    def size(self) -> int:
+        """Bytes kept now."""
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def template(self, key: str) -> str | None:
+        """The prompt kept for ``key``, or None."""
+        value = self._get(("t", key))
+        return value if isinstance(value, str) else None
+
+    def keep_template(self, key: str, prompt: str) -> None:
+        self._put(("t", key), prompt, sys.getsizeof(prompt))
+
+    def tokens(self, prompt: str) -> list[int] | None:
+        """The token ids kept for ``prompt`` (tokenized with the model's special tokens), or
+        None."""
+        value = self._get(("k", prompt))
+        return value.tolist() if isinstance(value, array) else None
+
+    def keep_tokens(self, prompt: str, tokens: Sequence[int]) -> None:
+        ids = array("i", tokens)
+        # The key holds the prompt text too (a reference, often to the template's own value).
+        self._put(("k", prompt), ids, ids.itemsize * len(ids) + sys.getsizeof(prompt))
+        if prompt in self._recent:
+            self._recent.remove(prompt)
+        self._recent.append(prompt)
+
+    def nearest(self, prompt: str) -> tuple[str, int] | None:
+        """The latest kept prompt that shares the longest beginning with ``prompt`` (at least
+        :data:`SPLIT_MIN` characters), and how many characters it shares."""
+        best: tuple[str, int] | None = None
+        for base in reversed(self._recent):
+            if ("k", base) not in self._entries:
+                continue
+            shared = _shared(prompt, base)
+            if shared >= SPLIT_MIN and (best is None or shared > best[1]):
+                best = (base, shared)
+        return best
+
+    def window(self, base: str, shared: int) -> str:
+        """The text of ``base`` to learn its special tokens from (:func:`marker_candidates`)."""
+        end = max(0, shared - _MARGIN)
+        return base[: min(end, _WINDOW)] + "\n" + base[max(_WINDOW, end - _WINDOW) : end]
+
+    def split(
+        self, prompt: str, base: str, shared: int, markers: Mapping[str, int]
+    ) -> Split | None:
+        """How to tokenize ``prompt`` from the kept prompt ``base`` it shares ``shared``
+        characters with (:meth:`nearest`), cut at the latest special token of ``markers`` (text
+        → token id) well inside what they share; None when there is no such cut (then the whole
+        prompt is tokenized)."""
+        if not markers:
+            return None
+        entry = self._entries.get(("k", base))
+        if entry is None or not isinstance(entry[0], array):
+            return None
+        tokens = entry[0]
+        end = shared - _MARGIN
+        cut, marker = -1, ""
+        for text in markers:
+            at = base.rfind(text, 0, end)
+            if at > cut:
+                cut, marker = at, text
+        if cut < SPLIT_MIN // 2:
+            return None
+        token = markers[marker]
+        # Each occurrence of the marker's text is one of its token, or the count tells otherwise
+        # (a longer special token holding it, say): then no cut is made.
+        if base.count(marker) != tokens.count(token):
+            return None
+        index = -1
+        for _ in range(base.count(marker, 0, cut) + 1):
+            index = tokens.index(token, index + 1)
+        self.partial += 1
+        self._entries.move_to_end(("k", base))
+        return Split(head=tokens[:index].tolist(), text=prompt[cut:], at=cut)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+    def _get(self, key: tuple[str, str]) -> str | array[int] | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return entry[0]
+
+    def _put(self, key: tuple[str, str], value: str | array[int], size: int) -> None:
+        size += _ENTRY_BYTES
+        if size > self.max_bytes:
+            return  # larger than the whole memo: not kept
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= old[1]
+        self._entries[key] = (value, size)
+        self._bytes += size
+        while self._bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
