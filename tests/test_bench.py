@@ -129,6 +129,10 @@ def test_gateway_overhead_against_a_fake_engine() -> None:
     assert 0 < result["direct_p50_ms"] <= result["direct_p99_ms"]
     assert 0 < result["agentkv_p50_ms"] <= result["agentkv_p99_ms"]
     assert result["engine_chunks_per_s"] > 0
+    # A new prompt each time asks the engine to template and tokenize it: it adds more than the
+    # same request again, whose answers are kept.
+    assert result["new_prompt_requests"] == 5
+    assert result["added_new_prompt_p50_ms"] is not None
     assert result["direct_cpu_p50_ms"] > 0
     assert result["agentkv_cpu_p50_ms"] > 0
     # The fake engine's words are not a loop: the whole reply is relayed, not cut short.

@@ -1,9 +1,11 @@
 """What the gateway itself costs: agentkv against an in-process fake engine that answers at once.
 
 Measured: latency added per request (agentkv's ``/v1/messages`` against the fake engine's own
-chat route), as wall time and as this process's CPU time (which a loaded machine inflates far
-less), the stream relay rate, and memory per idle agent (tracemalloc, once the finished requests
-are no longer kept for a client's retry) and per request that just ended (kept ``retry_grace``).
+chat route; the same request each time, whose templating and tokens agentkv keeps, and then a new
+prompt each time, which the engine is asked about), as wall time and as this process's CPU time
+(which a loaded machine inflates far less), the stream relay rate, and memory per idle agent
+(tracemalloc, once the finished requests are no longer kept for a client's retry) and per
+request that just ended (kept ``retry_grace``).
 
 The fake engine writes varied words: a reply that repeats one piece is a degenerate loop, which
 agentkv's repetition guard cuts short, and the relay would then not be measured.
@@ -160,6 +162,20 @@ async def gateway_overhead(
                     via.append(v)
                     direct_cpu.append(dc)
                     via_cpu.append(vc)
+            # The same with a new prompt each time: nothing of the engine's answers is kept.
+            fresh, fresh_direct = [], []
+            for i in range(requests // 2):
+                fresh_direct.append(
+                    (await _timed_stream(http, fake_url + "/v1/chat/completions", chat, {}))[0]
+                )
+                new_prompt = {**message, "messages": [{"role": "user", "content": f"ping {i}"}]}
+                fresh.append(
+                    (
+                        await _timed_stream(
+                            http, gw_url + "/v1/messages", new_prompt, {"x-agent-id": "latency"}
+                        )
+                    )[0]
+                )
             chunks["n"] = stream_chunks
             d_runs, v_runs = [], []
             for _ in range(stream_rounds):  # alternated; the median of each is reported
@@ -188,6 +204,8 @@ async def gateway_overhead(
         "agentkv_p99_ms": _ms(via, 0.99),
         "added_p50_ms": _added(via, direct, 0.5),
         "added_p99_ms": _added(via, direct, 0.99),
+        "new_prompt_requests": requests // 2,
+        "added_new_prompt_p50_ms": _added(fresh, fresh_direct, 0.5),
         "direct_cpu_p50_ms": _ms(direct_cpu, 0.5),
         "agentkv_cpu_p50_ms": _ms(via_cpu, 0.5),
         "added_cpu_p50_ms": _added(via_cpu, direct_cpu, 0.5),

@@ -218,7 +218,8 @@ def agents_table(report: dict[str, Any]) -> str:
     if overhead:
         lines.append(
             f"Gateway overhead (fake engine): +{overhead['added_p50_ms']} ms p50, "
-            f"+{overhead['added_p99_ms']} ms p99 per request; "
+            f"+{overhead['added_p99_ms']} ms p99 per request "
+            f"(+{overhead['added_new_prompt_p50_ms']} ms p50 with a new prompt each); "
             f"{overhead['engine_chunks_per_s']} engine chunks/s "
             f"({overhead['sse_events_per_s']} SSE events/s) relayed; "
             f"{overhead['bytes_per_idle_agent']} bytes per idle agent."
