@@ -424,6 +424,16 @@ class _Server(uvicorn.Server):
             self.on_exit()
         super().handle_exit(sig, frame)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets=sockets)
+        # A second Ctrl-C (force_exit) makes uvicorn skip the application's shutdown: the
+        # runtime would then be cancelled after its engine client closed, and the stop save
+        # fail. It still stops in order here; only the wait for open connections is skipped.
+        lifespan = getattr(self, "lifespan", None)
+        done = getattr(lifespan, "shutdown_event", None)
+        if self.force_exit and lifespan is not None and done is not None and not done.is_set():
+            await lifespan.shutdown()
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises a caught SIGINT/SIGTERM once it has stopped serving, which would end

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio.from_thread
@@ -82,13 +83,15 @@ class Ended:
 
 
 @contextmanager
-def agentkv_server(engine_url: str, *args: str) -> Iterator[tuple[str, Ended]]:
+def agentkv_server(engine_url: str, *args: str, interrupts: int = 1) -> Iterator[tuple[str, Ended]]:
     """``agentkv-server --upstream ENGINE`` as a subprocess; yields its URL and what it leaves
-    behind, filled in once it is stopped with Ctrl-C (SIGINT), as a person would."""
+    behind, filled in once it is stopped with Ctrl-C (SIGINT), as a person would (``interrupts``
+    times, 50 ms apart)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "AGENTKV_API_KEY"}
     command = [sys.executable, "-m", "agentkv_server.cli", "--upstream", engine_url]
-    command += ["--slots", "4", "--port", str(port), "--no-store", *args]
+    store = [] if "--store-dir" in args else ["--no-store"]
+    command += ["--slots", "4", "--port", str(port), *store, *args]
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     ended = Ended()
@@ -105,8 +108,11 @@ def agentkv_server(engine_url: str, *args: str) -> Iterator[tuple[str, Ended]]:
         assert time.monotonic() < deadline, "agentkv-server did not start"
         yield url, ended
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
+        for n in range(interrupts):
+            if process.poll() is None:
+                if n:
+                    time.sleep(0.05)
+                process.send_signal(signal.SIGINT)
         try:
             ended.stderr = process.communicate(timeout=30)[1]
         except subprocess.TimeoutExpired:
@@ -166,6 +172,26 @@ def test_a_ten_request_session_logs_ten_lines_and_the_startup_block(
     # The status command saw the server's table.
     assert "slots (4)" in shown and "recent requests" in shown
     assert shown.count("ok") >= 8
+
+
+def test_a_second_ctrl_c_still_stops_the_runtime_in_order(tmp_path: Path) -> None:
+    """Ctrl-C twice (uvicorn's "force quit"): the wait for connections is skipped, but the runtime
+    still stops before its engine client closes, so the stop save is made and nothing fails."""
+    fake = FakeLlama(reply="Hello from the fake engine.", save_dir=tmp_path)
+    args = ("--store-dir", str(tmp_path), "--park-min", "1", "--stop-save", "10")
+    with (
+        fake_engine_over_http(fake) as engine,
+        agentkv_server(engine, *args, interrupts=2) as (url, ended),
+        httpx.Client(base_url=url, timeout=30) as http,
+    ):
+        body = {**BODY, "messages": [{"role": "user", "content": "Say hello. " * 40}]}
+        r = http.post("/v1/messages", json=body, headers={"x-agent-id": "coder"})
+        assert r.status_code == 200, r.text
+    assert ended.returncode == 0, ended.stderr
+    assert "Traceback" not in ended.stderr
+    assert "client has been closed" not in ended.stderr
+    # The idle slot's context was saved at the stop.
+    assert any(action == "save" for _, action, _ in fake.slot_actions), fake.slot_actions
 
 
 def test_json_log_format_writes_one_object_per_line() -> None:
