@@ -36,6 +36,8 @@ from typing import Any
 
 import attrs
 
+from agentkv.tokens import common_prefix
+
 __all__ = ["MEMO_BYTES", "PromptMemo", "Split", "marker_candidates", "template_key"]
 
 #: What a memo keeps at most, in bytes: about 150 of Claude Code's 12,000-token prompts.
@@ -59,21 +61,6 @@ _CANDIDATE = re.compile(r"<\|[^<>|\s]{1,48}\|>|</?[A-Za-z_][\w:.-]{0,48}>|\[/?[A
 def marker_candidates(text: str) -> set[str]:
     """The strings in ``text`` that look like special tokens (for the engine to confirm)."""
     return set(_CANDIDATE.findall(text))
-
-
-def _shared(a: str, b: str) -> int:
-    """How many characters ``a`` and ``b`` share at the start (slices compared in C)."""
-    n = min(len(a), len(b))
-    if a.startswith(b[:n]):
-        return n
-    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
-    while high - low > 1:
-        mid = (low + high) // 2
-        if a.startswith(b[low:mid], low):
-            low = mid
-        else:
-            high = mid
-    return low
 
 
 @attrs.frozen
@@ -147,7 +134,7 @@ class PromptMemo:
         for base in reversed(self._recent):
             if ("k", base) not in self._entries:
                 continue
-            shared = _shared(prompt, base)
+            shared = common_prefix(prompt, base)
             if shared >= SPLIT_MIN and (best is None or shared > best[1]):
                 best = (base, shared)
         return best

@@ -20,8 +20,8 @@ __all__ = ["Tokens", "common_prefix", "digest"]
 Tokens = tuple[int, ...]
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``.
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (token ids, or two texts).
 
     A binary search over slice comparisons: each comparison runs in C, so a 12,000-token prompt
     costs a few dozen of them instead of 12,000 Python-level steps.
