@@ -438,6 +438,98 @@ async def test_prompt_tokens_asks_the_template_again_on_another_day(
     assert calls == ["/apply-template", "/tokenize", "/apply-template"]
 
 
+SPECIAL = {"<|im_start|>": 1, "<|im_end|>": 2}
+
+
+def toy_tokenizer(content: str, add_special: bool, parse_special: bool, eos: bool) -> list[int]:
+    """llama-server's way, in small: special tokens split the text first (when parsed), then a
+    token per character; ``eos``: add_special also appends an end token (9)."""
+    out: list[int] = []
+    rest = content
+    while rest:
+        hits = [(rest.find(m), m) for m in SPECIAL if parse_special and rest.find(m) >= 0]
+        where, marker = min(hits) if hits else (len(rest), "")
+        out += [100 + ord(c) % 50 for c in rest[:where]]
+        if marker:
+            out.append(SPECIAL[marker])
+        rest = rest[where + len(marker) :]
+    return [*out, 9] if add_special and eos else out
+
+
+def session_client(eos: bool) -> tuple[LlamaSlotClient, list[str]]:
+    """A client whose engine templates ChatML and tokenizes as :func:`toy_tokenizer`; the list
+    gets the text of each tokenize call."""
+    tokenized: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        payload = json.loads(request.content)
+        if request.url.path == "/apply-template":
+            turns = [
+                f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in payload["messages"]
+            ]
+            return httpx.Response(200, json={"prompt": "".join(turns) + "<|im_start|>assistant\n"})
+        tokenized.append(payload["content"])
+        tokens = toy_tokenizer(
+            payload["content"], payload["add_special"], payload["parse_special"], eos
+        )
+        return httpx.Response(200, json={"tokens": tokens})
+
+    return make_client(handler), tokenized
+
+
+def growing_session(turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "be careful. " * 400}]
+    bodies = []
+    for n in range(turns):
+        messages = [*messages, {"role": "user", "content": f"step {n}: " + "do it. " * 20}]
+        bodies.append({"messages": messages, "max_tokens": 8})
+        messages = [*messages, {"role": "assistant", "content": f"done {n}. " * 20}]
+    return bodies
+
+
+async def test_a_sessions_next_turn_is_tokenized_from_the_turn_before() -> None:
+    """Each turn after the first sends only its end to be tokenized; the first three answers
+    made so are checked against the whole prompt's tokens, and every answer equals them."""
+    client, tokenized = session_client(eos=False)
+    bodies = growing_session(6)
+    for body in bodies:
+        tokens = await client.prompt_tokens(body)
+        prompt = await client.apply_template(body)
+        assert tokens == toy_tokenizer(prompt, True, True, eos=False)
+    assert client.memo.partial == 5
+    assert client._markers == SPECIAL
+    whole = [t for t in tokenized if t.startswith("<|im_start|>system")]
+    # The first turn, then three checks: the last two turns sent only their ends.
+    assert len(whole) == 4
+    assert all(len(t) < 1000 for t in tokenized[-2:])
+
+
+async def test_pieces_that_differ_from_the_whole_answer_are_not_used_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An engine whose add_special also ends the prompt with a token: the first check finds
+    the pieces wrong, the whole answer is used, and prompts are tokenized whole from then on."""
+    client, tokenized = session_client(eos=True)
+    bodies = growing_session(4)
+    for body in bodies:
+        tokens = await client.prompt_tokens(body)
+        prompt = await client.apply_template(body)
+        assert tokens == toy_tokenizer(prompt, True, True, eos=True)
+    assert client._split_checks is None
+    assert "tokenizes a prompt differently from its pieces" in caplog.text
+    assert client.memo.partial == 1
+    assert tokenized[-1].startswith("<|im_start|>system")
+
+
+async def test_only_strings_the_engine_parses_as_one_special_token_are_markers() -> None:
+    """A candidate is a marker when it is one token parsed as special and other tokens when
+    not; a tag that is plain text (several tokens) is not."""
+    client, _ = session_client(eos=False)
+    await client._learn_markers("<|im_start|>user <system-reminder> [INST] <|im_end|>")
+    assert client._markers == SPECIAL
+    assert client._not_markers == {"<system-reminder>", "[INST]"}
+
+
 async def test_slot_actions_hit_the_slot_endpoints() -> None:
     """save/restore/erase POST to /slots/{id}?action=... with the filename."""
     seen: list[tuple[str, str, Any]] = []
