@@ -384,7 +384,7 @@ async def served(
     )
     runtime = Runtime(client, runtime_config)
     app = create_app(runtime, server_config)
-    async with runtime, engine_http:
+    async with engine_http, runtime:  # the runtime stops (its stop save) before the link closes
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://agentkv") as http:
             http.app = app  # type: ignore[attr-defined]

@@ -38,7 +38,14 @@ import attrs
 
 from agentkv.tokens import common_prefix
 
-__all__ = ["MEMO_BYTES", "PromptMemo", "Split", "marker_candidates", "template_key"]
+__all__ = [
+    "MEMO_BYTES",
+    "PromptMemo",
+    "PromptStats",
+    "Split",
+    "marker_candidates",
+    "template_key",
+]
 
 #: What a memo keeps at most, in bytes: about 150 of Claude Code's 12,000-token prompts.
 MEMO_BYTES = 8 << 20
@@ -61,6 +68,23 @@ _CANDIDATE = re.compile(r"<\|[^<>|\s]{1,48}\|>|</?[A-Za-z_][\w:.-]{0,48}>|\[/?[A
 def marker_candidates(text: str) -> set[str]:
     """The strings in ``text`` that look like special tokens (for the engine to confirm)."""
     return set(_CANDIDATE.findall(text))
+
+
+@attrs.define
+class PromptStats:
+    """Where a client's prompt answers came from (the operator's metrics)."""
+
+    #: Templated prompts: kept from before, or asked of the engine.
+    templates_kept: int = 0
+    templates_asked: int = 0
+    #: Prompt tokens: kept, made from a kept prompt's and the rest (pieces), or asked whole.
+    tokens_kept: int = 0
+    tokens_pieces: int = 0
+    tokens_whole: int = 0
+
+    def add(self, other: PromptStats) -> PromptStats:
+        pairs = zip(attrs.astuple(self), attrs.astuple(other), strict=True)
+        return PromptStats(*(a + b for a, b in pairs))
 
 
 @attrs.frozen

@@ -28,6 +28,7 @@ from starlette.responses import Response
 
 from agentkv.agents import AgentView
 from agentkv.exceptions import AgentKVError
+from agentkv.prompts import PromptStats
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.pool import EnginePool
@@ -244,11 +245,44 @@ class _RuntimeCollector(Collector):
             "Tokens generated per second, as measured from the engine",
             costs.decode.rate,
         )
+        yield from _prompt_answers(prompt_stats(runtime.client))
         yield _counter(
             "agentkv_engine_restarts",
             "Times the engine (llama-server) was restarted after it failed",
             self.metrics.engine_restarts(),
         )
+
+
+def prompt_stats(client: LlamaSlotClient) -> PromptStats:
+    """Where the prompt answers of ``client`` came from, or of all the engines of a pool."""
+    if isinstance(client, EnginePool):
+        total = PromptStats()
+        for member in client.members:
+            total = total.add(member.client.prompt_stats)
+        return total
+    return client.prompt_stats
+
+
+def _prompt_answers(stats: PromptStats) -> Iterator[Metric]:
+    templates = CounterMetricFamily(
+        "agentkv_templated_prompts",
+        "Prompts templated for placement and length checks: kept from before, or asked of the "
+        "engine",
+        labels=["source"],
+    )
+    templates.add_metric(["kept"], stats.templates_kept)
+    templates.add_metric(["engine"], stats.templates_asked)
+    yield templates
+    tokens = CounterMetricFamily(
+        "agentkv_tokenized_prompts",
+        "Prompts tokenized: kept from before, from a kept prompt's tokens and the rest (pieces), "
+        "or asked of the engine whole",
+        labels=["source"],
+    )
+    tokens.add_metric(["kept"], stats.tokens_kept)
+    tokens.add_metric(["pieces"], stats.tokens_pieces)
+    tokens.add_metric(["whole"], stats.tokens_whole)
+    yield tokens
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -127,6 +127,20 @@ async def test_counters_move_after_requests(serve: Any, tmp_path: Path) -> None:
     assert value(after, "agentkv_engine_restarts_total") == 0
 
 
+async def test_prompt_answers_are_counted_by_where_they_came_from(serve: Any) -> None:
+    """The same request twice: its template and tokens asked of the engine once, then kept."""
+    http = await serve(FakeLlama(reply="fine"), n_slots=2)
+    for _ in range(2):
+        r = await http.post("/v1/messages", json=BODY, headers={"x-agent-id": "coder"})
+        assert r.status_code == 200
+    after = await scrape(http)
+    assert value(after, "agentkv_templated_prompts_total", source="engine") == 1
+    assert value(after, "agentkv_templated_prompts_total", source="kept") == 1
+    assert value(after, "agentkv_tokenized_prompts_total", source="whole") == 1
+    assert value(after, "agentkv_tokenized_prompts_total", source="kept") == 1
+    assert value(after, "agentkv_tokenized_prompts_total", source="pieces") == 0
+
+
 async def test_store_saves_and_restores_are_counted_with_their_time(
     serve: Any, tmp_path: Path
 ) -> None:

@@ -58,7 +58,7 @@ from agentkv.exceptions import (
     EngineStreamBrokenError,
     EngineUnavailableError,
 )
-from agentkv.prompts import PromptMemo, marker_candidates, template_key
+from agentkv.prompts import PromptMemo, PromptStats, marker_candidates, template_key
 from agentkv.runtime.chunks import ChunkStream
 from agentkv.runtime.error_map import (
     GATEWAY_STATUSES,
@@ -193,6 +193,8 @@ class LlamaSlotClient:
         self._vision: bool | None = None
         #: The engine's templating and tokenizing answers, for the same question asked again.
         self.memo = PromptMemo()
+        #: Where the prompt answers came from: kept, in pieces, or asked of the engine.
+        self.prompt_stats = PromptStats()
         #: Special tokens the engine confirmed (text → id), and strings it did not.
         self._markers: dict[str, int] = {}
         self._not_markers: set[str] = set()
@@ -284,16 +286,21 @@ class LlamaSlotClient:
     async def prompt_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """The prompt tokens of a chat ``body``, exactly as llama-server computes them; an answer
         the engine gave before comes from :attr:`memo` (:mod:`agentkv.prompts`)."""
-        memo = self.memo
+        memo, stats = self.memo, self.prompt_stats
         key = template_key(body, time.strftime("%Y-%m-%d"))  # strftime_now: the local day
         prompt = memo.template(key)
         if prompt is None:
             prompt = await self.apply_template(body)
             memo.keep_template(key, prompt)
+            stats.templates_asked += 1
+        else:
+            stats.templates_kept += 1
         tokens = memo.tokens(prompt)
         if tokens is None:
             tokens = await self._tokenize_prompt(prompt)
             memo.keep_tokens(prompt, tokens)
+        else:
+            stats.tokens_kept += 1
         return tokens
 
     async def _tokenize_prompt(self, prompt: str) -> list[int]:
@@ -302,12 +309,13 @@ class LlamaSlotClient:
         # llama-server tokenizes the templated chat prompt with add_special=True and
         # parse_special=True; the chat template already wrote any BOS the model wants.
         found = self.memo.nearest(prompt) if self._split_checks is not None else None
-        if found is None:
-            return await self.tokenize(prompt, add_special=True)
-        base, shared = found
-        await self._learn_markers(self.memo.window(base, shared))
-        split = self.memo.split(prompt, base, shared, self._markers)
+        split = None
+        if found is not None:
+            base, shared = found
+            await self._learn_markers(self.memo.window(base, shared))
+            split = self.memo.split(prompt, base, shared, self._markers)
         if split is None:
+            self.prompt_stats.tokens_whole += 1
             return await self.tokenize(prompt, add_special=True)
         tokens = split.head + await self.tokenize(split.text)
         if self._split_checks is not None and self._split_checks < SPLIT_CHECKS:
@@ -320,8 +328,10 @@ class LlamaSlotClient:
                     self.engine_name,
                 )
                 self._split_checks = None
+                self.prompt_stats.tokens_whole += 1
                 return whole
             self._split_checks += 1
+        self.prompt_stats.tokens_pieces += 1
         return tokens
 
     async def _learn_markers(self, text: str) -> None:
