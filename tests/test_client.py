@@ -490,15 +490,21 @@ def growing_session(turns: int) -> list[dict[str, Any]]:
     return bodies
 
 
+async def each_answer_is_the_whole_one(
+    client: LlamaSlotClient, bodies: list[dict[str, Any]], *, eos: bool
+) -> None:
+    """Each body's prompt_tokens, in order, equal the toy tokenizer's answer for its prompt."""
+    for body in bodies:
+        tokens = await client.prompt_tokens(body)
+        prompt = await client.apply_template(body)
+        assert tokens == toy_tokenizer(prompt, True, True, eos=eos)
+
+
 async def test_a_sessions_next_turn_is_tokenized_from_the_turn_before() -> None:
     """Each turn after the first sends only its end to be tokenized; the first three answers
     made so are checked against the whole prompt's tokens, and every answer equals them."""
     client, tokenized = session_client(eos=False)
-    bodies = growing_session(6)
-    for body in bodies:
-        tokens = await client.prompt_tokens(body)
-        prompt = await client.apply_template(body)
-        assert tokens == toy_tokenizer(prompt, True, True, eos=False)
+    await each_answer_is_the_whole_one(client, growing_session(6), eos=False)
     assert client.memo.partial == 5
     assert (client.prompt_stats.tokens_pieces, client.prompt_stats.tokens_whole) == (5, 1)
     assert client._markers == SPECIAL
@@ -514,11 +520,7 @@ async def test_pieces_that_differ_from_the_whole_answer_are_not_used_again(
     """An engine whose add_special also ends the prompt with a token: the first check finds
     the pieces wrong, the whole answer is used, and prompts are tokenized whole from then on."""
     client, tokenized = session_client(eos=True)
-    bodies = growing_session(4)
-    for body in bodies:
-        tokens = await client.prompt_tokens(body)
-        prompt = await client.apply_template(body)
-        assert tokens == toy_tokenizer(prompt, True, True, eos=True)
+    await each_answer_is_the_whole_one(client, growing_session(4), eos=True)
     assert client._split_checks is None
     assert (client.prompt_stats.tokens_pieces, client.prompt_stats.tokens_whole) == (0, 4)
     assert "tokenizes a prompt differently from its pieces" in caplog.text

@@ -264,25 +264,25 @@ def prompt_stats(client: LlamaSlotClient) -> PromptStats:
 
 
 def _prompt_answers(stats: PromptStats) -> Iterator[Metric]:
-    templates = CounterMetricFamily(
+    yield _by_source(
         "agentkv_templated_prompts",
         "Prompts templated for placement and length checks: kept from before, or asked of the "
         "engine",
-        labels=["source"],
+        {"kept": stats.templates_kept, "engine": stats.templates_asked},
     )
-    templates.add_metric(["kept"], stats.templates_kept)
-    templates.add_metric(["engine"], stats.templates_asked)
-    yield templates
-    tokens = CounterMetricFamily(
+    yield _by_source(
         "agentkv_tokenized_prompts",
         "Prompts tokenized: kept from before, from a kept prompt's tokens and the rest (pieces), "
         "or asked of the engine whole",
-        labels=["source"],
+        {"kept": stats.tokens_kept, "pieces": stats.tokens_pieces, "whole": stats.tokens_whole},
     )
-    tokens.add_metric(["kept"], stats.tokens_kept)
-    tokens.add_metric(["pieces"], stats.tokens_pieces)
-    tokens.add_metric(["whole"], stats.tokens_whole)
-    yield tokens
+
+
+def _by_source(name: str, doc: str, counts: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["source"])
+    for source, count in counts.items():
+        family.add_metric([source], count)
+    return family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
