@@ -411,7 +411,6 @@ async def test_prompt_tokens_asks_the_engine_once_per_question() -> None:
     spaced = {**BODY, "messages": [{"role": "user", "content": " hi "}]}
     assert await client.prompt_tokens(spaced) == first
     assert calls == ["/apply-template", "/tokenize", "/apply-template"]
-    assert (client.memo.hits, client.memo.misses) == (3, 3)
     stats = client.prompt_stats
     assert (stats.templates_kept, stats.templates_asked) == (1, 2)
     assert (stats.tokens_kept, stats.tokens_whole, stats.tokens_pieces) == (2, 1, 0)
@@ -505,7 +504,6 @@ async def test_a_sessions_next_turn_is_tokenized_from_the_turn_before() -> None:
     made so are checked against the whole prompt's tokens, and every answer equals them."""
     client, tokenized = session_client(eos=False)
     await each_answer_is_the_whole_one(client, growing_session(6), eos=False)
-    assert client.memo.partial == 5
     assert (client.prompt_stats.tokens_pieces, client.prompt_stats.tokens_whole) == (5, 1)
     assert client._markers == SPECIAL
     whole = [t for t in tokenized if t.startswith("<|im_start|>system")]
@@ -524,7 +522,6 @@ async def test_pieces_that_differ_from_the_whole_answer_are_not_used_again(
     assert client._split_checks is None
     assert (client.prompt_stats.tokens_pieces, client.prompt_stats.tokens_whole) == (0, 4)
     assert "tokenizes a prompt differently from its pieces" in caplog.text
-    assert client.memo.partial == 1
     assert tokenized[-1].startswith("<|im_start|>system")
 
 

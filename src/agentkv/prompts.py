@@ -109,11 +109,6 @@ class PromptMemo:
     """Templated prompts by :func:`template_key`, and token ids by prompt text."""
 
     max_bytes: int = MEMO_BYTES
-    #: Answers given from the memo, and questions it could not answer.
-    hits: int = 0
-    misses: int = 0
-    #: Prompts tokenized from a kept one's tokens and the rest (:meth:`split`).
-    partial: int = 0
     _entries: OrderedDict[tuple[str, str], tuple[str | array[int], int]] = attrs.field(
         factory=OrderedDict, init=False
     )
@@ -197,20 +192,18 @@ class PromptMemo:
         index = -1
         for _ in range(base.count(marker, 0, cut) + 1):
             index = tokens.index(token, index + 1)
-        self.partial += 1
         self._entries.move_to_end(("k", base))
         return Split(head=tokens[:index].tolist(), text=prompt[cut:], at=cut)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._recent.clear()
         self._bytes = 0
 
     def _get(self, key: tuple[str, str]) -> str | array[int] | None:
         entry = self._entries.get(key)
         if entry is None:
-            self.misses += 1
             return None
-        self.hits += 1
         self._entries.move_to_end(key)
         return entry[0]
 
