@@ -57,6 +57,8 @@ class FakeLlama:
     #: False: a restore reports every token but the next request computes them all again, as
     #: llama-server does on sliding-window and hybrid models.
     restore_reuses: bool = True
+    #: Speculative decoding, as a streamed reply's timings report it: (drafted, accepted).
+    drafts: tuple[int, int] | None = None
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -299,6 +301,8 @@ class FakeLlama:
             "usage": {"prompt_tokens": prompt_n, "completion_tokens": len(pieces)},
             "timings": {"cache_n": cache_n, "prompt_n": prompt_n, "predicted_n": len(pieces)},
         }
+        if self.drafts is not None:
+            final["timings"].update(draft_n=self.drafts[0], draft_n_accepted=self.drafts[1])
         self.finished += 1
         self.active[slot] -= 1
         yield _sse(final)

@@ -128,6 +128,35 @@ def test_a_sliding_window_model_with_a_store_gets_a_full_size_cache(tmp_path: Pa
     assert "--swa-full" in drop_unsupported(args, "-swa-full, --swa-full  use full-size SWA cache")
 
 
+def test_speculative_decoding_flash_attention_and_kv_type_flags(tmp_path: Path) -> None:
+    """A draftless type is one flag; a draft model brings draft-simple unless a type is named;
+    -fa and -ctk/-ctv only when set; an older build drops --spec-type with its value."""
+    plain = EngineConfig(model=tmp_path / "m.gguf").args()
+    assert not {"--spec-type", "-md", "-fa", "-ctk", "-ctv"} & set(plain)
+    args = EngineConfig(
+        model=tmp_path / "m.gguf", spec_type="ngram-mod", flash_attn="on", kv_type="q8_0"
+    ).args()
+    assert flag_value(args, "--spec-type") == "ngram-mod"
+    assert flag_value(args, "-fa") == "on"
+    assert flag_value(args, "-ctk") == flag_value(args, "-ctv") == "q8_0"
+    assert "-md" not in args
+    draft = EngineConfig(model=tmp_path / "m.gguf", draft_model=tmp_path / "d.gguf", gpu_layers=99)
+    assert flag_value(draft.args(), "-md") == str(tmp_path / "d.gguf")
+    assert flag_value(draft.args(), "-ngld") == "99"
+    assert flag_value(draft.args(), "--spec-type") == "draft-simple"
+    both = EngineConfig(
+        model=tmp_path / "m.gguf", draft_model=tmp_path / "d.gguf", spec_type="ngram-mod"
+    )
+    assert flag_value(both.args(), "--spec-type") == "ngram-mod"
+    assert "--spec-type" not in EngineConfig(model=tmp_path / "m.gguf", spec_type="none").args()
+    old = drop_unsupported(args, "--no-kv-unified\n--no-webui\n-fa, --flash-attn\n")
+    assert "--spec-type" not in old and "ngram-mod" not in old
+    assert old == [a for a in args if a not in ("--spec-type", "ngram-mod")]
+    assert drop_unsupported(args, "--no-kv-unified --no-webui --spec-type TYPE") == args
+    with pytest.raises(ValueError):
+        EngineConfig(model=tmp_path / "m.gguf", flash_attn="sometimes")
+
+
 def test_drop_unsupported_removes_only_unknown_optional_flags(tmp_path: Path) -> None:
     """Optional flags missing from --help are dropped; required flags always stay."""
     args = EngineConfig(model=tmp_path / "m.gguf").args()

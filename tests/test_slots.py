@@ -307,3 +307,31 @@ def test_a_waiting_coordinators_context_is_overwritten_last_and_always_parked() 
     assert not small.place(fresh, COSTS, store=store, park_min=256).park  # type: ignore[union-attr]
     parked = small.place(fresh, COSTS, store=store, park_min=256, keep={"coordinator"})
     assert parked is not None and parked.park
+
+
+def test_a_restore_may_start_from_an_entry_that_goes_on_past_the_divergence() -> None:
+    """A new agent restores the stored context that shares the most tokens with it, even when
+    that context goes on past the point where the two part ways (its own turns), rather than
+    a shorter entry that holds nothing else."""
+    manager = SlotManager(1)
+    head = tok(SYSTEM, range(3000, 5000))
+    other_agent = tok(head, range(60_000, 60_040), range(70_000, 72_000))
+    store = StoreIndex(budget=10**10)
+    for kind, tokens in ((EntryKind.PREFIX, head), (EntryKind.CONTEXT, other_agent)):
+        store.add(
+            StoreEntry(
+                id=entry_id(kind, tokens),
+                kind=kind,
+                tokens=tokens,
+                nbytes=len(tokens) * 12_300,
+                created=0,
+                last_used=0,
+                agent="other" if kind is EntryKind.CONTEXT else None,
+            ),
+            0,
+        )
+    new_agent = tok(head, range(60_000, 60_040), range(80_000, 80_010))
+    placement = manager.place(new_agent, COSTS, store=store)
+    assert placement is not None and placement.source is Source.STORE
+    assert placement.entry_id == entry_id(EntryKind.CONTEXT, other_agent)
+    assert placement.reuse == len(head) + 40

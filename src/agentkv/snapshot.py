@@ -240,6 +240,9 @@ class RequestView:
     computed_tokens: int
     cached_tokens: int
     output_tokens: int
+    draft_tokens: int
+    draft_accepted: int
+    decode_s: float
     checkpoint_tokens: int | None
     parked: bool
     queued_s: float

@@ -46,6 +46,7 @@ SCENARIOS = (
     "real-cli-fanout",
     "overhead",
     "soak",
+    "decode",
 )
 _CONFIGS = {
     "agents": ("plain", "tuned", "agentkv"),
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Code and Codex agents together, each API its own route; real-cli: "
         "the real Claude Code CLI; real-cli-fanout: the real CLI's coordinator starting two "
         "sub-agents (its first reply scripted); overhead: the gateway against a fake engine; "
+        "decode: replies decoded at Claude Code's depth, speculative decoding on and off; "
         "soak: many clients, dropped requests and an engine kill against agentkv-server "
         "(default agents)",
     )
@@ -197,6 +199,13 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
             say=_say,
         )
         return report, soak_table(report)
+    if scenario == "decode":
+        from agentkv_bench.decode import DecodeSpec, decode_table, run_decode
+
+        decode_spec = DecodeSpec.quick() if args.quick else DecodeSpec()
+        model = Path(args.model) if args.model else None
+        report = await run_decode(decode_spec, args.out, model=model, echo=_say)
+        return report, decode_table(report)
     ctx = args.ctx_per_slot or _CTX.get(scenario, _CTX_DEFAULT)
     setup = EngineSetup(
         binary=find_llama_server(args.llama_server),

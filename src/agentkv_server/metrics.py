@@ -125,6 +125,13 @@ class ServerMetrics:
         self.output_tokens = Counter(
             "agentkv_output_tokens", "Tokens generated for finished requests", registry=r
         )
+        self.draft_tokens = Counter(
+            "agentkv_draft_tokens",
+            "Speculative decoding of finished requests, as llama-server reported it: tokens "
+            "drafted, and those the model accepted (accepted / drafted is the acceptance rate)",
+            ["kind"],
+            registry=r,
+        )
         self.tool_retries = Counter(
             "agentkv_tool_call_retries",
             "Replies whose tool call could not be repaired and were asked for again, constrained",
@@ -180,6 +187,8 @@ class ServerMetrics:
         self.prompt_tokens.labels("reused").inc(record.cached_tokens)
         self.prompt_tokens.labels("computed").inc(record.computed_tokens)
         self.output_tokens.inc(record.output_tokens)
+        self.draft_tokens.labels("drafted").inc(record.draft_tokens)
+        self.draft_tokens.labels("accepted").inc(record.draft_accepted)
         if record.retried:
             self.tool_retries.inc()
         if record.suspended:

@@ -73,3 +73,37 @@ async def test_a_stop_tries_nothing_when_the_engine_is_gone(tmp_path: Path) -> N
         await ask(runtime, conversation("alpha"), "a")
         fake.healthy = False  # a Ctrl-C in a terminal stops llama-server too
     assert not any(action == "save" for _, action, _ in fake.slot_actions)
+
+
+def follow_up(words: str, *turns: str) -> dict[str, Any]:
+    """``conversation(words)`` with the agent's later turns: each a reply and a short question."""
+    body = conversation(words)
+    for turn in turns:
+        body["messages"] += [
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": turn},
+        ]
+    return body
+
+
+async def test_a_stop_saves_a_turn_however_short_its_extension(tmp_path: Path) -> None:
+    """A follow-up a few tokens past the stored context is saved at stop, so that the turn after
+    the restart computes only its own new tokens, not the follow-up's again."""
+    config: dict[str, Any] = {"n_slots": 2, "store_dir": tmp_path, "ctx_per_slot": 32768}
+    async with running(FakeLlama(reply="ok", save_dir=tmp_path), **config) as runtime:
+        await ask(runtime, conversation("alpha"), "a")
+    async with running(FakeLlama(reply="ok", save_dir=tmp_path), **config) as runtime:
+        await ask(runtime, follow_up("alpha", "Once more."), "a")
+        (first,) = _contexts(runtime)
+    fresh = FakeLlama(reply="ok", save_dir=tmp_path)
+    async with running(fresh, **config) as runtime:
+        (entry,) = _contexts(runtime)  # the same agent's older context was superseded
+        assert entry.n_tokens > first.n_tokens
+        await ask(runtime, follow_up("alpha", "Once more.", "And again."), "a")
+        record = runtime.records()[-1]
+        assert record.source == "store"
+        # Only what follows the saved follow-up is computed (without the stop's save, the
+        # follow-up's own tokens would be computed again too).
+        assert record.planned_reuse == entry.n_tokens - 1 or record.planned_reuse == entry.n_tokens
+        assert record.computed_tokens == record.prompt_tokens - record.planned_reuse
+        assert record.computed_tokens < entry.n_tokens - first.n_tokens + 8

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentkv.runtime.record import RequestRecord, RequestStatus
+from agentkv.runtime.record import RequestRecord, RequestStatus, request_fields, request_line
 from agentkv_server.metrics import ServerMetrics
 from tests.fakes import FakeLlama, tokenize, wait_for
 
@@ -338,3 +338,18 @@ async def test_every_metric_is_documented(serve: Any, tmp_path: Path) -> None:
     for name in families:
         counter = f"`{name}_total" in docs
         assert counter or f"`{name}`" in docs or f"`{name}{{" in docs, name
+
+
+async def test_speculative_decoding_is_counted_drafted_and_accepted(serve: Any) -> None:
+    """The engine's draft counts reach the request record, its log line and /metrics."""
+    http = await serve(FakeLlama(reply="fine", drafts=(40, 31)), n_slots=1)
+    for _ in range(2):
+        r = await http.post("/v1/messages", json=BODY, headers={"x-agent-id": "coder"})
+        assert r.status_code == 200
+    after = await scrape(http)
+    assert value(after, "agentkv_draft_tokens_total", kind="drafted") == 80
+    assert value(after, "agentkv_draft_tokens_total", kind="accepted") == 62
+    record = http.runtime.records()[-1]  # type: ignore[attr-defined]
+    assert (record.draft_tokens, record.draft_accepted) == (40, 31)
+    assert "drafts=31/40" in request_line(record)
+    assert request_fields(record)["draft_accepted"] == 31

@@ -236,6 +236,12 @@ class RuntimeConfig:
         "a request waits for another's shared head only when it gains at least this many tokens",
         flag=False,
     )
+    engine_batch: int = setting(
+        512,
+        "prompt tokens the engine computes in one batch (llama-server's -b, as agentkv launches "
+        "it): two requests whose last prompt tokens would share a batch go one after the other",
+        flag=False,
+    )
 
     @property
     def compaction_threshold(self) -> int | None:

@@ -167,6 +167,8 @@ CTX_FLOOR = 4096
 CTX_ALIGN = 256
 #: The KV cache type agentkv runs llama-server with.
 DEFAULT_KV_TYPE = "f16"
+#: llama-server's ``-fa`` values.
+FLASH_ATTN = ("on", "off", "auto")
 
 _SIZE_UNITS = {
     "": 1,
@@ -337,6 +339,17 @@ class EngineConfig:
     #: it llama-server keeps only the window and recomputes a restored slot from scratch (it
     #: does not save the checkpoints that would let it resume); see docs/prefix-store.md.
     swa_full: bool = False
+    #: Flash attention (``-fa on|off|auto``); None: llama-server's own choice. It changes how a
+    #: saved slot state lays out V, so it is part of the store's key as well.
+    flash_attn: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(FLASH_ATTN))
+    )
+    #: Speculative decoding (``--spec-type``): a draftless type (``ngram-mod``, ...) needs no
+    #: second model; None: none. See docs/engine.md, "Speculative decoding".
+    spec_type: str | None = None
+    #: A small draft model of the same family (``-md``); with it the type is ``draft-simple``
+    #: unless :attr:`spec_type` names another.
+    draft_model: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
 
     @property
     def effective_ctx_per_slot(self) -> int:
@@ -385,8 +398,18 @@ class EngineConfig:
             args += ["--slot-save-path", str(self.slot_save_dir)]
         if self.alias is not None:
             args += ["-a", self.alias]
+        if self.kv_type != DEFAULT_KV_TYPE:
+            args += ["-ctk", self.kv_type, "-ctv", self.kv_type]
+        if self.flash_attn is not None:
+            args += ["-fa", self.flash_attn]
         if self.swa_full:
             args.append("--swa-full")
+        spec_type = self.spec_type
+        if self.draft_model is not None:
+            args += ["-md", str(self.draft_model), "-ngld", str(self.gpu_layers)]
+            spec_type = spec_type or "draft-simple"
+        if spec_type is not None and spec_type != "none":
+            args += ["--spec-type", spec_type]
         if not self.webui:
             args.append("--no-webui")
         args += self.extra_args
@@ -422,6 +445,9 @@ class ExactArgs:
 
 # Flags added for convenience only: dropped when an older llama-server does not know them.
 _OPTIONAL_FLAGS = frozenset({"--no-webui", "--no-kv-unified", "--swa-full"})
+# The same, for flags that take a value (dropped with it): a build without speculative decoding
+# runs without it rather than refusing to start.
+_OPTIONAL_VALUED = frozenset({"--spec-type"})
 
 
 def drop_unsupported(args: list[str], help_text: str) -> list[str]:
@@ -431,7 +457,16 @@ def drop_unsupported(args: list[str], help_text: str) -> list[str]:
         # Whole-flag match: "--no-webui" must not be found inside "--no-webui-mcp-proxy".
         return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
 
-    return [a for a in args if a not in _OPTIONAL_FLAGS or known(a)]
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in _OPTIONAL_VALUED and not known(arg):
+            skip = True
+        elif arg not in _OPTIONAL_FLAGS or known(arg):
+            kept.append(arg)
+    return kept
 
 
 def _help_text(binary: Path) -> str:

@@ -342,9 +342,12 @@ class Gateway:
         can be continued by a later engine call), it keeps its slot to the end."""
         running = self._running.get(lease.id)
         if running is not None:
+            first = not running.decoding
             running.decoding = True
             if not suspendable:
                 running.suspend = None
+            if first and self._slots.free:
+                self._dispatch()  # a ticket held back for this first token may go now
 
     def _preempt_for(self, ticket: Ticket) -> None:
         if self.config.preempt_from is None or ticket.priority > 0:
@@ -683,7 +686,35 @@ class Gateway:
             # Quiet while urgent: only a ticket with (nearly) nothing to compute may start.
             placement = self._place(ticket)
             return placement is not None and len(ticket.tokens) - placement.reuse <= self.quiet_min
-        return True
+        placement = self._place(ticket)
+        return placement is None or not self._first_token_due(ticket, placement)
+
+    def _first_token_due(self, ticket: Ticket, placement: Placement) -> bool:
+        """Whether ``ticket`` should wait for another request's first token rather than share
+        the engine batch that computes that request's last prompt tokens.
+
+        Both prompts' remaining tokens would go through the engine in one batch. The cost model
+        prices prefill per token, additively (:class:`~agentkv.costs.PrefillModel`: nothing is
+        cheaper for being batched with another prompt), so one batch gives both first tokens
+        once both prompts are computed; one after the other gives the other request its first
+        token sooner by this ticket's prefill, and this ticket its own no later. That holds
+        while both fit in one batch (``engine_batch``); a longer prefill elsewhere is shared
+        batch by batch instead, so that a short request does not wait for all of it. A more
+        urgent ticket never waits for a less urgent request.
+        """
+        batch = self.config.engine_batch
+        if len(ticket.tokens) - placement.reuse > batch:
+            return False
+        for lease_id, other in self._lease_ticket.items():
+            running = self._running.get(lease_id)
+            lease = self._slots.lease(lease_id)
+            if (running is not None and running.decoding) or lease is None:
+                continue
+            if other.priority <= ticket.priority and (
+                len(other.tokens) - lease.placement.reuse <= batch
+            ):
+                return True
+        return False
 
     def _hits(self, ticket: Ticket) -> bool:
         placement = self._place(ticket)

@@ -276,9 +276,10 @@ class KVCache:
         return saved
 
     async def save_for_restart(self) -> int:
-        """At a clean stop: save what each idle slot holds that the store does not have (at
-        least ``park_min`` tokens more than any entry), as that agent's context, so that its
-        next turn after a restart restores it instead of computing it. The number saved.
+        """At a clean stop: save what each idle slot holds that the store does not have (any
+        token past the longest entry it begins with, however few: a turn's follow-up is often a
+        few dozen tokens), as that agent's context, so that its next turn after a restart
+        restores it and computes only its own new tokens. The number saved.
 
         Nothing is tried when the engine no longer answers (a Ctrl-C in a terminal reaches
         llama-server too)."""
@@ -294,7 +295,7 @@ class KVCache:
             if row.refcount or row.stored is not None or not row.tokens:
                 continue
             best = store.index.best(row.tokens)
-            if len(row.tokens) - (best[1] if best else 0) < self.gateway.config.park_min:
+            if best is not None and best[1] >= len(row.tokens):
                 continue
             entry = await self.guard(
                 store.save(row.slot, EntryKind.CONTEXT, agent=row.agent, sections=row.sections)

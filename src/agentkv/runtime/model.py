@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_MODEL_FILENAME",
     "DEFAULT_MODEL_SHA256",
     "DEFAULT_MODEL_SIZE",
+    "KV_TYPES",
     "ModelNotFoundError",
     "ModelShape",
     "assemble_model",
@@ -191,6 +192,10 @@ _KV_TYPES: dict[str, tuple[int, int]] = {
     "q5_0": (32, 22),
     "q5_1": (32, 24),
 }
+
+
+#: The KV cache types agentkv can size a context for.
+KV_TYPES = tuple(_KV_TYPES)
 
 
 def kv_bytes_per_element(kv_type: str) -> float:

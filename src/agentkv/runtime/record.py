@@ -110,6 +110,12 @@ class RequestRecord:
     computed_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    #: Speculative decoding, as llama-server reported it: tokens drafted, and those of them the
+    #: model accepted (each accepted one is a token decoded without a step of its own).
+    draft_tokens: int = 0
+    draft_accepted: int = 0
+    #: The engine's own time decoding the reply (``predicted_ms``), in seconds.
+    decode_s: float = 0.0
     #: A shareable head computed and saved on its own first (tokens), if any.
     checkpoint_tokens: int | None = None
     #: The slot's previous content was saved before it was overwritten.
@@ -234,6 +240,8 @@ def request_fields(record: RequestRecord) -> dict[str, Any]:
         "cached_tokens": record.cached_tokens,
         "computed_tokens": record.computed_tokens,
         "output_tokens": record.output_tokens,
+        "draft_tokens": record.draft_tokens,
+        "draft_accepted": record.draft_accepted,
         "queued_s": record.queued_s,
         "ttft_s": record.ttft_s,
         "total_s": record.total_s,
@@ -263,6 +271,7 @@ def request_line(record: RequestRecord) -> str:
         f"ttft={_seconds(record.ttft_s)}",
         f"total={_seconds(record.total_s)}",
         f"output={record.output_tokens}",
+        *([f"drafts={record.draft_accepted}/{record.draft_tokens}"] if record.draft_tokens else []),
         f"status={_quoted(record.shown_status)}",
     ]
     if record.retried:

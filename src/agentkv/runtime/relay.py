@@ -270,6 +270,9 @@ class Relay:
             record.computed_tokens += int(timings.get("prompt_n", 0))
             self.prompt_ms += float(timings.get("prompt_ms", 0.0) or 0.0)
             record.cached_tokens = max(record.cached_tokens, int(timings.get("cache_n", 0)))
+            record.draft_tokens += int(timings.get("draft_n", 0) or 0)
+            record.decode_s += float(timings.get("predicted_ms", 0.0) or 0.0) / 1000
+            record.draft_accepted += int(timings.get("draft_n_accepted", 0) or 0)
 
 
 async def _hand_over(send: MemoryObjectSendStream[dict[str, Any]], chunk: dict[str, Any]) -> None:

@@ -198,10 +198,11 @@ function drawRecent(table) {
       bar(r.cached_tokens, r.prompt_tokens, "cached")),
     el("td", { class: "num" }, secs(r.ttft_s)), el("td", { class: "num" }, secs(r.total_s)),
     el("td", { class: "num" }, num(r.output_tokens)),
+    el("td", { class: "num" }, r.draft_tokens ? `${num(r.draft_accepted)} / ${num(r.draft_tokens)}` : "–"),
     el("td", { class: r.status === "ok" ? "" : "bad" }, r.status + (r.retried ? " (retried)" : "")),
     el("td", { class: "wide" }, divergenceText(r.divergence)),
   ));
-  fill($("recent").tBodies[0], rows, 10, "no request has finished yet");
+  fill($("recent").tBodies[0], rows, 11, "no request has finished yet");
 }
 
 function drawStore(table) {
@@ -243,6 +244,12 @@ function drawCards(table) {
   $("ttft").textContent = sorted.length ? secs(sorted[Math.floor((sorted.length - 1) / 2)]) + " median" : "–";
   $("ttftnote").textContent = sorted.length ? `max ${secs(sorted[sorted.length - 1])}, ${lastRequests(sorted.length)}` : "no requests yet";
   sparkline($("ttftspark"), ttfts);
+  const drafted = history.reduce((s, r) => s + (r.draft_tokens || 0), 0);
+  const accepted = history.reduce((s, r) => s + (r.draft_accepted || 0), 0);
+  $("drafts").textContent = drafted ? pct(accepted, drafted) + " accepted" : "–";
+  $("draftnote").textContent = drafted
+    ? `${num(accepted)} of ${num(drafted)} drafted tokens, ${lastRequests(history.length)}`
+    : "no tokens drafted yet (speculative decoding off, or nothing to copy)";
   const p = table.placements;
   $("placements").textContent = p.acquired ? pct(p.from_slot + p.from_store, p.acquired) + " warm" : "–";
   $("placementnote").textContent = `${num(p.from_slot)} from a slot, ${num(p.from_store)} from the store, ${num(p.cold)} cold`;
