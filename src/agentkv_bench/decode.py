@@ -307,9 +307,9 @@ class DecodeSpec:
 
     depths: tuple[str, ...] = DEPTHS
     kinds: tuple[str, ...] = KINDS
-    max_tokens: int = 160
+    max_tokens: int = 128
     two_agents: bool = True
-    ctx_per_slot: int = 16384
+    slot_context: int = 16384
 
     @classmethod
     def quick(cls) -> DecodeSpec:
@@ -458,7 +458,7 @@ async def _run_alone(
     out: dict[str, Any] = {"flags": " ".join(flags)}
     texts: dict[str, str] = {}
     async with _engine(
-        model, flags, root / "alone", slots=2, ctx=spec.ctx_per_slot, name="alone"
+        model, flags, root / "alone", slots=2, ctx=spec.slot_context, name="alone"
     ) as http:
         for depth in spec.depths:
             chat = chat_bodies(depth, max_tokens=spec.max_tokens)
@@ -492,10 +492,10 @@ async def _run_agentkv(
     from agentkv_server.app import create_app
 
     settings = EngineSettings(
-        model=model, slots=2, ctx_per_slot=spec.ctx_per_slot, store_dir=root / "store"
+        model=model, slots=2, ctx_per_slot=spec.slot_context, store_dir=root / "store"
     )
     out: dict[str, Any] = {
-        "settings": f"the defaults, --slots 2 --ctx-per-slot {spec.ctx_per_slot}"
+        "settings": f"the defaults, --slots 2 --ctx-per-slot {spec.slot_context}"
     }
     texts: dict[str, str] = {}
     async with assemble(settings) as built:

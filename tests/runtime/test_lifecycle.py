@@ -84,8 +84,9 @@ async def test_the_store_outlives_a_restart(tmp_path: Path) -> None:
         await ask(runtime, first_request("one"), "a")
         head = runtime.records()[0].checkpoint_tokens
     assert head is not None
+    # The shared head, and (saved at the stop) the agent's context: the head and its own words.
     saved = sorted(p.name for p in tmp_path.glob("akv-*.bin"))
-    assert len(saved) == 1
+    assert [name.split("-")[1] for name in saved] == ["context", "prefix"]
 
     fresh = FakeLlama(reply="ok", save_dir=tmp_path)  # an engine with empty slots
     async with running(fresh, n_slots=2, store_dir=tmp_path, ctx_per_slot=32768) as runtime:

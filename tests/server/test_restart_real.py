@@ -56,7 +56,7 @@ def test_after_a_restart_a_follow_up_computes_only_its_new_tokens(tmp_path: Path
             for e in live.runtime.store.index.entries()
             if e.kind is EntryKind.CONTEXT  # type: ignore[union-attr]
         ]
-        assert entry.agent == "restart-a" and entry.n_tokens == held
+        assert entry.agent == "restart-a" and entry.n_tokens >= held
         before = computed(live)
         reply = post(live, "restart-a", 1, turns(replies, questions), max_tokens=16)
         engine_computed = computed(live) - before

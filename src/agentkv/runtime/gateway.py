@@ -690,18 +690,10 @@ class Gateway:
         return placement is None or not self._first_token_due(ticket, placement)
 
     def _first_token_due(self, ticket: Ticket, placement: Placement) -> bool:
-        """Whether ``ticket`` should wait for another request's first token rather than share
-        the engine batch that computes that request's last prompt tokens.
-
-        Both prompts' remaining tokens would go through the engine in one batch. The cost model
-        prices prefill per token, additively (:class:`~agentkv.costs.PrefillModel`: nothing is
-        cheaper for being batched with another prompt), so one batch gives both first tokens
-        once both prompts are computed; one after the other gives the other request its first
-        token sooner by this ticket's prefill, and this ticket its own no later. That holds
-        while both fit in one batch (``engine_batch``); a longer prefill elsewhere is shared
-        batch by batch instead, so that a short request does not wait for all of it. A more
-        urgent ticket never waits for a less urgent request.
-        """
+        """Wait for another request's first token rather than share the batch that computes its
+        last prompt tokens: prefill is priced per token, additively (costs.PrefillModel), so
+        one after the other gives that request its first token sooner and this one its own no
+        later, while both fit in one batch. Never for a more urgent ticket."""
         batch = self.config.engine_batch
         if len(ticket.tokens) - placement.reuse > batch:
             return False
