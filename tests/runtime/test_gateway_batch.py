@@ -4,6 +4,7 @@ the first gets its first token sooner, the second no later (prefill is priced pe
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from agentkv._types import Ticket
@@ -43,7 +44,7 @@ def restarted() -> Gateway:
 
 async def dispatched(gateway: Gateway, ticket: Ticket) -> bool:
     """Whether ``ticket`` has its lease (it is no longer in the queue)."""
-    await anyio.sleep(0)
+    await anyio.lowlevel.checkpoint()
     return ticket.id not in {row.ticket for row in gateway.snapshot().queue}
 
 
