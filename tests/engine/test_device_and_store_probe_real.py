@@ -68,11 +68,13 @@ async def test_a_gpu_build_gets_every_layer_and_the_banner_names_the_device(
 
 
 async def test_the_store_key_names_the_build(launched: tuple[EngineHandle, Path]) -> None:
-    """The key holds the build's digest, not the executable's size and time; on the installed
-    engine the digest covers its llama.cpp libraries, found beside the executable."""
+    """The key holds the build's digest, not the executable's size and time, and what lays out a
+    saved state (KV type, flash attention); on the installed engine the digest covers its
+    llama.cpp libraries, found beside the executable."""
     engine, binary = launched
     parts = dict(part.split("=", 1) for part in engine.compat.split("|"))
-    assert set(parts) == {"model", "build", "ctx", "kv"}
+    assert set(parts) == {"model", "build", "ctx", "kv", "fa"}
+    assert parts["fa"] == "auto"  # the stand-in GPU: llama-server's own choice
     assert len(parts["build"]) == 64
     names = [path.name for path in engine_files(binary)]
     assert any(name.startswith("libllama") for name in names), names
