@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from agentkv._types import Lease
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Gateway
 from agentkv.store import StoreIndex
@@ -19,6 +20,11 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def priority_of(gateway: Gateway, lease: Lease) -> int | None:
+    """The urgency the request holding ``lease`` runs at now, as the operator's view says."""
+    return gateway.snapshot().slots[lease.slot].priority
 
 
 def _gateway(**config: object) -> Gateway:
@@ -58,7 +64,7 @@ def test_a_waited_on_subagent_lends_its_urgency_to_the_head_it_waits_for() -> No
     assert gateway._waiters[foreground.id].blocked_on is checkpoint
     assert other_suspended == ["other"]  # the engine is the head's
     assert sibling_suspended == []
-    assert gateway._running[sibling.id].priority == 0
+    assert priority_of(gateway, sibling) == 0
     # The suspended request gives its slot back and queues again: it waits while the head is
     # computed for a P0 waiter.
     gateway.release(other, holds=OTHER[:512])
@@ -69,7 +75,7 @@ def test_a_waited_on_subagent_lends_its_urgency_to_the_head_it_waits_for() -> No
     # free slot, and the P2 request still waits while a P0 request runs.
     gateway.checkpoint_progress(checkpoint, len(HEAD))
     gateway.end_checkpoint(checkpoint)
-    assert gateway._running[sibling.id].priority == 1
+    assert priority_of(gateway, sibling) == 1
     lease = gateway._waiters[foreground.id].lease
     assert lease is not None and lease.slot == other.slot
     assert gateway._waiters[again.id].lease is None
@@ -85,11 +91,11 @@ def test_without_a_free_slot_the_released_waiter_suspends_less_urgent_work() -> 
     _, other_suspended = _start(gateway, "other", 2, OTHER, head=None)
     # A P1 waiter lends P1 (not urgent enough to quiet the engine).
     waiting = gateway.submit("s/fg", 1, FOREGROUND, head=len(HEAD))
-    assert gateway._running[sibling.id].priority == 1
+    assert priority_of(gateway, sibling) == 1
     assert other_suspended == []
     # It becomes waited on (P0): the lent urgency follows, and the engine goes quiet for it.
     gateway.reprioritise("s/fg", 0)
-    assert gateway._running[sibling.id].priority == 0
+    assert priority_of(gateway, sibling) == 0
     assert other_suspended == ["other"]
     assert waiting.id in gateway._waiters
     gateway.end_checkpoint(checkpoint)
@@ -103,7 +109,7 @@ def test_a_checkpoint_nobody_urgent_waits_for_keeps_its_own_priority() -> None:
     sibling, _ = _start(gateway, "s/bg", 1, BACKGROUND, head=len(HEAD))
     _, other_suspended = _start(gateway, "other", 2, OTHER, head=None)
     gateway.submit("s/bg2", 2, (*HEAD, 9201), head=len(HEAD))
-    assert gateway._running[sibling.id].priority == 1
+    assert priority_of(gateway, sibling) == 1
     assert other_suspended == []
 
 
@@ -172,3 +178,23 @@ def test_an_urgent_arrival_quiets_every_less_urgent_prefill_at_once() -> None:
     # P0 done: the queued P2 request goes.
     gateway.release(lease, holds=None)
     assert gateway._waiters[again.id].lease is not None
+
+
+def test_a_lease_the_watchdog_reclaims_lets_its_checkpoints_waiters_go() -> None:
+    """A request computing a shared head hangs past the lease TTL: the watchdog reclaims its
+    lease, and the request waiting for that head is dispatched instead of waiting for a save
+    that will never come."""
+    gateway = _gateway(n_slots=1, lease_ttl=60.0)
+    sibling, _ = _start(gateway, "s/bg", 1, BACKGROUND, head=len(HEAD))
+    checkpoint = gateway.checkpoint_of(sibling)
+    assert checkpoint is not None
+    waiting = gateway.submit("s/fg", 1, FOREGROUND, head=len(HEAD))
+    assert gateway._waiters[waiting.id].blocked_on is checkpoint
+    gateway.clock.now = 61.0  # type: ignore[attr-defined]
+    assert gateway.sweep() == [sibling]
+    assert checkpoint.done
+    assert gateway.checkpoint_of(sibling) is None
+    lease = gateway._waiters[waiting.id].lease
+    assert lease is not None and lease.slot == sibling.slot
+    # It computes the head itself now, as the checkpoint of its own lease.
+    assert [c.agent for c in gateway.snapshot().checkpoints] == ["s/fg"]

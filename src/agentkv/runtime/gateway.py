@@ -85,15 +85,32 @@ class _Waiter:
 
 
 @attrs.define(eq=False)
-class _Running:
-    """A leased request, as far as pre-emption is concerned."""
+class _Held:
+    """One lease, from its grant to its end: all the gateway keeps of it, in one record that
+    :meth:`Gateway._grant` creates and :meth:`Gateway._drop` alone removes (whether the lease
+    is released or the watchdog reclaims it)."""
 
     lease: Lease
+    #: The ticket it was granted for (its agent and arrival name the request).
+    ticket: Ticket
+    #: The order in which it was handed out (1, 2, …).
+    seq: int
+    #: The head its request computes and saves first for others (see :class:`Checkpoint`).
+    checkpoint: Checkpoint | None = None
+    #: The store entry it was placed to restore, pinned (with the index that holds it) until
+    #: the lease ends: a save on another slot meanwhile must not supersede it.
+    pinned: tuple[StoreIndex, str] | None = None
+    #: Being suspended for this ticket: the slot it gives back goes to that ticket, not to
+    #: whoever ranks first then.
+    reserved_for: int | None = None
+    #: Whether its request declared itself running (:meth:`Gateway.running`); until then it is
+    #: granted and preparing the slot (restoring its context).
+    declared: bool = False
     #: The urgency it runs at now: its own, or that of a more urgent request waiting for the
     #: checkpoint it computes (see :meth:`Gateway._lend`).
-    priority: int
+    priority: int = attrs.field(default=attrs.Factory(lambda self: self.ticket.priority, True))
     #: Its own priority.
-    own: int
+    own: int = attrs.field(default=attrs.Factory(lambda self: self.ticket.priority, True))
     #: Suspends the request (it saves its progress and gives the slot up); None: not now.
     suspend: Callable[[], None] | None = None
     decoding: bool = False
@@ -128,18 +145,9 @@ class Gateway:
     _waiters: dict[int, _Waiter] = attrs.field(init=False, factory=dict)
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
     _dispatched: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
-    _lease_seq: dict[int, int] = attrs.field(init=False, factory=dict)
-    _running: dict[int, _Running] = attrs.field(init=False, factory=dict)
+    #: Every lease handed out and not yet ended, by lease id.
+    _held: dict[int, _Held] = attrs.field(init=False, factory=dict)
     _checkpoints: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
-    _lease_checkpoint: dict[int, Checkpoint] = attrs.field(init=False, factory=dict)
-    #: The store entry each lease was placed to restore, pinned (with the index that holds
-    #: it) until the lease ends: a save on another slot meanwhile must not supersede it.
-    _lease_entry: dict[int, tuple[StoreIndex, str]] = attrs.field(init=False, factory=dict)
-    #: Lease id of a request being suspended → the ticket it is suspended for: the slot it
-    #: gives back goes to that ticket, not to whoever ranks first then.
-    _reserved: dict[int, int] = attrs.field(init=False, factory=dict)
-    #: The ticket each lease was granted for (its agent and arrival name the request).
-    _lease_ticket: dict[int, Ticket] = attrs.field(init=False, factory=dict)
     #: (agent, arrival) of a request suspended for urgent work → when: while urgent work runs,
     #: the quiet rule counts its aging from then (its queue order keeps its whole wait).
     _quiet_since: dict[tuple[str, float], float] = attrs.field(init=False, factory=dict)
@@ -261,19 +269,10 @@ class Gateway:
     ) -> None:
         """Return a lease; ``holds`` is what the slot's cache holds now (None: unknown), left
         there by a prompt of ``sections``."""
-        self._lease_seq.pop(lease.id, None)
-        self._running.pop(lease.id, None)
-        self._unpin_entry(lease.id)
-        self._lease_ticket.pop(lease.id, None)
-        reserved = self._reserved.pop(lease.id, None)
-        checkpoint = self._lease_checkpoint.pop(lease.id, None)
+        held = self._drop(lease.id)
         self._slots.release(lease, self.clock(), holds=holds, sections=sections)
-        if reserved is not None:
-            self._dispatch_reserved(reserved)
-        if checkpoint is not None and not checkpoint.done:
-            # Not saved: requests waiting for it go now, and find the head in this slot if the
-            # request ended well (its save failed) — so the slot is given back first.
-            self.end_checkpoint(checkpoint)
+        if held is not None:
+            self._after(held)
         self._dispatch()
 
     @asynccontextmanager
@@ -293,7 +292,29 @@ class Gateway:
 
     def dispatch_seq(self, lease: Lease) -> int | None:
         """The order in which this lease was handed out (1, 2, …), while it is held."""
-        return self._lease_seq.get(lease.id)
+        held = self._held.get(lease.id)
+        return None if held is None else held.seq
+
+    def _drop(self, lease_id: int) -> _Held | None:
+        """The one place a lease's record ends (released or reclaimed): its store pin goes."""
+        held = self._held.pop(lease_id, None)
+        if held is not None and held.pinned is not None:
+            index, entry_id = held.pinned
+            index.unpin(entry_id)
+        return held
+
+    def _after(self, held: _Held) -> None:
+        """What an ended lease leaves to do once its slot is back: the slot goes to the ticket
+        it was suspended for, and a checkpoint it never saved lets its waiters go (they find
+        the head in this slot if the request ended well and only its save failed)."""
+        if held.reserved_for is not None:
+            self._dispatch_reserved(held.reserved_for)
+        if held.checkpoint is not None and not held.checkpoint.done:
+            self.end_checkpoint(held.checkpoint)
+
+    def _declared(self) -> list[_Held]:
+        """The leases whose requests declared themselves running."""
+        return [held for held in self._held.values() if held.declared]
 
     # -- running requests and pre-emption -----------------------------------------------------
 
@@ -305,27 +326,29 @@ class Gateway:
         An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
         are computing prompts on other slots, so that it has the engine to itself.
         """
-        running = _Running(lease, priority, priority, suspend)
-        self._running[lease.id] = running
-        checkpoint = self._lease_checkpoint.get(lease.id)
-        if checkpoint is not None:
-            running.priority = min(priority, self._waiting_urgency(checkpoint))
+        running = self._held.get(lease.id)
+        if running is None:
+            return  # already ended (the watchdog reclaimed it)
+        running.declared, running.own, running.suspend = True, priority, suspend
+        running.priority = priority
+        if running.checkpoint is not None:
+            running.priority = min(priority, self._waiting_urgency(running.checkpoint))
         if running.priority == 0:
             self._quiet_for(running)
 
-    def _quiet_for(self, urgent: _Running) -> None:
+    def _quiet_for(self, urgent: _Held) -> None:
         """An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
         are computing prompts on other slots, so that it has the engine to itself."""
         for other in self._quiet_candidates(exclude=urgent.lease.id):
             self._suspend(other, f"lease {urgent.lease.id} (priority 0) runs")
 
-    def _quiet_candidates(self, *, exclude: int) -> list[_Running]:
+    def _quiet_candidates(self, *, exclude: int) -> list[_Held]:
         """The running requests an urgent one quiets: less urgent, still computing a prompt."""
         if self.config.preempt_from is None:
             return []
         return [
             other
-            for other in self._running.values()
+            for other in self._declared()
             if other.lease.id != exclude
             and not other.decoding
             and not other.suspending
@@ -340,8 +363,8 @@ class Gateway:
     def decoding(self, lease: Lease, *, suspendable: bool = False) -> None:
         """The request's prompt is computed; it now generates. Unless ``suspendable`` (its reply
         can be continued by a later engine call), it keeps its slot to the end."""
-        running = self._running.get(lease.id)
-        if running is not None:
+        running = self._held.get(lease.id)
+        if running is not None and running.declared:
             first = not running.decoding
             running.decoding = True
             if not suspendable:
@@ -354,7 +377,7 @@ class Gateway:
             return
         victims = [
             running
-            for running in self._running.values()
+            for running in self._declared()
             if running.suspend is not None
             and not running.suspending
             and running.priority >= max(self.config.preempt_from, ticket.priority + 1)
@@ -363,25 +386,25 @@ class Gateway:
             return
         # The least urgent; among those, one still computing its prompt, then the latest started.
         victim = max(victims, key=lambda r: (r.priority, not r.decoding, r.lease.acquired_at))
-        self._reserved[victim.lease.id] = ticket.id
+        victim.reserved_for = ticket.id
         self._suspend(victim, f"ticket {ticket.id} (priority {ticket.priority}) needs a slot")
         # The other less urgent prefills would be suspended as soon as the ticket runs (quiet
         # while urgent). Suspending them now lets every one stop at the end of the engine batch
         # in progress, instead of one batch after another while the urgent prompt shares them;
         # the first slot given back is the ticket's.
         for other in self._quiet_candidates(exclude=victim.lease.id):
-            self._reserved.setdefault(other.lease.id, ticket.id)
+            if other.reserved_for is None:
+                other.reserved_for = ticket.id
             self._suspend(other, f"ticket {ticket.id} (priority 0) is about to run")
 
-    def _suspend(self, running: _Running, reason: str) -> None:
+    def _suspend(self, running: _Held, reason: str) -> None:
         if running.suspend is None or running.suspending:
             return
         running.suspending = True
-        ticket = self._lease_ticket.get(running.lease.id)
-        if ticket is not None:
-            self._quiet_since[(ticket.agent, ticket.arrival)] = self.clock()
-            while len(self._quiet_since) > 1024:  # requests that never came back
-                self._quiet_since.pop(next(iter(self._quiet_since)))
+        ticket = running.ticket
+        self._quiet_since[(ticket.agent, ticket.arrival)] = self.clock()
+        while len(self._quiet_since) > 1024:  # requests that never came back
+            self._quiet_since.pop(next(iter(self._quiet_since)))
         log.info(
             "suspending lease %d (agent %s, priority %d): %s",
             running.lease.id,
@@ -396,19 +419,19 @@ class Gateway:
         its context) — a slot given back meanwhile must not start a less urgent prefill."""
         if self.config.preempt_from is None:
             return False
-        return any(r.priority == 0 for r in self._running.values()) or any(
-            lease_id not in self._running and ticket.priority == 0
-            for lease_id, ticket in self._lease_ticket.items()
-        )
+        # Until it is declared running a lease's urgency is its ticket's.
+        return any(held.priority == 0 for held in self._held.values())
 
     # -- checkpoints ----------------------------------------------------------------------------
 
     def checkpoint_of(self, lease: Lease) -> Checkpoint | None:
         """The head this lease's request must compute and save first, if one was planned."""
-        return self._lease_checkpoint.get(lease.id)
+        held = self._held.get(lease.id)
+        return None if held is None else held.checkpoint
 
-    def _plan_checkpoint(self, ticket: Ticket, lease: Lease) -> None:
+    def _plan_checkpoint(self, held: _Held) -> None:
         """Decided at dispatch, so that requests dispatched right after see it and wait."""
+        ticket, lease = held.ticket, held.lease
         head = ticket.head
         if (
             self.store is None
@@ -427,7 +450,7 @@ class Gateway:
             progress=lease.placement.reuse,
         )
         self._checkpoints[checkpoint.id] = checkpoint
-        self._lease_checkpoint[lease.id] = checkpoint
+        held.checkpoint = checkpoint
         log.debug(
             "checkpoint %d: %d tokens on slot %d (lease %d, agent %s)",
             checkpoint.id,
@@ -451,15 +474,14 @@ class Gateway:
     def _lend(self, checkpoint: Checkpoint) -> None:
         """The request computing ``checkpoint`` runs at the urgency of its most urgent waiter
         (never less urgent than its own); at priority 0 it quiets the engine for itself."""
-        for lease_id, planned in self._lease_checkpoint.items():
-            running = self._running.get(lease_id)
-            if planned is not checkpoint or running is None:
+        for running in self._declared():
+            if running.checkpoint is not checkpoint:
                 continue
             urgency = min(running.own, self._waiting_urgency(checkpoint))
             if urgency < running.priority:
                 log.info(
                     "lease %d (agent %s) computes checkpoint %d at priority %d for its waiters",
-                    lease_id,
+                    running.lease.id,
                     running.lease.agent,
                     checkpoint.id,
                     urgency,
@@ -489,12 +511,10 @@ class Gateway:
         checkpoint.done = True
         if self._checkpoints.pop(checkpoint.id, None) is not None:
             log.debug("checkpoint %d ended at %d tokens", checkpoint.id, checkpoint.progress)
-        for lease_id, planned in list(self._lease_checkpoint.items()):
-            if planned is checkpoint:
-                del self._lease_checkpoint[lease_id]
-                running = self._running.get(lease_id)
-                if running is not None:
-                    running.priority = running.own
+        for held in self._held.values():
+            if held.checkpoint is checkpoint:
+                held.checkpoint = None
+                held.priority = held.own
         released = []
         for waiter in self._waiters.values():
             if waiter.blocked_on is checkpoint:
@@ -539,7 +559,7 @@ class Gateway:
         costs = self.costs
         # Computing alone would run next to the prompts being computed now (the checkpoint's at
         # least), which share the engine: each goes about that many times slower.
-        decoding = {r.lease.slot for r in self._running.values() if r.decoding}
+        decoding = {r.lease.slot for r in self._declared() if r.decoding}
         contention = 1 + sum(
             1 for row in self._slots.table() if row.refcount and row.slot not in decoding
         )
@@ -571,11 +591,9 @@ class Gateway:
         """The watchdog's work: reclaim leases held past their TTL, then dispatch."""
         reclaimed = self._slots.sweep(self.clock())
         for lease in reclaimed:
-            self._running.pop(lease.id, None)
-            self._unpin_entry(lease.id)
-            self._reserved.pop(lease.id, None)
-            self._lease_ticket.pop(lease.id, None)
-            self._lease_seq.pop(lease.id, None)
+            held = self._drop(lease.id)
+            if held is not None:
+                self._after(held)
             log.warning(
                 "watchdog reclaimed lease %d on slot %d (agent %s), held since %.1f",
                 lease.id,
@@ -604,7 +622,7 @@ class Gateway:
         """Slots, queue, checkpoints and counters, as typed rows (with no place in the agent
         tree: :meth:`agentkv.runtime.tree.AgentTree.annotate` adds it)."""
         now = self.clock()
-        running = {r.lease.slot: r for r in self._running.values()}
+        running = {r.lease.slot: r for r in self._declared()}
         return GatewaySnapshot(
             slots=tuple(
                 SlotRow(
@@ -658,7 +676,7 @@ class Gateway:
             placements=self._slots.stats().view(),
         )
 
-    def _state(self, row: SlotView, running: dict[int, _Running]) -> SlotState:
+    def _state(self, row: SlotView, running: dict[int, _Held]) -> SlotState:
         if row.refcount == 0:
             return "out" if self._slots.is_out(row.slot) else "idle"
         if row.slot in running and running[row.slot].decoding:
@@ -697,13 +715,11 @@ class Gateway:
         batch = self.config.engine_batch
         if len(ticket.tokens) - placement.reuse > batch:
             return False
-        for lease_id, other in self._lease_ticket.items():
-            running = self._running.get(lease_id)
-            lease = self._slots.lease(lease_id)
-            if (running is not None and running.decoding) or lease is None:
+        for held in self._held.values():
+            if held.decoding:
                 continue
-            if other.priority <= ticket.priority and (
-                len(other.tokens) - lease.placement.reuse <= batch
+            if held.ticket.priority <= ticket.priority and (
+                len(held.ticket.tokens) - held.lease.placement.reuse <= batch
             ):
                 return True
         return False
@@ -746,10 +762,9 @@ class Gateway:
         if placement is None:
             return False
         lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
-        self._pin_entry(lease)
+        held = _Held(lease, ticket, next(self._dispatched), pinned=self._pin_entry(lease))
+        self._held[lease.id] = held
         waiter.lease = lease
-        self._lease_seq[lease.id] = next(self._dispatched)
-        self._lease_ticket[lease.id] = ticket
         self._quiet_since.pop((ticket.agent, ticket.arrival), None)
         log.debug(
             "lease %d: ticket %d (agent %s, priority %d, waited %.1f s) on slot %d, %s, "
@@ -764,7 +779,7 @@ class Gateway:
             placement.reuse,
             len(ticket.tokens),
         )
-        self._plan_checkpoint(ticket, lease)
+        self._plan_checkpoint(held)
         waiter.event.set()
         return True
 
@@ -789,7 +804,7 @@ class Gateway:
                 queue.submit(ticket, ticket.arrival)
                 return
 
-    def _pin_entry(self, lease: Lease) -> None:
+    def _pin_entry(self, lease: Lease) -> tuple[StoreIndex, str] | None:
         """Keep the entry ``lease`` was placed to restore until the lease ends. Between the
         placement and the restore the request may park the slot's content first, and another
         slot's save may meanwhile supersede an entry that is a prefix of its own: the restore
@@ -797,13 +812,8 @@ class Gateway:
         entry_id = lease.placement.entry_id
         if self.store is not None and lease.placement.source is Source.STORE and entry_id:
             self.store.pin(entry_id)
-            self._lease_entry[lease.id] = (self.store, entry_id)
-
-    def _unpin_entry(self, lease_id: int) -> None:
-        pinned = self._lease_entry.pop(lease_id, None)
-        if pinned is not None:
-            index, entry_id = pinned
-            index.unpin(entry_id)
+            return (self.store, entry_id)
+        return None
 
     def _withdraw(self, waiter: _Waiter) -> None:
         self._waiters.pop(waiter.ticket.id, None)
