@@ -44,7 +44,6 @@ from agentkv.openai_sse import (
 )
 from agentkv.openai_translate import OpenAIRequest, OpenAITranslator
 from agentkv.runtime.lifecycle import Emitted, Exchange, Failed, KeepAlive, Prepared, Runtime
-from agentkv.runtime.pool import EnginePool
 from agentkv.snapshot import unstructure
 from agentkv.sse import encode_event
 from agentkv_server.body import read_json
@@ -56,7 +55,7 @@ from agentkv_server.identity import (
     openai_agent_identity,
     subagent_id,
 )
-from agentkv_server.metrics import ServerMetrics, engine_restarts
+from agentkv_server.metrics import ServerMetrics
 from agentkv_server.page import page_mount
 
 T = TypeVar("T")
@@ -326,9 +325,9 @@ class _Routes:
         if client.status is not None:
             body["engine_generation"] = client.status.generation
             body["engine_restarts"] = client.status.restarts
-        elif isinstance(client, EnginePool):
+        elif client.engines() is not None:
             # A pool of engines: every engine's restarts (each has its own generation).
-            body["engine_restarts"] = engine_restarts(client)
+            body["engine_restarts"] = client.restarts
         if state != "ready":
             body["detail"] = detail
         if state == "engine_restarting" and client.status is not None:

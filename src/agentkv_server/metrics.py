@@ -29,9 +29,7 @@ from starlette.responses import Response
 from agentkv.agents import AgentView
 from agentkv.exceptions import AgentKVError
 from agentkv.prompts import PromptStats
-from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.lifecycle import Runtime
-from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.record import RequestRecord
 from agentkv.snapshot import (
     CompactionRow,
@@ -64,13 +62,6 @@ def _section_kind(section: object) -> str:
     return word if word in _SECTIONS else "other"
 
 
-def engine_restarts(client: LlamaSlotClient) -> int:
-    """Restarts of the engine behind ``client``, or of all the engines of a pool."""
-    if isinstance(client, EnginePool):
-        return client.restarts
-    return client.status.restarts if client.status is not None else 0
-
-
 class ServerMetrics:
     """The metrics of one app around one runtime; :meth:`response` is the scrape."""
 
@@ -79,7 +70,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         #: The engine's restarts so far, from the supervisor's status when there is one (in a
         #: pool of engines, every engine's summed).
-        self.engine_restarts: Callable[[], int] = lambda: engine_restarts(runtime.client)
+        self.engine_restarts: Callable[[], int] = lambda: runtime.client.restarts
         r = self.registry
         self.requests = Counter(
             "agentkv_requests",
@@ -254,22 +245,12 @@ class _RuntimeCollector(Collector):
             "Tokens generated per second, as measured from the engine",
             costs.decode.rate,
         )
-        yield from _prompt_answers(prompt_stats(runtime.client))
+        yield from _prompt_answers(runtime.client.prompt_answers())
         yield _counter(
             "agentkv_engine_restarts",
             "Times the engine (llama-server) was restarted after it failed",
             self.metrics.engine_restarts(),
         )
-
-
-def prompt_stats(client: LlamaSlotClient) -> PromptStats:
-    """Where the prompt answers of ``client`` came from, or of all the engines of a pool."""
-    if isinstance(client, EnginePool):
-        total = PromptStats()
-        for member in client.members:
-            total = total.add(member.client.prompt_stats)
-        return total
-    return client.prompt_stats
 
 
 def _prompt_answers(stats: PromptStats) -> Iterator[Metric]:

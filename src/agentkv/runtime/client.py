@@ -72,9 +72,14 @@ from agentkv.runtime.error_map import (
 )
 from agentkv.runtime.health import probe, wait_until_ready
 from agentkv.runtime.status import EngineStatus
+from agentkv.snapshot import EngineRow
 
 if TYPE_CHECKING:
     from agentkv.runtime.hints import EngineHints
+
+#: Called with the global slots of an engine and whether they may be placed on now (True: the
+#: engine rejoined, its slots empty; False: it is down).
+SlotsChanged = Callable[[range, bool], None]
 
 __all__ = [
     "CHAT_PATH",
@@ -505,6 +510,25 @@ class LlamaSlotClient:
         """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
         ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
         await wait_until_ready(self._http, self.base_url, timeout=timeout, on_progress=on_progress)
+
+    # -- what a pool of engines answers for all of them (see agentkv.runtime.pool) -----------
+
+    @property
+    def restarts(self) -> int:
+        """The engine's restarts by its supervisor so far (none when not supervised here)."""
+        return self.status.restarts if self.status is not None else 0
+
+    def prompt_answers(self) -> PromptStats:
+        """Where the prompt answers came from (:attr:`prompt_stats`)."""
+        return self.prompt_stats
+
+    def engines(self) -> tuple[EngineRow, ...] | None:
+        """One row per engine for the operator, when this client stands for several."""
+        return None
+
+    async def watch(self, on_change: SlotsChanged | None = None) -> None:
+        """Follow the engines' health, when this client stands for several; one engine's
+        restarts are followed by its supervisor instead."""
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it."""

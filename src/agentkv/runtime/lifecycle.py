@@ -49,7 +49,6 @@ from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.gateway import Gateway
 from agentkv.runtime.joinable import Joinable
 from agentkv.runtime.kvcache import KVCache
-from agentkv.runtime.pool import EnginePool
 from agentkv.runtime.prefetch import Prefetcher
 from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, RequestStatus
 from agentkv.runtime.relay import Relay
@@ -322,9 +321,8 @@ class Runtime:
         self._tg.start_soon(self.kvcache.run_upkeep, 60.0)
         if self.client.status is not None:
             self._tg.start_soon(self.kvcache.follow_engine_restarts, self.client.status)
-        if isinstance(self.client, EnginePool):
-            # Engines that go down leave placement; when they come back they rejoin, empty.
-            self._tg.start_soon(self.client.watch, self.kvcache.engine_changed)
+        # A pool's engines that go down leave placement; when they come back they rejoin, empty.
+        self._tg.start_soon(self.client.watch, self.kvcache.engine_changed)
         self.compactor.attach(self._tg)
         return self
 
@@ -441,7 +439,7 @@ class Runtime:
             placements=gateway.placements,
             store=self.store.snapshot() if self.store is not None else None,
             compactions=self.compactor.store.snapshot(),
-            engines=self.client.snapshot() if isinstance(self.client, EnginePool) else None,
+            engines=self.client.engines(),
             agents=self.history.agents(),
             tree=tree,
             running=tuple(r.view() for r in self.running()),

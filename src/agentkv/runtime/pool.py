@@ -43,7 +43,8 @@ import anyio.to_thread
 import attrs
 
 from agentkv.exceptions import EngineError, EngineTimeoutError, EngineUnavailableError
-from agentkv.runtime.client import LlamaSlotClient
+from agentkv.prompts import PromptStats
+from agentkv.runtime.client import LlamaSlotClient, SlotsChanged
 from agentkv.runtime.status import EngineStatus
 from agentkv.snapshot import EngineRow
 
@@ -53,10 +54,6 @@ if TYPE_CHECKING:
 __all__ = ["EnginePool", "PoolMember"]
 
 log = logging.getLogger("agentkv.pool")
-
-#: Called with the global slots of an engine and whether they may be placed on now (True: the
-#: engine rejoined, its slots empty; False: it is down).
-SlotsChanged = Callable[[range, bool], None]
 
 
 @attrs.define(eq=False)
@@ -509,7 +506,14 @@ class EnginePool(LlamaSlotClient):
         """The restarts of every engine's supervisor, summed (an upstream has none)."""
         return sum(m.client.status.restarts for m in self.members if m.client.status is not None)
 
-    def snapshot(self) -> tuple[EngineRow, ...]:
+    def prompt_answers(self) -> PromptStats:
+        """Where the prompt answers of every engine came from, summed."""
+        total = PromptStats()
+        for member in self.members:
+            total = total.add(member.client.prompt_stats)
+        return total
+
+    def engines(self) -> tuple[EngineRow, ...]:
         """One row per engine, for the operator."""
         return tuple(
             EngineRow(
