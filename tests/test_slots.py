@@ -156,7 +156,7 @@ def test_release_records_what_the_slot_holds() -> None:
     lease = manager.acquire(placement, 0, agent="a", tokens=(1, 2, 3))
     assert manager.release(lease, 1, holds=(1, 2, 3, 4))
     assert manager.table()[0].tokens == (1, 2, 3, 4)
-    assert manager.table()[0].agent == "a" and manager.table()[0].refcount == 0
+    assert manager.table()[0].agent == "a" and not manager.table()[0].held
     assert not manager.release(lease, 2, holds=())  # a second release changes nothing
     assert manager.table()[0].tokens == (1, 2, 3, 4)
 
@@ -262,7 +262,7 @@ ops = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(ops)
 def test_random_sequences_keep_the_table_consistent(sequence: list[tuple[str, list[int]]]) -> None:
-    """Whatever happens, a slot is leased at most once and refcounts match live leases."""
+    """Whatever happens, a slot is leased at most once and its held flag matches the live leases."""
     manager = SlotManager(3, lease_ttl=5)
     leases = []
     now = 0.0
@@ -282,12 +282,9 @@ def test_random_sequences_keep_the_table_consistent(sequence: list[tuple[str, li
         elif op == "touch" and leases:
             manager.touch(leases[0].id, now)
         rows = manager.table()
-        assert all(row.refcount in (0, 1) for row in rows)
-        assert manager.free == sum(1 for row in rows if row.refcount == 0)
+        assert manager.free == sum(1 for row in rows if not row.held)
         live = [lease for lease in leases if manager.lease(lease.id) is not None]
-        assert sorted(lease.slot for lease in live) == sorted(
-            row.slot for row in rows if row.refcount
-        )
+        assert sorted(lease.slot for lease in live) == sorted(row.slot for row in rows if row.held)
 
 
 def test_a_waiting_coordinators_context_is_overwritten_last_and_always_parked() -> None:

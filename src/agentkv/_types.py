@@ -127,7 +127,8 @@ class SlotView:
 
     slot: int
     tokens: tuple[int, ...] = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
-    refcount: int
+    #: A request holds the slot (llama-server runs one request per slot: never two).
+    held: bool
     last_used: float | None
     agent: str | None
     lease_ids: tuple[int, ...] = ()
@@ -135,3 +136,8 @@ class SlotView:
     stored: str | None = None
     #: The prompt sections (label, digest) of the request that left ``tokens`` there.
     sections: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def refcount(self) -> int:
+        """Deprecated: :attr:`held` as a number (a slot is only ever held once)."""
+        return int(self.held)

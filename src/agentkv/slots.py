@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from typing import Protocol
 
 import attrs
 
@@ -29,7 +30,14 @@ from agentkv.snapshot import Placements
 from agentkv.store import StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 
-__all__ = ["DEFAULT_LEASE_TTL", "SlotManager", "SlotStats", "place"]
+__all__ = [
+    "DEFAULT_LEASE_TTL",
+    "SlotContents",
+    "SlotManager",
+    "SlotReader",
+    "SlotStats",
+    "place",
+]
 
 #: Seconds without a sign of life after which a lease counts as leaked (the runtime's setting
 #: takes it from here).
@@ -150,10 +158,66 @@ def place(
     return None if best is None else best[1]
 
 
+class SlotReader(Protocol):
+    """The slot table as everyone may read it: the dispatcher hands this face out, so a reader
+    cannot write what a slot holds nor who holds it (the type checker says so)."""
+
+    @property
+    def n_slots(self) -> int: ...
+
+    @property
+    def free(self) -> int: ...
+
+    def idle(self) -> list[SlotView]: ...
+
+    def is_out(self, slot: int) -> bool: ...
+
+    def place(
+        self,
+        tokens: Tokens,
+        costs: CostModel,
+        *,
+        store: StoreIndex | None = None,
+        park_min: int = 256,
+        keep: Collection[str] = (),
+    ) -> Placement | None: ...
+
+    def lease(self, lease_id: int) -> Lease | None: ...
+
+    def table(self) -> list[SlotView]: ...
+
+    def stats(self) -> SlotStats: ...
+
+
+class SlotContents(SlotReader, Protocol):
+    """The writer of what each slot holds, and the only one: the dispatcher that creates the
+    table hands this face to the slot-content owner once. Who holds a slot (leases) is written
+    by the dispatcher alone, through the :class:`SlotManager` it keeps to itself."""
+
+    def set_content(
+        self,
+        slot: int,
+        tokens: Tokens,
+        *,
+        stored: str | None = None,
+        sections: tuple[tuple[str, str], ...] = (),
+    ) -> None: ...
+
+    def mark_stored(self, slot: int, entry_id: str | None) -> None: ...
+
+    def forget_entry(self, entry_id: str) -> None: ...
+
+    def invalidate(self, slot: int) -> None: ...
+
+    def take_out(self, slots: Collection[int]) -> None: ...
+
+    def bring_back(self, slots: Collection[int]) -> None: ...
+
+
 @attrs.define
 class _Slot:
     tokens: Tokens = ()
-    refcount: int = 0
+    held: bool = False
     last_used: float | None = None
     agent: str | None = None
     lease_ids: list[int] = attrs.Factory(list)
@@ -163,7 +227,12 @@ class _Slot:
 
 @attrs.define(eq=False)
 class SlotManager:
-    """The slot table of one engine: content, leases and a watchdog. Never leases a busy slot."""
+    """The slot table of one engine: content, leases and a watchdog. Never leases a busy slot.
+
+    Its writers come in two faces: the leases (``acquire``, ``release``, ``touch``, ``sweep``)
+    for the one dispatcher that creates the table, and :class:`SlotContents` for the one owner of
+    what slots hold; everyone else reads it as a :class:`SlotReader`.
+    """
 
     n_slots: int = attrs.field(validator=attrs.validators.gt(0))
     lease_ttl: float = attrs.field(
@@ -187,7 +256,7 @@ class SlotManager:
         return SlotView(
             slot=index,
             tokens=slot.tokens,
-            refcount=slot.refcount,
+            held=slot.held,
             last_used=slot.last_used,
             agent=slot.agent,
             lease_ids=tuple(slot.lease_ids),
@@ -200,7 +269,7 @@ class SlotManager:
         return [
             self._view(i)
             for i, slot in enumerate(self._slots)
-            if slot.refcount == 0 and i not in self._out
+            if not slot.held and i not in self._out
         ]
 
     def take_out(self, slots: Collection[int]) -> None:
@@ -243,7 +312,7 @@ class SlotManager:
         if not 0 <= placement.slot < self.n_slots:
             raise ValueError(f"no slot {placement.slot}: slots are 0..{self.n_slots - 1}")
         slot = self._slots[placement.slot]
-        if slot.refcount:
+        if slot.held:
             raise ValueError(f"slot {placement.slot} is busy")
         lease = Lease(
             id=self._next_lease,
@@ -256,7 +325,7 @@ class SlotManager:
             evicted_agent=slot.agent,
         )
         self._next_lease += 1
-        slot.refcount = 1
+        slot.held = True
         slot.last_used = now
         slot.agent = agent
         slot.lease_ids.append(lease.id)
@@ -378,9 +447,7 @@ class SlotManager:
     @property
     def free(self) -> int:
         """How many slots are idle and in placement."""
-        return sum(
-            1 for i, slot in enumerate(self._slots) if slot.refcount == 0 and i not in self._out
-        )
+        return sum(1 for i, slot in enumerate(self._slots) if not slot.held and i not in self._out)
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:
@@ -390,6 +457,6 @@ class SlotManager:
         del self._leases[lease.id]
         self._alive_at.pop(lease.id, None)
         slot = self._slots[lease.slot]
-        slot.refcount = max(0, slot.refcount - 1)
+        slot.held = False
         slot.lease_ids.remove(lease.id)
         return slot

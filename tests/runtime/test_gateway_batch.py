@@ -39,7 +39,7 @@ def restarted() -> Gateway:
     store = StoreIndex(budget=10**12)
     store.add(stored((*HEAD, 1, 1), "a"), 0)
     store.add(stored((*HEAD, 2, 2), "b"), 0)
-    return Gateway(RuntimeConfig(n_slots=2), store=store, clock=lambda: 1.0)
+    return Gateway(RuntimeConfig(n_slots=2), store_index=lambda: store, clock=lambda: 1.0)
 
 
 async def dispatched(gateway: Gateway, ticket: Ticket) -> bool:

@@ -29,9 +29,10 @@ def priority_of(gateway: Gateway, lease: Lease) -> int | None:
 
 def _gateway(**config: object) -> Gateway:
     settings = {"n_slots": 2, "preempt_from": 1, **config}
+    index = StoreIndex(budget=1 << 40)
     return Gateway(
         RuntimeConfig(**settings),  # type: ignore[arg-type]
-        store=StoreIndex(budget=1 << 40),
+        store_index=lambda: index,
         clock=Clock(),
     )
 

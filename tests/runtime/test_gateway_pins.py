@@ -36,7 +36,7 @@ async def test_a_save_elsewhere_does_not_supersede_the_entry_a_lease_is_about_to
     store = StoreIndex(budget=10**12)
     head = stored(HEAD)
     store.add(head, 0)
-    gateway = Gateway(RuntimeConfig(n_slots=2), store=store, clock=lambda: 1.0)
+    gateway = Gateway(RuntimeConfig(n_slots=2), store_index=lambda: store, clock=lambda: 1.0)
     ticket = gateway.submit("fresh", 1, (*HEAD, 1, 2, 3))
     lease = await gateway.wait(ticket)
     assert lease.placement.source is Source.STORE
@@ -51,7 +51,7 @@ async def test_a_save_elsewhere_does_not_supersede_the_entry_a_lease_is_about_to
 
 async def test_a_lease_placed_without_the_store_pins_nothing() -> None:
     store = StoreIndex(budget=10**12)
-    gateway = Gateway(RuntimeConfig(n_slots=1), store=store, clock=lambda: 1.0)
+    gateway = Gateway(RuntimeConfig(n_slots=1), store_index=lambda: store, clock=lambda: 1.0)
     ticket = gateway.submit("cold", 1, (1, 2, 3))
     lease = await gateway.wait(ticket)
     assert lease.placement.source is Source.NONE

@@ -35,7 +35,7 @@ def test_a_streamed_reply_that_ends_in_agent_calls_links_and_warms() -> None:
     clock.now = 5.0
     tree.replied("s", events)
     # The coordinator waits for both (its turn ended in them): its slot is kept warm.
-    assert gateway.warm is not None and gateway.warm() == {"s"}
+    assert tree.warm() == {"s"}
     fg = tree.place("s", "a1", 0, user("context\n\ntest it"))
     bg = tree.place("s", "a2", 0, user("context\n\ndocument it"))
     assert (fg.description, fg.priority, fg.waited_on) == ("Write the tests", 0, True)
@@ -84,5 +84,5 @@ def test_with_the_tree_off_every_request_is_its_root() -> None:
     tree = AgentTree(gateway=gateway, clock=clock, enabled=False)
     place = tree.place("s", "a1", 2, user("x"))
     assert (place.agent, place.priority, place.parent) == ("s", 2, None)
-    assert gateway.warm is None
+    assert tree.warm() == frozenset()
     assert tree.view() == []

@@ -44,7 +44,7 @@ from agentkv._types import Lease, Placement, SlotView, Source, Ticket
 from agentkv.costs import CostModel
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.scheduler import FairScheduler
-from agentkv.slots import SlotManager
+from agentkv.slots import SlotContents, SlotManager, SlotReader
 from agentkv.snapshot import (
     BackgroundRow,
     CheckpointRow,
@@ -121,8 +121,10 @@ class _Held:
 class Gateway:
     """Owns the slot table and the queues of one engine and hands out leases fairly.
 
-    ``store`` is the prefix store's index when there is one (placement may then restore a saved
-    state); ``costs`` prices prefill, save and restore. ``config.preempt_from``: a request of
+    ``store_index`` answers the prefix store's index while there is one (placement may then
+    restore a saved state): the store's owner holds it, the gateway only reads it. ``warm``
+    answers the agents whose context is worth keeping now. ``costs`` prices prefill, save and
+    restore. ``config.preempt_from``: a request of
     priority 0 that finds every slot busy suspends a running request of at least this priority
     (None: never).
     """
@@ -133,12 +135,13 @@ class Gateway:
     #: tokens than this waits (with pre-emption on).
     quiet_min: int = 64
     costs: CostModel = attrs.field(factory=CostModel)
-    store: StoreIndex | None = None
+    store_index: Callable[[], StoreIndex | None] = lambda: None
     clock: Callable[[], float] = time.monotonic
     #: Agents whose context is worth keeping now (a coordinator waiting for its sub-agents): a
     #: slot holding one is overwritten last, and is parked first whatever its size.
     warm: Callable[[], frozenset[str]] | None = None
     _slots: SlotManager = attrs.field(init=False)
+    _contents_handed: bool = attrs.field(init=False, default=False)
     _scheduler: FairScheduler = attrs.field(init=False)
     #: Background work (compaction): dispatched only while no foreground ticket waits.
     _background: FairScheduler = attrs.field(init=False)
@@ -162,8 +165,22 @@ class Gateway:
         self._background = FairScheduler(aging=self.config.aging, max_queue=self.config.max_queue)
 
     @property
-    def slots(self) -> SlotManager:
+    def slots(self) -> SlotReader:
+        """The slot table, to read (leases are written here, contents by their owner)."""
         return self._slots
+
+    def hand_contents(self) -> SlotContents:
+        """The slot table's content writer, for its one owner (the runtime's
+        :class:`~agentkv.runtime.kvcache.KVCache`): handed out once."""
+        if self._contents_handed:
+            raise RuntimeError("the slot contents already have their owner")
+        self._contents_handed = True
+        return self._slots
+
+    @property
+    def store(self) -> StoreIndex | None:
+        """The prefix store's index now (None: no store), as its owner answers."""
+        return self.store_index()
 
     @property
     def scheduler(self) -> FairScheduler:
@@ -561,7 +578,7 @@ class Gateway:
         # least), which share the engine: each goes about that many times slower.
         decoding = {r.lease.slot for r in self._declared() if r.decoding}
         contention = 1 + sum(
-            1 for row in self._slots.table() if row.refcount and row.slot not in decoding
+            1 for row in self._slots.table() if row.held and row.slot not in decoding
         )
         best: tuple[float, Checkpoint] | None = None
         for checkpoint in self._checkpoints.values():
@@ -630,13 +647,11 @@ class Gateway:
                     agent=row.agent,
                     tokens=len(row.tokens),
                     stored=row.stored,
-                    busy=row.refcount > 0,
+                    busy=row.held,
                     state=self._state(row, running),
                     priority=running[row.slot].priority if row.slot in running else None,
                     idle_s=(
-                        None
-                        if row.last_used is None or row.refcount
-                        else round(now - row.last_used, 3)
+                        None if row.last_used is None or row.held else round(now - row.last_used, 3)
                     ),
                     leases=row.lease_ids,
                     parent=None,
@@ -677,7 +692,7 @@ class Gateway:
         )
 
     def _state(self, row: SlotView, running: dict[int, _Held]) -> SlotState:
-        if row.refcount == 0:
+        if not row.held:
             return "out" if self._slots.is_out(row.slot) else "idle"
         if row.slot in running and running[row.slot].decoding:
             return "decoding"
@@ -810,9 +825,10 @@ class Gateway:
         slot's save may meanwhile supersede an entry that is a prefix of its own: the restore
         would then find nothing and compute the whole prompt."""
         entry_id = lease.placement.entry_id
-        if self.store is not None and lease.placement.source is Source.STORE and entry_id:
-            self.store.pin(entry_id)
-            return (self.store, entry_id)
+        index = self.store
+        if index is not None and lease.placement.source is Source.STORE and entry_id:
+            index.pin(entry_id)
+            return (index, entry_id)
         return None
 
     def _withdraw(self, waiter: _Waiter) -> None:

@@ -38,6 +38,7 @@ from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.gateway import Checkpoint, Gateway
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
+from agentkv.slots import SlotContents
 from agentkv.store import EntryKind, StoreEntry, StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 
@@ -62,11 +63,12 @@ class KVCache:
     store: PrefixStore | None = None
     clock: Callable[[], float] = time.monotonic
     later: Callable[..., bool] = attrs.field(default=lambda *_: False)
+    #: The slot table's content writer: this is its one owner.
+    slots: SlotContents = attrs.field(init=False)
     _off: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
-        # Placement prices restores and plans checkpoints from the index, while there is one.
-        self.gateway.store = self.store.index if self.store is not None else None
+        self.slots = self.gateway.hand_contents()
 
     @classmethod
     def create(
@@ -88,6 +90,11 @@ class KVCache:
             )
             store = PrefixStore(config.store_dir, client, index)
         return cls(gateway, client, costs, store, clock=clock, later=later)
+
+    def index(self) -> StoreIndex | None:
+        """The prefix store's index while there is a store (placement prices restores and plans
+        checkpoints from it)."""
+        return self.store.index if self.store is not None else None
 
     @property
     def enabled(self) -> bool:
@@ -129,7 +136,6 @@ class KVCache:
         """No store from now on: placement stops pricing restores, nobody saves or parks."""
         self._off = True
         self.store = None
-        self.gateway.store = None
 
     async def clear(self, *, agent: str | None = None) -> int:
         """Delete the store's entries (every one, or one agent's) and their files; slots whose
@@ -138,7 +144,7 @@ class KVCache:
             return 0
         removed = await self.store.clear(agent=agent)
         for entry_id in removed:
-            self.gateway.slots.forget_entry(entry_id)
+            self.slots.forget_entry(entry_id)
         log.info(
             "prefix store: %d entries deleted%s", len(removed), f" of {agent}" if agent else ""
         )
@@ -159,17 +165,17 @@ class KVCache:
         while True:
             generation = await status.wait_generation(generation)
             for slot in range(self.gateway.config.n_slots):
-                self.gateway.slots.invalidate(slot)
+                self.slots.invalidate(slot)
             log.info("engine restarted (generation %d): slot contents forgotten", generation)
 
     def engine_changed(self, slots: range, up: bool) -> None:
         """An engine of a pool left placement (``up`` False) or rejoined it, its slots empty
         either way (:class:`agentkv.runtime.pool.EnginePool`); the queue goes on elsewhere."""
         if up:
-            self.gateway.slots.bring_back(slots)
+            self.slots.bring_back(slots)
             self.gateway.wake()
         else:
-            self.gateway.slots.take_out(slots)
+            self.slots.take_out(slots)
 
     # -- preparing a leased slot ------------------------------------------------------------------
 
@@ -179,7 +185,7 @@ class KVCache:
         store = self.store
         if not lease.placement.park or store is None or not lease.evicted:
             return False
-        slots = self.gateway.slots
+        slots = self.slots
         previous = slots.table()[lease.slot].sections
         parked = await self.guard(
             store.save(lease.slot, EntryKind.CONTEXT, agent=lease.evicted_agent, sections=previous)
@@ -212,11 +218,11 @@ class KVCache:
                     tokens_saved=reuse,
                     seconds_saved=max(0.0, self.costs.prefill.estimate(0, reuse) - seconds),
                 )
-                self.gateway.slots.set_content(
+                self.slots.set_content(
                     lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
                 )
                 return True
-        self.gateway.slots.invalidate(lease.slot)
+        self.slots.invalidate(lease.slot)
         return False
 
     async def checkpoint(
@@ -252,7 +258,7 @@ class KVCache:
                 if entry is not None:
                     break
             if entry is not None:
-                gateway.slots.set_content(
+                self.slots.set_content(
                     lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
                 )
         except BaseException:
@@ -287,12 +293,12 @@ class KVCache:
         if store is None or not await self.client.health():
             return 0
         saved = 0
-        slots = self.gateway.slots
+        slots = self.slots
         for row in slots.table():
             store = self.store  # a failed save may have switched it off
             if store is None:
                 break
-            if row.refcount or row.stored is not None or not row.tokens:
+            if row.held or row.stored is not None or not row.tokens:
                 continue
             best = store.index.best(row.tokens)
             if best is not None and best[1] >= len(row.tokens):
@@ -324,7 +330,7 @@ class KVCache:
         if entry is None:
             return (), None
         store.index.pin(entry.id)
-        self.gateway.slots.mark_stored(slot, entry.id)
+        self.slots.mark_stored(slot, entry.id)
         return entry.tokens, entry
 
     def forget_progress(self, entry_ids: list[str]) -> None:

@@ -289,7 +289,15 @@ class Runtime:
         self.translator = MessagesTranslator(
             session_layout=config.session_layout, limits=config.limits
         )
-        self.gateway = Gateway(config, costs=self.costs, clock=self.clock)
+        # The gateway reads what two others own: the prefix store's index (the KVCache's) and
+        # the agents to keep warm (the tree's); both are built next, so it is handed readers.
+        self.gateway = Gateway(
+            config,
+            costs=self.costs,
+            clock=self.clock,
+            store_index=lambda: self.kvcache.index(),
+            warm=(lambda: self.tree.warm()) if config.agent_tree else None,
+        )
         self.kvcache = KVCache.create(
             self.gateway, self.client, self.costs, self.store_compat, self.clock, self.later
         )

@@ -1,5 +1,6 @@
 """The agent tree at run time: places requests in :class:`~agentkv.agents.AgentDirectory`,
-follows the replies agentkv streams, and tells the gateway whose context to keep warm.
+follows the replies agentkv streams, and answers whose context to keep warm (:meth:`AgentTree.warm`,
+which the runtime hands the gateway).
 
 The directory decides (who is whose sub-agent, who waits, what priority); this module wires it to
 the runtime: a request's agent and priority before it is queued, the ``Agent`` calls of a reply
@@ -54,8 +55,6 @@ class AgentTree:
 
     def __attrs_post_init__(self) -> None:
         self.directory = AgentDirectory(background_offset=self.background_offset)
-        if self.enabled:
-            self.gateway.warm = self.warm
 
     def place(
         self, root: str, sub: str | None, priority: int, body: Mapping[str, Any]
