@@ -1,5 +1,5 @@
 """Fuzz both message routes with hostile bodies: never a 500, always the Anthropic error shape,
-and nothing left behind in the gateway.
+and nothing left behind in the dispatcher.
 
 Bodies start structurally valid (messages, blocks, tools, tool_choice, metadata, ...) and then get
 zero or more hostile mutations: values replaced by wrong types, huge or non-finite numbers, strings
@@ -409,7 +409,7 @@ def check_response(response: httpx.Response, reasons: Counter[str]) -> None:
 
 
 def test_fuzz_both_message_routes() -> None:
-    """Hostile bodies on both routes: no 500, Anthropic-shaped errors, an idle gateway after."""
+    """Hostile bodies on both routes: no 500, Anthropic-shaped errors, an idle dispatcher after."""
     # A reply that is a valid call of any tool whose schema accepts an object, so forced tool
     # choices succeed too. The first engine sees images; the second is text-only as the default
     # model is: its /props says so, and it refuses an image with a 500, as llama-server does.

@@ -1,5 +1,5 @@
 """Fuzz the OpenAI routes with hostile bodies: never a 500, always the OpenAI error shape, and
-nothing left behind in the gateway.
+nothing left behind in the dispatcher.
 
 Bodies start as valid Responses or Chat Completions requests (input items, function calls and their
 outputs, namespaced and custom tools, tool choices, images, sampling options) and then get the
@@ -354,7 +354,7 @@ def check_response(route: str, response: httpx.Response, reasons: Counter[str]) 
 
 def test_fuzz_both_openai_routes() -> None:
     """Hostile bodies on /v1/responses and /v1/chat/completions: no 500, OpenAI-shaped errors,
-    an idle gateway after."""
+    an idle dispatcher after."""
     fake = FakeLlama(reply='{"name": "x", "arguments": {}}')
     engine = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
     client = LlamaSlotClient("http://engine", http=engine, connect_retries=0)

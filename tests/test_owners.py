@@ -1,11 +1,11 @@
 """Ownership of the slot table, by construction.
 
-The dispatcher (:class:`~agentkv.runtime.gateway.Gateway`) creates the table and alone writes who
-holds a slot; it hands the writer of what slots hold (:class:`~agentkv.slots.SlotContents`) to one
-owner, the runtime's ``KVCache``, and to everyone else the read-only
-:class:`~agentkv.slots.SlotReader`. ``mypy --strict`` (CI) then refuses a write through a reader.
-What the types cannot say is checked here: the content writer has one holder, and each face
-covers what the table offers.
+The dispatcher (:class:`~agentkv.runtime.dispatcher.Dispatcher`) creates the table and alone writes
+who holds a slot; it hands the writer of what slots hold (:class:`~agentkv.slots.ContentWriter`) to
+one owner, the runtime's :class:`~agentkv.runtime.contents.SlotContents`, and to everyone else the
+read-only :class:`~agentkv.slots.SlotReader`. ``mypy --strict`` (CI) then refuses a write through
+a reader. What the types cannot say is checked here: the content writer has one holder, and each
+face covers what the table offers.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import attrs
 import pytest
 
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.gateway import Gateway
-from agentkv.slots import SlotContents, SlotManager, SlotReader
+from agentkv.runtime.dispatcher import Dispatcher
+from agentkv.slots import ContentWriter, SlotManager, SlotReader
 
 #: Who holds a slot: written by the dispatcher only, through the table it keeps to itself.
 LEASE_WRITERS = frozenset({"acquire", "release", "sweep", "touch"})
@@ -33,10 +33,10 @@ def _members(protocol: type) -> set[str]:
 
 def test_the_content_writer_has_one_owner() -> None:
     """The dispatcher hands the content writer out once; a second owner is refused."""
-    gateway = Gateway(RuntimeConfig(n_slots=1))
-    gateway.hand_contents()
+    dispatcher = Dispatcher(RuntimeConfig(n_slots=1))
+    dispatcher.hand_contents()
     with pytest.raises(RuntimeError, match="already have their owner"):
-        gateway.hand_contents()
+        dispatcher.hand_contents()
 
 
 def test_every_table_method_belongs_to_one_face() -> None:
@@ -44,19 +44,19 @@ def test_every_table_method_belongs_to_one_face() -> None:
     fields = {field.name for field in attrs.fields(SlotManager)} - {"n_slots"}
     public = {name for name in dir(SlotManager) if not name.startswith("_")} - fields
     readers = _members(SlotReader)
-    contents = _members(SlotContents)
+    contents = _members(ContentWriter)
     assert not readers & contents and not readers & LEASE_WRITERS
     assert public == readers | contents | LEASE_WRITERS
 
 
 @pytest.mark.anyio
 async def test_the_runtime_wires_the_content_writer_to_its_cache() -> None:
-    """In a runtime, the content writer is the KVCache's: nobody can take it afterwards."""
+    """In a runtime, the content writer is the SlotContents's: nobody can take it afterwards."""
     from agentkv.runtime.client import LlamaSlotClient
     from agentkv.runtime.lifecycle import Runtime
 
     async with LlamaSlotClient("http://127.0.0.1:9") as client:
         runtime = Runtime(client, RuntimeConfig(n_slots=2))
-        assert runtime.kvcache.slots.table() == runtime.gateway.slots.table()
+        assert runtime.contents.slots.table() == runtime.dispatcher.slots.table()
         with pytest.raises(RuntimeError):
-            runtime.gateway.hand_contents()
+            runtime.dispatcher.hand_contents()

@@ -32,7 +32,7 @@ from agentkv.tokens import Tokens, common_prefix
 
 __all__ = [
     "DEFAULT_LEASE_TTL",
-    "SlotContents",
+    "ContentWriter",
     "SlotManager",
     "SlotReader",
     "SlotStats",
@@ -189,7 +189,7 @@ class SlotReader(Protocol):
     def stats(self) -> SlotStats: ...
 
 
-class SlotContents(SlotReader, Protocol):
+class ContentWriter(SlotReader, Protocol):
     """The writer of what each slot holds, and the only one: the dispatcher that creates the
     table hands this face to the slot-content owner once. Who holds a slot (leases) is written
     by the dispatcher alone, through the :class:`SlotManager` it keeps to itself."""
@@ -230,7 +230,7 @@ class SlotManager:
     """The slot table of one engine: content, leases and a watchdog. Never leases a busy slot.
 
     Its writers come in two faces: the leases (``acquire``, ``release``, ``touch``, ``sweep``)
-    for the one dispatcher that creates the table, and :class:`SlotContents` for the one owner of
+    for the one dispatcher that creates the table, and :class:`ContentWriter` for the one owner of
     what slots hold; everyone else reads it as a :class:`SlotReader`.
     """
 

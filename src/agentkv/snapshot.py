@@ -27,9 +27,9 @@ __all__ = [
     "CheckpointRow",
     "CompactionRow",
     "CostsView",
+    "DispatcherSnapshot",
     "Divergence",
     "EngineRow",
-    "GatewaySnapshot",
     "PendingCompactionRow",
     "Placements",
     "QueueRow",
@@ -123,8 +123,8 @@ class Placements:
 
 
 @attrs.frozen
-class GatewaySnapshot:
-    """The gateway's part of the view (:meth:`agentkv.runtime.gateway.Gateway.snapshot`)."""
+class DispatcherSnapshot:
+    """The dispatcher's part of the view (``Dispatcher.snapshot()``)."""
 
     slots: tuple[SlotRow, ...]
     queue: tuple[QueueRow, ...]

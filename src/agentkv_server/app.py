@@ -319,7 +319,7 @@ class _Routes:
             "status": state,
             "engine": state == "ready",
             "slots": self.runtime.config.n_slots,
-            "queued": self.runtime.gateway.queue_depth,
+            "queued": self.runtime.dispatcher.queue_depth,
         }
         headers = None
         if client.status is not None:
@@ -345,7 +345,7 @@ class _Routes:
         agent = request.query_params.get("agent") or None
         if self.runtime.store is None:
             return JSONResponse({"deleted": 0, "store": "off"})
-        deleted = await self.runtime.kvcache.clear(agent=agent)
+        deleted = await self.runtime.contents.clear(agent=agent)
         return JSONResponse({"deleted": deleted, "agent": agent})
 
     async def prometheus(self, request: Request) -> Response:

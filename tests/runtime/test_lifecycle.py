@@ -161,7 +161,7 @@ async def test_a_request_nobody_follows_is_cancelled_after_the_grace(tmp_path: P
         await wait_for(lambda: exchange.done)
         assert exchange.record.status is RequestStatus.CANCELLED
         assert fake.finished == 0
-        assert runtime.gateway.slots.free == 1
+        assert runtime.dispatcher.slots.free == 1
 
 
 async def test_generation_ends_before_the_clients_timeout() -> None:
@@ -364,11 +364,11 @@ async def test_an_engine_restart_forgets_what_the_slots_held() -> None:
     client = LlamaSlotClient("http://engine", http=http, connect_retries=0, status=status)
     async with http, Runtime(client, RuntimeConfig(n_slots=2)) as runtime:
         await ask(runtime, first_request("alpha"), "a")
-        held = [len(slot.tokens) for slot in runtime.gateway.slots.table()]
+        held = [len(slot.tokens) for slot in runtime.dispatcher.slots.table()]
         assert max(held) > 1000
         status.new_generation()
         await wait_for(
-            lambda: all(not slot.tokens for slot in runtime.gateway.slots.table()), timeout=5
+            lambda: all(not slot.tokens for slot in runtime.dispatcher.slots.table()), timeout=5
         )
         await ask(runtime, first_request("alpha"), "a")
         assert runtime.records()[-1].source == "none"
@@ -406,7 +406,7 @@ async def test_the_watchdog_leaves_a_request_alone_while_the_engine_reports_prog
     async with running(fake, n_slots=1, lease_ttl=0.5, watchdog_interval=0.05) as runtime:
         body = {**first_request("go"), "max_tokens": 200}
         assert await ask(runtime, body, "slow") == reply
-        assert runtime.gateway.snapshot().placements.reclaimed == 0
+        assert runtime.dispatcher.snapshot().placements.reclaimed == 0
 
 
 async def test_the_watchdog_reclaims_a_lease_whose_engine_falls_silent() -> None:
@@ -422,7 +422,7 @@ async def test_the_watchdog_reclaims_a_lease_whose_engine_falls_silent() -> None
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(slow)
-            await wait_for(lambda: runtime.gateway.snapshot().placements.reclaimed >= 1, 3.0)
+            await wait_for(lambda: runtime.dispatcher.snapshot().placements.reclaimed >= 1, 3.0)
             await task_done.wait()
 
 

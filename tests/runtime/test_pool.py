@@ -205,7 +205,7 @@ async def test_an_engine_that_dies_leaves_placement_and_rejoins_empty(tmp_path: 
         async with anyio.create_task_group() as tg:
             a.prefill_delay = 0.5
             tg.start_soon(ask, runtime, request("busy on engine 0"), "x")
-            await wait_for(lambda: runtime.gateway.slots.free == 1)
+            await wait_for(lambda: runtime.dispatcher.slots.free == 1)
             exchange = runtime.submit(
                 await runtime.prepare(request("on engine 1"), agent="y", priority=1)
             )
@@ -215,7 +215,7 @@ async def test_an_engine_that_dies_leaves_placement_and_rejoins_empty(tmp_path: 
                 await exchange.message()
         assert exchange.record.slot == 1
         await wait_for(lambda: not pool.members[1].up)
-        assert runtime.gateway.slots.is_out(1)
+        assert runtime.dispatcher.slots.is_out(1)
         snapshot = runtime.snapshot()
         assert [row.state for row in snapshot.slots] == ["idle", "out"]
         assert snapshot.engines is not None and snapshot.engines[1].up is False
@@ -229,8 +229,8 @@ async def test_an_engine_that_dies_leaves_placement_and_rejoins_empty(tmp_path: 
         # Engine 1 comes back: it rejoins, its slot empty, and serves again.
         dying.dead = False
         await wait_for(lambda: pool.members[1].up)
-        assert not runtime.gateway.slots.is_out(1)
-        assert runtime.gateway.slots.table()[1].tokens == ()
+        assert not runtime.dispatcher.slots.is_out(1)
+        assert runtime.dispatcher.slots.table()[1].tokens == ()
         assert pool.members[1].rejoined == 1
         b.prefill_delay = 0.0
         a.prefill_delay = 0.5

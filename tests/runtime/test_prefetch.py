@@ -92,7 +92,7 @@ async def test_a_fan_out_prepares_a_head_seen_before_that_is_cached_nowhere(
         # the store is emptied: the head is cached nowhere when the coordinator calls again.
         await send(runtime, "fg_4_continuation.json")
         assert "coordinator/prefetch" not in by_agent(runtime)  # the head was still stored
-        assert await runtime.kvcache.clear() > 0
+        assert await runtime.contents.clear() > 0
         computed = fake.computed
         reply = await send(runtime, "fg_4_continuation.json")
         assert reply["stop_reason"] == "tool_use"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.gateway import Gateway
+from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.tree import AgentTree
 from agentkv_bench.subagents import agent_call, scripted_reply
 
@@ -22,8 +22,8 @@ def user(text: str) -> dict[str, object]:
 
 def test_a_streamed_reply_that_ends_in_agent_calls_links_and_warms() -> None:
     clock = Clock()
-    gateway = Gateway(RuntimeConfig(n_slots=1), clock=clock)
-    tree = AgentTree(gateway=gateway, clock=clock)
+    dispatcher = Dispatcher(RuntimeConfig(n_slots=1), clock=clock)
+    tree = AgentTree(dispatcher=dispatcher, clock=clock)
     tree.place("s", None, 0, user("build it"))
     events = scripted_reply(
         [
@@ -49,8 +49,8 @@ def test_a_streamed_reply_that_ends_in_agent_calls_links_and_warms() -> None:
 
 def test_a_reply_without_agent_calls_changes_nothing() -> None:
     clock = Clock()
-    gateway = Gateway(RuntimeConfig(n_slots=1), clock=clock)
-    tree = AgentTree(gateway=gateway, clock=clock)
+    dispatcher = Dispatcher(RuntimeConfig(n_slots=1), clock=clock)
+    tree = AgentTree(dispatcher=dispatcher, clock=clock)
     tree.place("s", None, 1, user("hi"))
     tree.replied("s", scripted_reply([{"type": "text", "text": "hello"}]))
     assert tree.warm() == frozenset()
@@ -59,20 +59,20 @@ def test_a_reply_without_agent_calls_changes_nothing() -> None:
 def test_queued_subagent_tickets_take_their_new_priority_keeping_their_arrival() -> None:
     """When the coordinator goes on, its background sub-agent's queued request drops a level."""
     clock = Clock()
-    gateway = Gateway(RuntimeConfig(n_slots=1), clock=clock)
-    tree = AgentTree(gateway=gateway, clock=clock)
+    dispatcher = Dispatcher(RuntimeConfig(n_slots=1), clock=clock)
+    tree = AgentTree(dispatcher=dispatcher, clock=clock)
     tree.place("s", None, 1, user("go"))
     tree.replied(
         "s",
         scripted_reply([agent_call("c1", "Docs", "document it", background=True)]),
     )
-    busy = gateway.submit("other", 1, (1, 2, 3))  # takes the only slot
+    busy = dispatcher.submit("other", 1, (1, 2, 3))  # takes the only slot
     place = tree.place("s", "a1", 1, user("document it"))
     assert place.priority == 1
-    ticket = gateway.submit(place.agent, place.priority, (4, 5, 6))
+    ticket = dispatcher.submit(place.agent, place.priority, (4, 5, 6))
     clock.now = 3.0
     tree.place("s", None, 1, user("go on"))
-    (queued,) = gateway.snapshot().queue
+    (queued,) = dispatcher.snapshot().queue
     assert queued.ticket == ticket.id and queued.priority == 2
     assert queued.waited_s == 3.0  # the same arrival: aging counts from it
     assert busy.id != ticket.id
@@ -80,8 +80,8 @@ def test_queued_subagent_tickets_take_their_new_priority_keeping_their_arrival()
 
 def test_with_the_tree_off_every_request_is_its_root() -> None:
     clock = Clock()
-    gateway = Gateway(RuntimeConfig(n_slots=1), clock=clock)
-    tree = AgentTree(gateway=gateway, clock=clock, enabled=False)
+    dispatcher = Dispatcher(RuntimeConfig(n_slots=1), clock=clock)
+    tree = AgentTree(dispatcher=dispatcher, clock=clock, enabled=False)
     place = tree.place("s", "a1", 2, user("x"))
     assert (place.agent, place.priority, place.parent) == ("s", 2, None)
     assert tree.warm() == frozenset()

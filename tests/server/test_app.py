@@ -366,15 +366,15 @@ async def test_max_tokens_is_capped_to_what_the_slot_can_hold(serve: Any) -> Non
 
 async def test_background_work_waits_for_every_foreground_request() -> None:
     """A background (compaction) ticket gets a slot only when no agent request waits."""
-    from agentkv.runtime.gateway import Gateway
+    from agentkv.runtime.dispatcher import Dispatcher
 
     # Aging so fast that, in one queue, the waiting compaction would outrank everything.
-    gateway = Gateway(RuntimeConfig(n_slots=1, aging=100.0))
+    dispatcher = Dispatcher(RuntimeConfig(n_slots=1, aging=100.0))
     order: list[str] = []
 
     async def run(name: str, priority: int, background: bool) -> None:
-        ticket = gateway.submit(name, priority, background=background)
-        async with gateway.hold(ticket):
+        ticket = dispatcher.submit(name, priority, background=background)
+        async with dispatcher.hold(ticket):
             order.append(name)
             await anyio.sleep(0.05)
 
@@ -388,7 +388,7 @@ async def test_background_work_waits_for_every_foreground_request() -> None:
         tg.start_soon(run, "late-p1", 1, False)
     assert order[0] == "busy" and order[-1] == "compaction"
     assert sorted(order[1:3]) == ["late-p1", "late-p2"]
-    assert gateway.slots.free == 1
+    assert dispatcher.slots.free == 1
 
 
 WEATHER = {

@@ -181,7 +181,7 @@ async def test_slots_and_queue_are_read_at_scrape_time(serve: Any) -> None:
     async with anyio.create_task_group() as tg:
         for agent in ("a", "b", "c"):
             tg.start_soon(call, agent)
-        await wait_for(lambda: runtime.gateway.queue_depth == 2)
+        await wait_for(lambda: runtime.dispatcher.queue_depth == 2)
         await anyio.sleep(0.2)
         samples = await scrape(http)
         assert value(samples, "agentkv_slots", state="prefilling") == 1

@@ -73,7 +73,7 @@ async def test_delete_clears_one_agent_then_everything(tmp_path: Path) -> None:
             assert files(tmp_path) == set()
             assert runtime.store.index.entries() == []
             # No slot still claims to be saved in an entry that is gone.
-            assert all(row.stored is None for row in runtime.gateway.slots.table())
+            assert all(row.stored is None for row in runtime.dispatcher.slots.table())
             index = json.loads((tmp_path / "index.json").read_text())
             assert index["entries"] == []
 

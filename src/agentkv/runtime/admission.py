@@ -23,8 +23,8 @@ from agentkv.exceptions import PromptTooLongError
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.gateway import Gateway
-from agentkv.runtime.kvcache import KVCache
+from agentkv.runtime.contents import SlotContents
+from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.sse import SSEAssembler
 from agentkv.tokens import Tokens, common_prefix
 from agentkv.translate import EngineRequest, MessagesTranslator, has_images
@@ -64,8 +64,8 @@ class Admission:
     translator: MessagesTranslator
     #: Its store holds the agents' compactions, rewritten into their requests.
     compactor: Compactor
-    gateway: Gateway
-    kvcache: KVCache
+    dispatcher: Dispatcher
+    contents: SlotContents
 
     async def prepare(self, body: Mapping[str, Any], *, agent: str, priority: int) -> Prepared:
         """Validate and fit a Messages request; raises a 4xx :class:`AgentKVError` (a prompt
@@ -149,9 +149,9 @@ class Admission:
     async def _boundary(self, engine: EngineRequest, tokens: Tokens) -> int | None:
         """Where the shareable head ends, measured only when it could matter: a long prompt of
         which little is cached anywhere."""
-        if not self.kvcache.enabled or engine.stem_body is None:
+        if not self.contents.enabled or engine.stem_body is None:
             return None
-        if len(tokens) - self.gateway.available(tokens) < self.config.split_min:
+        if len(tokens) - self.dispatcher.available(tokens) < self.config.split_min:
             return None
         stem = await self.client.prompt_tokens(engine.stem_body)
         return common_prefix(tokens, stem)

@@ -1,7 +1,7 @@
 """Running compaction jobs: ask the model for a summary through the scheduler, then warm the slot.
 
 The planning and rewriting are pure (``agentkv.compaction``); this module does the waiting and
-the engine calls. A background job takes a slot only while no agent request waits (the gateway's
+the engine calls. A background job takes a slot only while no agent request waits (the dispatcher's
 background lane), at priority 3.
 """
 
@@ -24,7 +24,7 @@ from agentkv.compaction import (
     plan_compaction,
     summary_request,
 )
-from agentkv.runtime.gateway import Gateway
+from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.hints import EngineHints
 
 __all__ = ["Compactor"]
@@ -38,7 +38,7 @@ BACKGROUND_PRIORITY = 3
 class Compactor:
     """Plans, runs and records compactions for the agents of one engine."""
 
-    gateway: Gateway
+    dispatcher: Dispatcher
     client: LlamaSlotClient
     fingerprinter: PrefixFingerprinter
     keep_recent: int = 6
@@ -95,7 +95,7 @@ class Compactor:
         job = self._inflight.get(agent)
         if job is not None:
             if job.ticket is not None:
-                self.gateway.promote(job.ticket, priority)
+                self.dispatcher.promote(job.ticket, priority)
             await job.done.wait()
             return self.store.latest(agent)
         plan = self._plan(agent, body)
@@ -118,10 +118,10 @@ class Compactor:
         plan = job.plan
         result: Compaction | None = None
         try:
-            job.ticket = self.gateway.submit(
+            job.ticket = self.dispatcher.submit(
                 f"{agent} (compaction)", priority, background=background
             )
-            lease = await self.gateway.wait(job.ticket)
+            lease = await self.dispatcher.wait(job.ticket)
             job.ticket = None
             holds: tuple[int, ...] | None = None
             # An engine that places requests itself runs the summary where the agent's context is.
@@ -147,7 +147,7 @@ class Compactor:
                 # The slot now holds the compacted conversation: the agent's next request hits it.
                 holds = tuple(await self.client.prompt_tokens(compacted))
             finally:
-                self.gateway.release(lease, holds=holds)
+                self.dispatcher.release(lease, holds=holds)
             log.info(
                 "compacted agent %s: %d messages -> summary, %d -> %d prompt tokens",
                 agent,

@@ -5,19 +5,19 @@
     Runtime.prepare(body, agent, priority)        before any response is sent    admission
         translate (400 naming the field) → the agent's compactions → prompt tokens
         → "prompt is too long" or compact now → cap max_tokens → the shareable head
-    Runtime.submit(prepared) → Exchange            queued (529 when full)         gateway
+    Runtime.submit(prepared) → Exchange            queued (529 when full)         dispatcher
     Exchange.drive(), a task of the runtime:
         message_start at once                                                     broadcast
-        wait for a lease: the scheduler's order, the slot chosen by cost          gateway
-        on the slot:                                                              kvcache
+        wait for a lease: the scheduler's order, the slot chosen by cost          dispatcher
+        on the slot:                                                              contents
             park        the slot's present content, if worth it (save → store)
             restore     a saved state holding more of the prompt (verified, else prefill)
             checkpoint  compute a long shareable head alone and save it for others
         the reply: engine chunks → SSEAssembler → Anthropic events                relay
             bounded by the client's timeout; a degenerate loop is cut
             once more, constrained to a declared tool, when a tool call broke
-        suspended by a more urgent request: save progress, queue again, resume    kvcache
-        release the lease (always, synchronously), record the request     gateway, record
+        suspended by a more urgent request: save progress, queue again, resume    contents
+        release the lease (always, synchronously), record the request     dispatcher, record
     Exchange.events(): replays what was emitted and follows it live               broadcast
 
 An exchange belongs to the runtime, not to an HTTP connection: a client that goes away only
@@ -46,9 +46,9 @@ from agentkv.runtime.broadcast import Broadcast, Emitted, Event, Failed, KeepAli
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.gateway import Gateway
+from agentkv.runtime.contents import SlotContents
+from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.joinable import Joinable
-from agentkv.runtime.kvcache import KVCache
 from agentkv.runtime.prefetch import Prefetcher
 from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, RequestStatus
 from agentkv.runtime.relay import Relay
@@ -173,8 +173,8 @@ class Exchange:
             failure = AgentKVError("internal error in agentkv; see the server log")
             self.record.advance(RequestStatus.FAILED, "api_error")
         finally:
-            self.runtime.gateway.withdraw(self.ticket)
-            runtime.kvcache.forget_progress(self._suspended)
+            self.runtime.dispatcher.withdraw(self.ticket)
+            runtime.contents.forget_progress(self._suspended)
             self._suspended.clear()
             self.record.ended(runtime.clock() - self.started, self.assembler.usage)
             self.broadcast.close(failure)
@@ -183,52 +183,52 @@ class Exchange:
         runtime = self.runtime
         ticket = self.ticket
         while True:
-            lease = await runtime.gateway.wait(ticket)
+            lease = await runtime.dispatcher.wait(ticket)
             finished = await self._on_slot(lease)
             if finished:
                 return
             # Suspended for a more urgent request: queue again, keeping the original arrival.
             self.record.suspended += 1
             self.record.advance(RequestStatus.SUSPENDED)
-            ticket = self.ticket = runtime.gateway.requeue(ticket)
+            ticket = self.ticket = runtime.dispatcher.requeue(ticket)
 
     async def _on_slot(self, lease: Lease) -> bool:
         """Use the leased slot; True when the request is finished, False when suspended."""
         runtime, record = self.runtime, self.record
-        gateway = runtime.gateway
+        dispatcher = runtime.dispatcher
         placement, queued_s = lease.placement, runtime.clock() - self.started
-        seq = gateway.dispatch_seq(lease)
+        seq = dispatcher.dispatch_seq(lease)
         record.leased(lease.slot, placement.source.value, placement.reuse, seq, queued_s)
-        self._candidate = gateway.best_source(self.prepared.tokens)
+        self._candidate = dispatcher.best_source(self.prepared.tokens)
         holds: Tokens | None = None
         try:
             with anyio.CancelScope() as suspension:
-                suspend = suspension.cancel if runtime.kvcache.enabled else None
-                gateway.running(lease, self.prepared.priority, suspend)
+                suspend = suspension.cancel if runtime.contents.enabled else None
+                dispatcher.running(lease, self.prepared.priority, suspend)
                 holds = await self._use_slot(lease)
             if not suspension.cancelled_caught:
                 sections = self.prepared.engine.sections
                 record.explain(self.relay.prompt_ms / 1000, sections, self._candidate)
                 return True
-            holds, entry = await runtime.kvcache.save_progress(lease.slot, self.prepared.agent)
+            holds, entry = await runtime.contents.save_progress(lease.slot, self.prepared.agent)
             if entry is not None:
                 self._suspended.append(entry.id)
                 self._resume_from = entry.tokens if self.assembler.generated_text else None
             return False
         finally:
-            gateway.release(lease, holds=holds, sections=self.prepared.engine.sections)
+            dispatcher.release(lease, holds=holds, sections=self.prepared.engine.sections)
 
     async def _use_slot(self, lease: Lease) -> Tokens | None:
         """Prepare the slot (park, restore, checkpoint), then stream the reply."""
         runtime, record = self.runtime, self.record
-        kvcache = runtime.kvcache
-        if await kvcache.park(lease):
+        contents = runtime.contents
+        if await contents.park(lease):
             record.parked = True
-        if await kvcache.restore(lease, self.prepared.tokens) is False:
+        if await contents.restore(lease, self.prepared.tokens) is False:
             record.source = Source.NONE.value
-        checkpoint = runtime.gateway.checkpoint_of(lease)
+        checkpoint = runtime.dispatcher.checkpoint_of(lease)
         if checkpoint is not None:
-            entry = await kvcache.checkpoint(lease, checkpoint, self.prepared.engine.sections)
+            entry = await contents.checkpoint(lease, checkpoint, self.prepared.engine.sections)
             if entry is not None:
                 record.checkpoint_tokens = entry.n_tokens
         return await self._reply(lease)
@@ -239,10 +239,10 @@ class Exchange:
         resume_from, self._resume_from = self._resume_from, None
 
         def on_chunk(output: bool) -> None:
-            runtime.gateway.alive(lease)  # the watchdog leaves a lease alone while it progresses
+            runtime.dispatcher.alive(lease)  # the watchdog leaves a lease alone while it progresses
             if output:
-                suspendable = runtime.kvcache.enabled and asm.continuable
-                runtime.gateway.decoding(lease, suspendable=suspendable)
+                suspendable = runtime.contents.enabled and asm.continuable
+                runtime.dispatcher.decoding(lease, suspendable=suspendable)
 
         await self.relay.reply(lease.slot, resume_from=resume_from, on_chunk=on_chunk)
         self.broadcast.emit(asm.finish(runtime.clock()))
@@ -271,9 +271,9 @@ class Runtime:
     fingerprinter: PrefixFingerprinter = attrs.field(init=False, factory=PrefixFingerprinter)
     costs: CostModel = attrs.field(init=False, factory=CostModel)
     #: The queue and the leases.
-    gateway: Gateway = attrs.field(init=False)
+    dispatcher: Dispatcher = attrs.field(init=False)
     #: The one writer of slot contents, and the prefix store's owner.
-    kvcache: KVCache = attrs.field(init=False)
+    contents: SlotContents = attrs.field(init=False)
     compactor: Compactor = attrs.field(init=False)
     tree: AgentTree = attrs.field(init=False)
     admission: Admission = attrs.field(init=False)
@@ -289,55 +289,57 @@ class Runtime:
         self.translator = MessagesTranslator(
             session_layout=config.session_layout, limits=config.limits
         )
-        # The gateway reads what two others own: the prefix store's index (the KVCache's) and
-        # the agents to keep warm (the tree's); both are built next, so it is handed readers.
-        self.gateway = Gateway(
+        # The dispatcher reads what two others own: the prefix store's index (SlotContents') and the
+        # agents to keep warm (the tree's); both are built next, so it is handed readers.
+        self.dispatcher = Dispatcher(
             config,
             costs=self.costs,
             clock=self.clock,
-            store_index=lambda: self.kvcache.index(),
+            store_index=lambda: self.contents.index(),
             warm=(lambda: self.tree.warm()) if config.agent_tree else None,
         )
-        self.kvcache = KVCache.create(
-            self.gateway, self.client, self.costs, self.store_compat, self.clock, self.later
+        self.contents = SlotContents.create(
+            self.dispatcher, self.client, self.costs, self.store_compat, self.clock, self.later
         )
         self.tree = AgentTree(
-            self.gateway, self.clock, config.agent_tree, config.background_agent_offset
+            self.dispatcher, self.clock, config.agent_tree, config.background_agent_offset
         )
         if config.agent_tree and self.store is not None:
-            self.tree.prefetcher = Prefetcher(self.submit, self.gateway.available, config.split_min)
+            self.tree.prefetcher = Prefetcher(
+                self.submit, self.dispatcher.available, config.split_min
+            )
         self.compactor = Compactor(
-            gateway=self.gateway,
+            dispatcher=self.dispatcher,
             client=self.client,
             fingerprinter=self.fingerprinter,
             keep_recent=config.compact_keep_messages,
             clock=self.clock,
         )
         self.admission = Admission(
-            config, self.client, self.translator, self.compactor, self.gateway, self.kvcache
+            config, self.client, self.translator, self.compactor, self.dispatcher, self.contents
         )
 
     @property
     def store(self) -> PrefixStore | None:
-        """The prefix store while it is on (to read: :attr:`kvcache` owns it)."""
-        return self.kvcache.store
+        """The prefix store while it is on (to read: :attr:`contents` owns it)."""
+        return self.contents.store
 
     async def __aenter__(self) -> Runtime:
-        await self.kvcache.open()
+        await self.contents.open()
         self._tg = await anyio.create_task_group().__aenter__()
-        self._tg.start_soon(self.gateway.run_watchdog, self.config.watchdog_interval)
-        self._tg.start_soon(self.kvcache.run_upkeep, 60.0)
+        self._tg.start_soon(self.dispatcher.run_watchdog, self.config.watchdog_interval)
+        self._tg.start_soon(self.contents.run_upkeep, 60.0)
         if self.client.status is not None:
-            self._tg.start_soon(self.kvcache.follow_engine_restarts, self.client.status)
+            self._tg.start_soon(self.contents.follow_engine_restarts, self.client.status)
         # A pool's engines that go down leave placement; when they come back they rejoin, empty.
-        self._tg.start_soon(self.client.watch, self.kvcache.engine_changed)
+        self._tg.start_soon(self.client.watch, self.contents.engine_changed)
         self.compactor.attach(self._tg)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self.compactor.attach(None)
         if self.config.stop_save > 0:  # agents' latest contexts outlive the process
-            await self.kvcache.save_at_stop(self.config.stop_save)
+            await self.contents.save_at_stop(self.config.stop_save)
         tg, self._tg = self._tg, None
         if tg is not None:
             tg.cancel_scope.cancel()
@@ -370,13 +372,13 @@ class Runtime:
                 "finished" if existing.done else "still running",
             )
             return existing
-        ticket = self.gateway.submit(
+        ticket = self.dispatcher.submit(
             prepared.agent, prepared.priority, prepared.tokens, head=prepared.boundary
         )
         try:
             return self._start(prepared, ticket)
         except BaseException:
-            self.gateway.withdraw(ticket)  # nothing will ever wait for it
+            self.dispatcher.withdraw(ticket)  # nothing will ever wait for it
             raise
 
     def _start(self, prepared: Prepared, ticket: Ticket) -> Exchange:
@@ -437,14 +439,14 @@ class Runtime:
 
     def snapshot(self) -> RuntimeSnapshot:
         """The operator's view: slots, queue, store, agents, recent requests."""
-        gateway = self.gateway.snapshot()
+        dispatcher = self.dispatcher.snapshot()
         tree = tuple(self.tree.view())
         return RuntimeSnapshot(
-            slots=self.tree.annotate(gateway.slots, tree),
-            queue=self.tree.annotate(gateway.queue, tree),
-            background=gateway.background,
-            checkpoints=gateway.checkpoints,
-            placements=gateway.placements,
+            slots=self.tree.annotate(dispatcher.slots, tree),
+            queue=self.tree.annotate(dispatcher.queue, tree),
+            background=dispatcher.background,
+            checkpoints=dispatcher.checkpoints,
+            placements=dispatcher.placements,
             store=self.store.snapshot() if self.store is not None else None,
             compactions=self.compactor.store.snapshot(),
             engines=self.client.engines(),

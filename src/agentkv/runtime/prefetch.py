@@ -7,7 +7,7 @@ When a reply agentkv streams ends its turn in ``Agent`` calls, :class:`Prefetche
 each call's ``subagent_type``, the first request of a sub-agent of that type seen earlier in this
 tree; if its head is neither in a slot nor in the prefix store, it queues that request again, at
 the parent's priority and generating one token, so that the head is computed and saved as a
-checkpoint (the gateway plans it as for any long uncached head). The sub-agents' own requests
+checkpoint (the dispatcher plans it as for any long uncached head). The sub-agents' own requests
 then wait for that checkpoint, lending it their urgency, and restore it.
 
 It predicts only what was seen: nothing for a tree's first fan-out of a type, nothing for a

@@ -6,7 +6,7 @@ continued reply streams back (skipped: the client has it), the raw ``/completion
 resumes a suspended reply from its exact tokens, the one call again after the link broke
 mid-reply, and the one constrained retry for a broken tool call. It writes only into the
 assembler, the request's record and the event log it is given; it never touches a slot's
-recorded content (``runtime.kvcache`` does).
+recorded content (``runtime.contents`` does).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The agent tree at run time: places requests in :class:`~agentkv.agents.AgentDirectory`,
 follows the replies agentkv streams, and answers whose context to keep warm (:meth:`AgentTree.warm`,
-which the runtime hands the gateway).
+which the runtime hands the dispatcher).
 
 The directory decides (who is whose sub-agent, who waits, what priority); this module wires it to
 the runtime: a request's agent and priority before it is queued, the ``Agent`` calls of a reply
@@ -17,7 +17,7 @@ from typing import Any, Protocol, TypeVar
 import attrs
 
 from agentkv.agents import AGENT_TOOL, AgentCall, AgentDirectory, AgentPlace, AgentView
-from agentkv.runtime.gateway import Gateway
+from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.prefetch import Prefetcher
 from agentkv.snapshot import QueueRow, SlotRow
 from agentkv.sse import accumulate
@@ -42,7 +42,7 @@ class Labelled(Protocol):
 class AgentTree:
     """One runtime's agent tree; ``enabled`` False makes every sub-agent its root."""
 
-    gateway: Gateway
+    dispatcher: Dispatcher
     clock: Callable[[], float]
     enabled: bool = True
     background_offset: int = 1
@@ -146,7 +146,7 @@ class AgentTree:
         """Queued requests of ``parent``'s sub-agents take their priority as inferred now."""
         for row in self.directory.view(now):
             if row.parent == parent:
-                self.gateway.reprioritise(row.agent, row.priority)
+                self.dispatcher.reprioritise(row.agent, row.priority)
 
 
 def _calls_agent(events: Sequence[Mapping[str, Any]]) -> bool:

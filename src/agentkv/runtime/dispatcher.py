@@ -44,11 +44,11 @@ from agentkv._types import Lease, Placement, SlotView, Source, Ticket
 from agentkv.costs import CostModel
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.scheduler import FairScheduler
-from agentkv.slots import SlotContents, SlotManager, SlotReader
+from agentkv.slots import ContentWriter, SlotManager, SlotReader
 from agentkv.snapshot import (
     BackgroundRow,
     CheckpointRow,
-    GatewaySnapshot,
+    DispatcherSnapshot,
     QueueRow,
     SlotRow,
     SlotState,
@@ -56,9 +56,9 @@ from agentkv.snapshot import (
 from agentkv.store import StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 
-__all__ = ["Checkpoint", "Gateway"]
+__all__ = ["Checkpoint", "Dispatcher"]
 
-log = logging.getLogger("agentkv.gateway")
+log = logging.getLogger("agentkv.dispatcher")
 
 
 @attrs.define(eq=False)
@@ -86,8 +86,8 @@ class _Waiter:
 
 @attrs.define(eq=False)
 class _Held:
-    """One lease, from its grant to its end: all the gateway keeps of it, in one record that
-    :meth:`Gateway._grant` creates and :meth:`Gateway._drop` alone removes (whether the lease
+    """One lease, from its grant to its end: all the dispatcher keeps of it, in one record that
+    :meth:`Dispatcher._grant` creates and :meth:`Dispatcher._drop` alone removes (whether the lease
     is released or the watchdog reclaims it)."""
 
     lease: Lease
@@ -103,11 +103,11 @@ class _Held:
     #: Being suspended for this ticket: the slot it gives back goes to that ticket, not to
     #: whoever ranks first then.
     reserved_for: int | None = None
-    #: Whether its request declared itself running (:meth:`Gateway.running`); until then it is
+    #: Whether its request declared itself running (:meth:`Dispatcher.running`); until then it is
     #: granted and preparing the slot (restoring its context).
     declared: bool = False
     #: The urgency it runs at now: its own, or that of a more urgent request waiting for the
-    #: checkpoint it computes (see :meth:`Gateway._lend`).
+    #: checkpoint it computes (see :meth:`Dispatcher._lend`).
     priority: int = attrs.field(default=attrs.Factory(lambda self: self.ticket.priority, True))
     #: Its own priority.
     own: int = attrs.field(default=attrs.Factory(lambda self: self.ticket.priority, True))
@@ -118,11 +118,11 @@ class _Held:
 
 
 @attrs.define
-class Gateway:
+class Dispatcher:
     """Owns the slot table and the queues of one engine and hands out leases fairly.
 
     ``store_index`` answers the prefix store's index while there is one (placement may then
-    restore a saved state): the store's owner holds it, the gateway only reads it. ``warm``
+    restore a saved state): the store's owner holds it, the dispatcher only reads it. ``warm``
     answers the agents whose context is worth keeping now. ``costs`` prices prefill, save and
     restore. ``config.preempt_from``: a request of
     priority 0 that finds every slot busy suspends a running request of at least this priority
@@ -169,9 +169,9 @@ class Gateway:
         """The slot table, to read (leases are written here, contents by their owner)."""
         return self._slots
 
-    def hand_contents(self) -> SlotContents:
+    def hand_contents(self) -> ContentWriter:
         """The slot table's content writer, for its one owner (the runtime's
-        :class:`~agentkv.runtime.kvcache.KVCache`): handed out once."""
+        :class:`~agentkv.runtime.contents.SlotContents`): handed out once."""
         if self._contents_handed:
             raise RuntimeError("the slot contents already have their owner")
         self._contents_handed = True
@@ -261,7 +261,7 @@ class Gateway:
         """Wait for the ticket's lease. Cancellation withdraws the ticket or returns the lease."""
         waiter = self._waiters.get(ticket.id)
         if waiter is None:
-            raise RuntimeError(f"ticket {ticket.id} is not known to this gateway")
+            raise RuntimeError(f"ticket {ticket.id} is not known to this dispatcher")
         try:
             await waiter.event.wait()
         except BaseException:
@@ -294,7 +294,7 @@ class Gateway:
 
     @asynccontextmanager
     async def hold(self, ticket: Ticket) -> AsyncIterator[Lease]:
-        """``async with gateway.hold(ticket) as lease``: wait for the lease, always release it.
+        """``async with dispatcher.hold(ticket) as lease``: wait for the lease, always release it.
 
         A clean exit records the ticket's tokens as the slot's content; a failure leaves the
         slot's content unknown (empty).
@@ -635,12 +635,12 @@ class Gateway:
         """Requests waiting for a slot (not background work)."""
         return len(self._scheduler)
 
-    def snapshot(self) -> GatewaySnapshot:
+    def snapshot(self) -> DispatcherSnapshot:
         """Slots, queue, checkpoints and counters, as typed rows (with no place in the agent
         tree: :meth:`agentkv.runtime.tree.AgentTree.annotate` adds it)."""
         now = self.clock()
         running = {r.lease.slot: r for r in self._declared()}
-        return GatewaySnapshot(
+        return DispatcherSnapshot(
             slots=tuple(
                 SlotRow(
                     slot=row.slot,

@@ -1,6 +1,6 @@
 """What each slot holds and what the prefix store keeps: one owner for both.
 
-Every change to a slot's recorded content goes through :class:`KVCache`: a park (the slot's
+Every change to a slot's recorded content goes through :class:`SlotContents`: a park (the slot's
 content saved before it is overwritten), a restore (a saved state loaded into the slot), a
 checkpoint (a shareable head computed alone and saved), a suspended request's progress (saved,
 pinned until the request ends, then dropped), the store's entries deleted, and every slot
@@ -8,10 +8,9 @@ forgotten after an engine restart. It alone also switches the store off when lla
 cannot serve it, and every step reads the store as it is *now*, so a store switched off in one
 step is not used by the next.
 
-Leases are not content: :class:`~agentkv.runtime.gateway.Gateway` hands them out and takes them
-back (``SlotManager.acquire``; ``release``, with what the slot holds when its lease ends; the
-watchdog's ``touch`` and ``sweep``). ``tests/test_owners.py`` fails when anything else calls a
-writing method of ``SlotManager``.
+Leases are not content: :class:`~agentkv.runtime.dispatcher.Dispatcher` hands them out and takes
+them back, and keeps the slot table to itself; it hands this module the table's content writer
+(:class:`~agentkv.slots.ContentWriter`) once, and everyone else a read-only view.
 """
 
 from __future__ import annotations
@@ -35,14 +34,14 @@ from agentkv.exceptions import (
     EngineUnavailableError,
 )
 from agentkv.runtime.client import LlamaSlotClient
-from agentkv.runtime.gateway import Checkpoint, Gateway
+from agentkv.runtime.dispatcher import Checkpoint, Dispatcher
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
-from agentkv.slots import SlotContents
+from agentkv.slots import ContentWriter
 from agentkv.store import EntryKind, StoreEntry, StoreIndex
 from agentkv.tokens import Tokens, common_prefix
 
-__all__ = ["KVCache"]
+__all__ = ["SlotContents"]
 
 log = logging.getLogger("agentkv.runtime")
 
@@ -50,46 +49,46 @@ _T = TypeVar("_T")
 
 
 @attrs.define(eq=False)
-class KVCache:
+class SlotContents:
     """The slots' recorded contents and the prefix store of one engine.
 
     ``store`` is None when there is no store, or once it was switched off; ``later`` runs work
     in the background (dropping files nobody waits for) and says False when it cannot.
     """
 
-    gateway: Gateway
+    dispatcher: Dispatcher
     client: LlamaSlotClient
     costs: CostModel
     store: PrefixStore | None = None
     clock: Callable[[], float] = time.monotonic
     later: Callable[..., bool] = attrs.field(default=lambda *_: False)
     #: The slot table's content writer: this is its one owner.
-    slots: SlotContents = attrs.field(init=False)
+    slots: ContentWriter = attrs.field(init=False)
     _off: bool = attrs.field(init=False, default=False)
 
     def __attrs_post_init__(self) -> None:
-        self.slots = self.gateway.hand_contents()
+        self.slots = self.dispatcher.hand_contents()
 
     @classmethod
     def create(
         cls,
-        gateway: Gateway,
+        dispatcher: Dispatcher,
         client: LlamaSlotClient,
         costs: CostModel,
         compat: str,
         clock: Callable[[], float] = time.monotonic,
         later: Callable[..., bool] = lambda *_: False,
-    ) -> KVCache:
+    ) -> SlotContents:
         """The cache of one engine, with the store its config asks for (``store_dir``), bound
         to the engine configuration ``compat``."""
-        config, store = gateway.config, None
+        config, store = dispatcher.config, None
         # An engine without slot files (one that places requests itself) has no store.
         if config.store_dir is not None and client.slot_files:
             index = StoreIndex(
                 budget=config.store_budget, compat=compat, context_ttl=config.store_context_ttl
             )
             store = PrefixStore(config.store_dir, client, index)
-        return cls(gateway, client, costs, store, clock=clock, later=later)
+        return cls(dispatcher, client, costs, store, clock=clock, later=later)
 
     def index(self) -> StoreIndex | None:
         """The prefix store's index while there is a store (placement prices restores and plans
@@ -164,7 +163,7 @@ class KVCache:
         generation = status.generation
         while True:
             generation = await status.wait_generation(generation)
-            for slot in range(self.gateway.config.n_slots):
+            for slot in range(self.dispatcher.config.n_slots):
                 self.slots.invalidate(slot)
             log.info("engine restarted (generation %d): slot contents forgotten", generation)
 
@@ -173,7 +172,7 @@ class KVCache:
         either way (:class:`agentkv.runtime.pool.EnginePool`); the queue goes on elsewhere."""
         if up:
             self.slots.bring_back(slots)
-            self.gateway.wake()
+            self.dispatcher.wake()
         else:
             self.slots.take_out(slots)
 
@@ -233,20 +232,20 @@ class KVCache:
 
         Requests waiting for the head are let go when it is saved. When the save failed the slot
         still holds the head: they keep waiting until this request gives the slot back, and then
-        reuse it there (``Gateway.release``)."""
-        gateway = self.gateway
+        reuse it there (``Dispatcher.release``)."""
+        dispatcher = self.dispatcher
         if self.store is None:
-            gateway.end_checkpoint(checkpoint)
+            dispatcher.end_checkpoint(checkpoint)
             return None
         entry = None
         try:
             async with self.client.prefill(checkpoint.tokens, slot=lease.slot) as chunks:
                 async for chunk in chunks:
-                    gateway.alive(lease)
+                    dispatcher.alive(lease)
                     progress = chunk.get("prompt_progress")
                     if isinstance(progress, Mapping):
                         done = int(progress.get("cache", 0)) + int(progress.get("processed", 0))
-                        gateway.checkpoint_progress(checkpoint, done)
+                        dispatcher.checkpoint_progress(checkpoint, done)
                     self.costs.observe_timings(chunk.get("timings"))
             for _ in range(2):  # a save that failed is tried once more: others wait for it
                 store = self.store
@@ -262,10 +261,10 @@ class KVCache:
                     lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
                 )
         except BaseException:
-            gateway.end_checkpoint(checkpoint)
+            dispatcher.end_checkpoint(checkpoint)
             raise
         if entry is not None:
-            gateway.end_checkpoint(checkpoint)
+            dispatcher.end_checkpoint(checkpoint)
         return entry
 
     async def save_at_stop(self, limit: float) -> int:
