@@ -53,9 +53,9 @@ async def test_a_short_prefill_waits_for_the_first_token_of_another_short_one() 
     first = dispatcher.submit("a", 1, (*HEAD, 1, 1, *range(20)))
     second = dispatcher.submit("b", 1, (*HEAD, 2, 2, *range(30)))
     lease = await dispatcher.wait(first)
-    dispatcher.running(lease, 1)
+    dispatcher.declare_running(lease, 1)
     assert not await dispatched(dispatcher, second)  # a slot is free, but it would share a batch
-    dispatcher.decoding(lease)  # the first one's first token
+    dispatcher.note_decoding(lease)  # the first one's first token
     other = await dispatcher.wait(second)
     assert other.slot != lease.slot
 
@@ -64,7 +64,7 @@ async def test_a_long_prefill_elsewhere_or_a_more_urgent_ticket_does_not_wait() 
     dispatcher = restarted()
     long = dispatcher.submit("c", 1, tuple(range(50_000, 52_000)))  # 2,000 tokens to compute
     lease = await dispatcher.wait(long)
-    dispatcher.running(lease, 1)
+    dispatcher.declare_running(lease, 1)
     short = dispatcher.submit("a", 1, (*HEAD, 1, 1, *range(20)))
     assert await dispatched(dispatcher, short)  # shares the long prefill batch by batch
     dispatcher.release(lease, holds=long.tokens)
@@ -72,13 +72,13 @@ async def test_a_long_prefill_elsewhere_or_a_more_urgent_ticket_does_not_wait() 
     dispatcher = restarted()
     background = dispatcher.submit("a", 2, (*HEAD, 1, 1, *range(20)))
     lease = await dispatcher.wait(background)
-    dispatcher.running(lease, 2)
+    dispatcher.declare_running(lease, 2)
     urgent = dispatcher.submit("b", 0, (*HEAD, 2, 2, *range(30)))
     assert await dispatched(dispatcher, urgent)
     # A request that computes more than one batch itself never waits either.
     dispatcher = restarted()
     lease = await dispatcher.wait(dispatcher.submit("a", 1, (*HEAD, 1, 1, *range(20))))
-    dispatcher.running(lease, 1)
+    dispatcher.declare_running(lease, 1)
     assert await dispatched(dispatcher, dispatcher.submit("d", 1, tuple(range(60_000, 61_000))))
 
 
@@ -87,7 +87,7 @@ async def test_a_release_without_a_first_token_lets_the_held_ticket_go() -> None
     first = dispatcher.submit("a", 1, (*HEAD, 1, 1, *range(20)))
     second = dispatcher.submit("b", 1, (*HEAD, 2, 2, *range(30)))
     lease = await dispatcher.wait(first)
-    dispatcher.running(lease, 1)
+    dispatcher.declare_running(lease, 1)
     assert not await dispatched(dispatcher, second)
     dispatcher.release(lease, holds=None)  # it failed before decoding
     assert await dispatched(dispatcher, second)

@@ -47,7 +47,7 @@ def _start(
     lease = waiter.lease
     del dispatcher._waiters[ticket.id]
     suspended: list[str] = []
-    dispatcher.running(lease, priority, lambda: suspended.append(agent))
+    dispatcher.declare_running(lease, priority, lambda: suspended.append(agent))
     return lease, suspended
 
 
@@ -174,7 +174,7 @@ def test_an_urgent_arrival_quiets_every_less_urgent_prefill_at_once() -> None:
     dispatcher.release(second, holds=OTHER[:512])
     assert dispatcher._waiters[again.id].lease is None
     del dispatcher._waiters[urgent.id]
-    dispatcher.running(lease, 0, lambda: None)
+    dispatcher.declare_running(lease, 0, lambda: None)
     assert dispatcher._waiters[again.id].lease is None
     # P0 done: the queued P2 request goes.
     dispatcher.release(lease, holds=None)

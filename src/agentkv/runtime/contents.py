@@ -241,7 +241,7 @@ class SlotContents:
         try:
             async with self.client.prefill(checkpoint.tokens, slot=lease.slot) as chunks:
                 async for chunk in chunks:
-                    dispatcher.alive(lease)
+                    dispatcher.note_progress(lease)
                     progress = chunk.get("prompt_progress")
                     if isinstance(progress, Mapping):
                         done = int(progress.get("cache", 0)) + int(progress.get("processed", 0))

@@ -103,7 +103,7 @@ class _Held:
     #: Being suspended for this ticket: the slot it gives back goes to that ticket, not to
     #: whoever ranks first then.
     reserved_for: int | None = None
-    #: Whether its request declared itself running (:meth:`Dispatcher.running`); until then it is
+    #: Whether its request declared itself running (:meth:`Dispatcher.declare_running`); until then it is
     #: granted and preparing the slot (restoring its context).
     declared: bool = False
     #: The urgency it runs at now: its own, or that of a more urgent request waiting for the
@@ -335,7 +335,7 @@ class Dispatcher:
 
     # -- running requests and pre-emption -----------------------------------------------------
 
-    def running(
+    def declare_running(
         self, lease: Lease, priority: int, suspend: Callable[[], None] | None = None
     ) -> None:
         """Declare a leased request; ``suspend`` lets a more urgent request take its slot.
@@ -372,12 +372,12 @@ class Dispatcher:
             and other.priority >= max(self.config.preempt_from, 1)
         ]
 
-    def alive(self, lease: Lease) -> None:
+    def note_progress(self, lease: Lease) -> None:
         """The engine reported progress for ``lease`` (prompt computed, tokens generated): the
         watchdog leaves it alone for another ``lease_ttl``, however long its prefill runs."""
         self._slots.touch(lease.id, self.clock())
 
-    def decoding(self, lease: Lease, *, suspendable: bool = False) -> None:
+    def note_decoding(self, lease: Lease, *, suspendable: bool = False) -> None:
         """The request's prompt is computed; it now generates. Unless ``suspendable`` (its reply
         can be continued by a later engine call), it keeps its slot to the end."""
         running = self._held.get(lease.id)

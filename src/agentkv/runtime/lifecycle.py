@@ -204,7 +204,7 @@ class Exchange:
         try:
             with anyio.CancelScope() as suspension:
                 suspend = suspension.cancel if runtime.contents.enabled else None
-                dispatcher.running(lease, self.prepared.priority, suspend)
+                dispatcher.declare_running(lease, self.prepared.priority, suspend)
                 holds = await self._use_slot(lease)
             if not suspension.cancelled_caught:
                 sections = self.prepared.engine.sections
@@ -239,10 +239,12 @@ class Exchange:
         resume_from, self._resume_from = self._resume_from, None
 
         def on_chunk(output: bool) -> None:
-            runtime.dispatcher.alive(lease)  # the watchdog leaves a lease alone while it progresses
+            runtime.dispatcher.note_progress(
+                lease
+            )  # the watchdog leaves a lease alone while it progresses
             if output:
                 suspendable = runtime.contents.enabled and asm.continuable
-                runtime.dispatcher.decoding(lease, suspendable=suspendable)
+                runtime.dispatcher.note_decoding(lease, suspendable=suspendable)
 
         await self.relay.reply(lease.slot, resume_from=resume_from, on_chunk=on_chunk)
         self.broadcast.emit(asm.finish(runtime.clock()))
