@@ -103,8 +103,8 @@ class _Held:
     #: Being suspended for this ticket: the slot it gives back goes to that ticket, not to
     #: whoever ranks first then.
     reserved_for: int | None = None
-    #: Whether its request declared itself running (:meth:`Dispatcher.declare_running`); until then it is
-    #: granted and preparing the slot (restoring its context).
+    #: Whether its request declared itself running (:meth:`Dispatcher.declare_running`); until
+    #: then it is granted and preparing the slot (restoring its context).
     declared: bool = False
     #: The urgency it runs at now: its own, or that of a more urgent request waiting for the
     #: checkpoint it computes (see :meth:`Dispatcher._lend`).
