@@ -15,7 +15,6 @@ from agentkv.fingerprint import canonical_json
 from agentkv.limits import (
     IMAGE_NOTE,
     NO_IMAGES,
-    Memo,
     RequestLimits,
     check_body,
     check_limits,
@@ -292,22 +291,14 @@ def test_image_data_that_is_not_base64_is_refused(data: str) -> None:
     assert refused(body).startswith("messages[0].content[0].source.data: ")
 
 
-def test_the_tool_memo_keeps_at_most_its_size_and_drops_the_least_recent() -> None:
-    """A bounded memo: computed once per key, the least recently used dropped beyond its size."""
-    memo = Memo[int](maxsize=2)
-    calls: list[str] = []
+def test_the_tools_kept_sizes_are_bounded() -> None:
+    """The sizes of the tools seen lately are kept for at most 256 tools, however many arrive."""
+    from agentkv import limits
 
-    def compute(key: str) -> int:
-        calls.append(key)
-        return len(calls)
-
-    assert memo.get("a", lambda: compute("a")) == 1
-    assert memo.get("b", lambda: compute("b")) == 2
-    assert memo.get("a", lambda: compute("a")) == 1  # remembered, and now the most recent
-    assert memo.get("c", lambda: compute("c")) == 3  # drops b
-    assert len(memo) == 2
-    assert memo.get("b", lambda: compute("b")) == 4
-    assert calls == ["a", "b", "c", "b"]
+    for n in range(300):
+        body = {**BODY, "tools": [{"name": f"t{n}", "input_schema": {"type": "object"}}]}
+        MessagesTranslator().translate(body)
+    assert len(limits._TOOL_SIZES) == limits._TOOL_SIZES.maxsize == 256
 
 
 def test_a_remembered_tool_is_still_checked_against_each_translators_limits() -> None:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import binascii
 import json
-from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Generic, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 import attrs
+from cachetools import LRUCache, cached
 
 from agentkv._anthropic import (
     Base64ImageSource,
@@ -43,7 +43,6 @@ from agentkv.fingerprint import canonical_json
 __all__ = [
     "IMAGE_NOTE",
     "NO_IMAGES",
-    "Memo",
     "RequestLimits",
     "check_body",
     "check_limits",
@@ -151,31 +150,6 @@ def _utf8_size(value: Any) -> int:
     return len(canonical_json(value).encode("utf-8", "surrogatepass"))
 
 
-_T = TypeVar("_T")
-
-
-class Memo(Generic[_T]):
-    """A bounded memo of values by key: the least recently used goes first beyond ``maxsize``."""
-
-    def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._values: OrderedDict[str, _T] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def get(self, key: str, compute: Callable[[], _T]) -> _T:
-        """The value for ``key``, computed by ``compute()`` the first time."""
-        values = self._values
-        if key in values:
-            values.move_to_end(key)
-            return values[key]
-        value = values[key] = compute()
-        while len(values) > self.maxsize:
-            values.popitem(last=False)
-        return value
-
-
 def tool_key(tool: Tool) -> str:
     """Equal for two tools exactly when they are equal (plain JSON; cheaper than a digest)."""
     return json.dumps([tool.name, tool.description, tool.type, tool.input_schema], sort_keys=True)
@@ -183,15 +157,13 @@ def tool_key(tool: Tool) -> str:
 
 #: The sizes of the tools checked lately (their schema, and the whole tool), by :func:`tool_key`:
 #: every request of a client sends the same tools, and measuring them is most of a check.
-_TOOL_SIZES = Memo[tuple[int, int]](maxsize=256)
+_TOOL_SIZES: LRUCache[str, tuple[int, int]] = LRUCache(maxsize=256)
 
 
+@cached(_TOOL_SIZES, key=tool_key)
 def _tool_sizes(tool: Tool) -> tuple[int, int]:
-    def measure() -> tuple[int, int]:
-        schema = 0 if tool.input_schema is None else _utf8_size(tool.input_schema)
-        return schema, schema + _utf8_size([tool.name, tool.description, tool.type])
-
-    return _TOOL_SIZES.get(tool_key(tool), measure)
+    schema = 0 if tool.input_schema is None else _utf8_size(tool.input_schema)
+    return schema, schema + _utf8_size([tool.name, tool.description, tool.type])
 
 
 def _check_tools(request: MessagesRequest, limits: RequestLimits) -> None:

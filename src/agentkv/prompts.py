@@ -30,11 +30,12 @@ import json
 import re
 import sys
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+from cachetools import LRUCache
 
 from agentkv.tokens import common_prefix
 
@@ -109,17 +110,19 @@ class PromptMemo:
     """Templated prompts by :func:`template_key`, and token ids by prompt text."""
 
     max_bytes: int = MEMO_BYTES
-    _entries: OrderedDict[tuple[str, str], tuple[str | array[int], int]] = attrs.field(
-        factory=OrderedDict, init=False
-    )
-    _bytes: int = attrs.field(default=0, init=False)
+    #: (kind, key) → (value, bytes): the least recently used out beyond ``max_bytes``.
+    _entries: LRUCache[tuple[str, str], tuple[str | array[int], int]] = attrs.field(init=False)
     #: The latest prompts kept with their tokens, the newest last.
     _recent: deque[str] = attrs.field(factory=lambda: deque(maxlen=_RECENT), init=False)
+
+    @_entries.default
+    def _new_entries(self) -> LRUCache[tuple[str, str], tuple[str | array[int], int]]:
+        return LRUCache(maxsize=self.max_bytes, getsizeof=lambda entry: entry[1])
 
     @property
     def size(self) -> int:
         """Bytes kept now."""
-        return self._bytes
+        return int(self._entries.currsize)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -192,30 +195,18 @@ class PromptMemo:
         index = -1
         for _ in range(base.count(marker, 0, cut) + 1):
             index = tokens.index(token, index + 1)
-        self._entries.move_to_end(("k", base))
         return Split(head=tokens[:index].tolist(), text=prompt[cut:], at=cut)
 
     def clear(self) -> None:
         self._entries.clear()
         self._recent.clear()
-        self._bytes = 0
 
     def _get(self, key: tuple[str, str]) -> str | array[int] | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        self._entries.move_to_end(key)
-        return entry[0]
+        entry = self._entries.get(key)  # a hit counts as a use
+        return None if entry is None else entry[0]
 
     def _put(self, key: tuple[str, str], value: str | array[int], size: int) -> None:
         size += _ENTRY_BYTES
         if size > self.max_bytes:
             return  # larger than the whole memo: not kept
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._bytes -= old[1]
         self._entries[key] = (value, size)
-        self._bytes += size
-        while self._bytes > self.max_bytes:
-            _, (_, dropped) = self._entries.popitem(last=False)
-            self._bytes -= dropped

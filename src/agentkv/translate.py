@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+from cachetools import LRUCache, cached
 
 from agentkv._anthropic import (
     Base64ImageSource,
@@ -45,7 +46,7 @@ from agentkv.layout import (
     split_memory_dir,
     split_note,
 )
-from agentkv.limits import IMAGE_NOTE, Memo, RequestLimits, check_body, check_limits, tool_key
+from agentkv.limits import IMAGE_NOTE, RequestLimits, check_body, check_limits, tool_key
 
 __all__ = ["BILLING_HEADER_PREFIX", "EngineRequest", "MessagesTranslator", "has_images"]
 
@@ -316,11 +317,12 @@ def _digest(value: Any) -> str:
 #: Digests of the tools seen lately, by :func:`~agentkv.limits.tool_key`: every request of every
 #: agent of one client sends the same tools (Claude Code's come to about 30 KB), so each is
 #: digested once, not once per request.
-_TOOL_DIGESTS = Memo[str](maxsize=256)
+_TOOL_DIGESTS: LRUCache[str, str] = LRUCache(maxsize=256)
 
 
+@cached(_TOOL_DIGESTS, key=tool_key)
 def _tool_digest(tool: Tool) -> str:
-    return _TOOL_DIGESTS.get(tool_key(tool), lambda: _digest(tool))
+    return _digest(tool)
 
 
 def _block_label(index: int, number: int, block: ContentBlock) -> str:

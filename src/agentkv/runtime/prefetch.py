@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+from cachetools import LRUCache
 
 from agentkv.agents import SEPARATOR, AgentCall, AgentPlace
 from agentkv.tokens import Tokens
@@ -57,8 +57,12 @@ class Prefetcher:
     max_heads: int = 64
     #: Agents whose first request was seen (only a first request starts with the bare head).
     max_agents: int = 1024
-    _heads: OrderedDict[tuple[str, str], Prepared] = attrs.field(init=False, factory=OrderedDict)
-    _seen: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+    _heads: LRUCache[tuple[str, str], Prepared] = attrs.field(
+        init=False, default=attrs.Factory(lambda self: LRUCache(self.max_heads), takes_self=True)
+    )
+    _seen: LRUCache[str, None] = attrs.field(
+        init=False, default=attrs.Factory(lambda self: LRUCache(self.max_agents), takes_self=True)
+    )
     _inflight: dict[tuple[str, str], Any] = attrs.field(init=False, factory=dict)
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
 
@@ -67,9 +71,6 @@ class Prefetcher:
         agent = prepared.agent
         first = agent not in self._seen
         self._seen[agent] = None
-        self._seen.move_to_end(agent)
-        while len(self._seen) > self.max_agents:
-            self._seen.popitem(last=False)
         if (
             not first
             or not ok
@@ -84,9 +85,6 @@ class Prefetcher:
         key = (place.root, place.subagent_type)
         assert key[1] is not None
         self._heads[(key[0], key[1])] = prepared
-        self._heads.move_to_end((key[0], key[1]))
-        while len(self._heads) > self.max_heads:
-            self._heads.popitem(last=False)
 
     def finished(
         self,

@@ -24,11 +24,11 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+from cachetools import LRUCache
 
 from agentkv.snapshot import AgentTotals, Divergence, RequestView
 from agentkv.translate import first_difference
@@ -363,7 +363,9 @@ class RequestHistory:
     max_recent: int = 64
     max_agents: int = 256
     _recent: list[RequestRecord] = attrs.field(init=False, factory=list)
-    _agents: OrderedDict[str, dict[str, Any]] = attrs.field(init=False, factory=OrderedDict)
+    _agents: LRUCache[str, dict[str, Any]] = attrs.field(
+        init=False, default=attrs.Factory(lambda self: LRUCache(self.max_agents), takes_self=True)
+    )
     _listeners: list[Callable[[RequestRecord], None]] = attrs.field(init=False, factory=list)
 
     def add_listener(self, listener: Callable[[RequestRecord], None]) -> None:
@@ -387,9 +389,7 @@ class RequestHistory:
         totals["prompt_tokens"] += record.prompt_tokens
         totals["cached_tokens"] += record.cached_tokens
         totals["priority"] = record.priority
-        self._agents[record.agent] = totals
-        while len(self._agents) > self.max_agents:
-            self._agents.popitem(last=False)
+        self._agents[record.agent] = totals  # the least recently seen agent out past the bound
         log.info("%s", request_line(record), extra={"agentkv_request": request_fields(record)})
 
     def records(self) -> list[RequestRecord]:
