@@ -5,6 +5,13 @@ The assembler holds back text from the point where a call may start (see docs/re
 the declared tools' schemas, and says whether it can still become a call, so that text which
 cannot is released at once instead of at the end of the reply. :class:`HoldGate` decides, for
 a growing reply, what streams at once and what is held. Pure: no I/O.
+
+Why a lexer of its own rather than ``jiter``'s partial mode (already installed with the SDKs):
+the held text grows a few characters at a time, and a partial parser must read all of it again
+at every piece, while this lexer reads each character once and checks keys and argument types
+against the tool's schema as they arrive. A ``Write`` call written back 4 characters a piece
+took 5.8 ms here against 15.1 ms re-parsed with ``jiter`` at 18 KB, and 23 ms against 271 ms at
+75 KB (one 2-core machine, one sitting); the gap grows with the square of the reply.
 """
 
 from __future__ import annotations
