@@ -91,3 +91,20 @@ async def test_a_release_without_a_first_token_lets_the_held_ticket_go() -> None
     assert not await dispatched(dispatcher, second)
     dispatcher.release(lease, holds=None)  # it failed before decoding
     assert await dispatched(dispatcher, second)
+
+
+async def test_a_ticket_held_for_a_first_token_is_not_overtaken() -> None:
+    """While the short request whose turn it is waits for another's first token, a later request
+    with a long prompt does not take the free slot: the queue's order (and with it the
+    starvation bound) holds, and the short one goes first."""
+    dispatcher = restarted()
+    first = dispatcher.submit("a", 1, (*HEAD, 1, 1, *range(20)))
+    lease = await dispatcher.wait(first)
+    dispatcher.declare_running(lease, 1)
+    short = dispatcher.submit("b", 1, (*HEAD, 2, 2, *range(30)))
+    long = dispatcher.submit("c", 1, tuple(range(50_000, 51_000)))
+    assert not await dispatched(dispatcher, short)
+    assert not await dispatched(dispatcher, long)  # the free slot waits for the short one
+    dispatcher.note_decoding(lease)
+    await dispatcher.wait(short)
+    assert not await dispatched(dispatcher, long)  # both slots are held now

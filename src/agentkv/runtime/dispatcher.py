@@ -719,16 +719,20 @@ class Dispatcher:
             # Quiet while urgent: only a ticket with (nearly) nothing to compute may start.
             placement = self._place(ticket)
             return placement is not None and len(ticket.tokens) - placement.reuse <= self.quiet_min
-        placement = self._place(ticket)
-        return placement is None or not self._first_token_due(ticket, placement)
+        return True
 
-    def _first_token_due(self, ticket: Ticket, placement: Placement) -> bool:
+    def _first_token_due(self, ticket: Ticket) -> bool:
         """Wait for another request's first token rather than share the batch that computes its
         last prompt tokens: prefill is priced per token, additively (costs.PrefillModel), so
         one after the other gives that request its first token sooner and this one its own no
-        later, while both fit in one batch. Never for a more urgent ticket."""
+        later, while both fit in one batch. Never for a more urgent ticket.
+
+        Asked of the ticket whose turn it is, and dispatch stops there until that first token
+        (:meth:`note_decoding` dispatches again): no ticket queued behind it takes the slot
+        meanwhile, so the wait keeps the queue's order and its starvation bound."""
+        placement = self._place(ticket)
         batch = self.config.engine_batch
-        if len(ticket.tokens) - placement.reuse > batch:
+        if placement is None or len(ticket.tokens) - placement.reuse > batch:
             return False
         for held in self._held.values():
             if held.decoding:
@@ -763,6 +767,7 @@ class Dispatcher:
             or waiter.blocked_on is not None
             or not self._slots.free
             or not self._ready(waiter.ticket)
+            or self._first_token_due(waiter.ticket)
         ):
             return
         ticket = self._scheduler.cancel(ticket_id)
@@ -815,6 +820,9 @@ class Dispatcher:
                 if waiter.blocked_on is not None:
                     queue.submit(ticket, ticket.arrival)
                     continue
+            if self._first_token_due(ticket):
+                queue.submit(ticket, ticket.arrival)  # its turn comes with that first token
+                return
             if not self._grant(waiter, ticket, now):  # cannot happen while free > 0
                 queue.submit(ticket, ticket.arrival)
                 return
