@@ -408,8 +408,13 @@ async def _agentkv_reply(url: str, runtime: Any, body: Mapping[str, Any], agent:
     async with anthropic.AsyncAnthropic(
         base_url=url, api_key="agentkv", timeout=1800.0, max_retries=0
     ) as sdk:
-        request = {k: v for k, v in body.items() if k != "stream"}
-        async with sdk.messages.stream(**request, extra_headers={"x-agent-id": agent}) as stream:
+        request = {k: v for k, v in body.items() if k not in ("stream", "temperature")}
+        # The SDK's stream() no longer takes a temperature: the greedy setting goes in the body.
+        async with sdk.messages.stream(
+            **request,
+            extra_headers={"x-agent-id": agent},
+            extra_body={"temperature": body.get("temperature", 0.0)},
+        ) as stream:
             async for event in stream:
                 if first is None and event.type in ("text", "input_json"):
                     first = time.monotonic() - started
