@@ -408,12 +408,14 @@ async def _agentkv_reply(url: str, runtime: Any, body: Mapping[str, Any], agent:
     async with anthropic.AsyncAnthropic(
         base_url=url, api_key="agentkv", timeout=1800.0, max_retries=0
     ) as sdk:
-        request = {k: v for k, v in body.items() if k not in ("stream", "temperature")}
-        # The SDK's stream() no longer takes a temperature: the greedy setting goes in the body.
+        # Claude Code's fields (context_management, output_config, temperature...) are not all
+        # arguments of this SDK's stream(): everything but the essentials goes in the body as is.
+        essentials = ("model", "messages", "max_tokens")
+        rest = {k: v for k, v in body.items() if k not in (*essentials, "stream")}
         async with sdk.messages.stream(
-            **request,
+            **{k: body[k] for k in essentials},
             extra_headers={"x-agent-id": agent},
-            extra_body={"temperature": body.get("temperature", 0.0)},
+            extra_body=rest,
         ) as stream:
             async for event in stream:
                 if first is None and event.type in ("text", "input_json"):
