@@ -518,7 +518,14 @@ async def _run_agentkv(
                     texts[f"{depth} {kind}"] = reply.text
                     echo(f"agentkv {depth:>3} {kind:<5} {reply.row()}")
                 if spec.two_agents:
-                    await _agentkv_reply(url, runtime, warm, f"b-{depth}")
+                    # The second agent's context on a slot of its own, as the copied slot of the
+                    # configuration alone: set up while the first agent's slot is busy (on an
+                    # idle slot that holds the same context agentkv would place it there).
+                    busy = {**requests["copy"], "max_tokens": 16}
+                    await _at_once(
+                        functools.partial(_agentkv_reply, url, runtime, busy, f"a-{depth}"),
+                        functools.partial(_agentkv_reply, url, runtime, warm, f"b-{depth}"),
+                    )
                     replies = await _at_once(
                         *(
                             functools.partial(_agentkv_reply, url, runtime, requests["copy"], a)
