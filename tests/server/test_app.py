@@ -433,7 +433,11 @@ async def test_broken_tool_call_is_retried_once_with_constrained_decoding(serve:
     assert "tools" in first and "response_format" not in first
     assert "tools" not in second
     assert second["response_format"]["type"] == "json_schema"
-    assert snapshot(http).recent[-1].retried is True
+    view = snapshot(http)
+    assert view.recent[-1].retried is True
+    # The slot holds the constrained prompt now, not the request's: it counts as unknown, so the
+    # next request is not placed there as if its prompt were cached.
+    assert view.slots[view.recent[-1].slot].tokens == 0
 
 
 async def test_tool_repair_can_be_switched_off(serve: Any) -> None:

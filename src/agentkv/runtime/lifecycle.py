@@ -233,15 +233,15 @@ class Exchange:
                 record.checkpoint_tokens = entry.n_tokens
         return await self._reply(lease)
 
-    async def _reply(self, lease: Lease) -> Tokens:
-        """Stream the reply (the relay), then end it; the slot then holds the prompt."""
+    async def _reply(self, lease: Lease) -> Tokens | None:
+        """Stream the reply (the relay), then end it; the slot then holds the prompt (None:
+        unknown)."""
         runtime, asm = self.runtime, self.assembler
         resume_from, self._resume_from = self._resume_from, None
 
         def on_chunk(output: bool) -> None:
-            runtime.dispatcher.note_progress(
-                lease
-            )  # the watchdog leaves a lease alone while it progresses
+            # The watchdog leaves a lease alone while it progresses.
+            runtime.dispatcher.note_progress(lease)
             if output:
                 suspendable = runtime.contents.enabled and asm.continuable
                 runtime.dispatcher.note_decoding(lease, suspendable=suspendable)
@@ -250,7 +250,10 @@ class Exchange:
         self.broadcast.emit(asm.finish(runtime.clock()))
         if self.record.status is RequestStatus.RUNNING:
             self.record.advance(RequestStatus.OK)
-        return self.prepared.tokens
+        # A constrained retry computed another prompt on the slot (the tools left out of the
+        # template, a note added): the slot no longer holds this one, and a next request placed
+        # there as if it did would compute its whole prompt again. Unknown is the truth.
+        return None if self.record.retried else self.prepared.tokens
 
 
 # -- the runtime ------------------------------------------------------------------------------
