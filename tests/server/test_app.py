@@ -431,13 +431,18 @@ async def test_broken_tool_call_is_retried_once_with_constrained_decoding(serve:
     assert len(fake.requests) == 2
     first, second = fake.requests
     assert "tools" in first and "response_format" not in first
-    assert "tools" not in second
+    # The tools stay (the template renders them either way): the retry's prompt is the first
+    # one's up to the added note, so the engine finds all of that cached.
+    assert second["tools"] == first["tools"] and second["tool_choice"] == "none"
     assert second["response_format"]["type"] == "json_schema"
     view = snapshot(http)
-    assert view.recent[-1].retried is True
-    # The slot holds the constrained prompt now, not the request's: it counts as unknown, so the
-    # next request is not placed there as if its prompt were cached.
-    assert view.slots[view.recent[-1].slot].tokens == 0
+    record = view.recent[-1]
+    assert record.retried is True
+    # The slot holds the retry's prompt now: of the request's own tokens those the engine found
+    # cached for the retry (on a chat template that closes the user's turn after its text, all
+    # but the last few; this fake's template has no closing tokens, so all of them).
+    held = view.slots[record.slot].tokens
+    assert 0 < held <= record.prompt_tokens, (held, record.prompt_tokens)
 
 
 async def test_tool_repair_can_be_switched_off(serve: Any) -> None:

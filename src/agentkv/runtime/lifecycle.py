@@ -250,10 +250,12 @@ class Exchange:
         self.broadcast.emit(asm.finish(runtime.clock()))
         if self.record.status is RequestStatus.RUNNING:
             self.record.advance(RequestStatus.OK)
-        # A constrained retry computed another prompt on the slot (the tools left out of the
-        # template, a note added): the slot no longer holds this one, and a next request placed
-        # there as if it did would compute its whole prompt again. Unknown is the truth.
-        return None if self.record.retried else self.prepared.tokens
+        if self.record.retried:
+            # A constrained retry computed another prompt on the slot: this one up to the note
+            # it added, which is what the engine found cached for it. Recording the whole prompt
+            # would place a next request there as a hit that computes from the note on.
+            return self.prepared.tokens[: self.relay.last_cached]
+        return self.prepared.tokens
 
 
 # -- the runtime ------------------------------------------------------------------------------

@@ -85,6 +85,8 @@ class Relay:
     clock: Callable[[], float] = time.monotonic
     #: Milliseconds the engine spent computing this request's prompt, over all its calls.
     prompt_ms: float = 0.0
+    #: Prompt tokens the engine's last call found cached (its ``cache_n``).
+    last_cached: int = 0
 
     def hints(self) -> EngineHints:
         """What an engine that places requests itself is told about this one: its agent, that
@@ -269,7 +271,8 @@ class Relay:
         if isinstance(timings, Mapping) and "prompt_n" in timings:
             record.computed_tokens += int(timings.get("prompt_n", 0))
             self.prompt_ms += float(timings.get("prompt_ms", 0.0) or 0.0)
-            record.cached_tokens = max(record.cached_tokens, int(timings.get("cache_n", 0)))
+            self.last_cached = int(timings.get("cache_n", 0))
+            record.cached_tokens = max(record.cached_tokens, self.last_cached)
             record.draft_tokens += int(timings.get("draft_n", 0) or 0)
             record.decode_s += float(timings.get("predicted_ms", 0.0) or 0.0) / 1000
             record.draft_accepted += int(timings.get("draft_n_accepted", 0) or 0)
