@@ -39,6 +39,7 @@ import anyio
 import anyio.to_thread
 import attrs
 
+from agentkv.costs import CostModel
 from agentkv.exceptions import AgentKVError
 from agentkv.runtime.adapters import ENGINE_KINDS, LLAMA, OpenAIEngineClient, adapter, adapter_shape
 from agentkv.runtime.client import LlamaSlotClient
@@ -374,10 +375,13 @@ async def assemble(
             config = attrs.evolve(
                 config, n_slots=n_slots, ctx_per_slot=ctx_per_slot, store_dir=store_dir
             )
-            runtime = Runtime(client, config, store_compat=engine.compat)
-            if engine.kv_bytes_per_token:
-                # The model's KV bytes per token: what a saved slot costs, before any is saved.
-                runtime.costs.bytes_per_token = float(engine.kv_bytes_per_token)
+            # The model's KV bytes per token: what a saved slot costs, before any is saved.
+            costs = (
+                CostModel(bytes_per_token=float(engine.kv_bytes_per_token))
+                if engine.kv_bytes_per_token
+                else CostModel()
+            )
+            runtime = Runtime(client, config, store_compat=engine.compat, costs=costs)
             yield Assembly(engine, client, runtime, store_note)
         finally:
             with anyio.CancelScope(shield=True):

@@ -36,7 +36,7 @@ import anyio
 import anyio.abc
 import attrs
 
-from agentkv._types import Lease, Source, Ticket
+from agentkv._types import Lease, Ticket
 from agentkv.agents import AgentPlace
 from agentkv.costs import CostModel
 from agentkv.exceptions import AgentKVError, EngineUnavailableError
@@ -188,8 +188,7 @@ class Exchange:
             if finished:
                 return
             # Suspended for a more urgent request: queue again, keeping the original arrival.
-            self.record.suspended += 1
-            self.record.advance(RequestStatus.SUSPENDED)
+            self.record.advance(RequestStatus.SUSPENDED)  # counts the suspension
             ticket = self.ticket = runtime.dispatcher.requeue(ticket)
 
     async def _on_slot(self, lease: Lease) -> bool:
@@ -223,14 +222,14 @@ class Exchange:
         runtime, record = self.runtime, self.record
         contents = runtime.contents
         if await contents.park(lease):
-            record.parked = True
+            record.parked_slot()
         if await contents.restore(lease, self.prepared.tokens) is False:
-            record.source = Source.NONE.value
+            record.restored_nothing()
         checkpoint = runtime.dispatcher.checkpoint_of(lease)
         if checkpoint is not None:
             entry = await contents.checkpoint(lease, checkpoint, self.prepared.engine.sections)
             if entry is not None:
-                record.checkpoint_tokens = entry.n_tokens
+                record.checkpointed(entry.n_tokens)
         return await self._reply(lease)
 
     async def _reply(self, lease: Lease) -> Tokens | None:
@@ -276,7 +275,9 @@ class Runtime:
     clock: Callable[[], float] = time.monotonic
     translator: MessagesTranslator = attrs.field(init=False)
     fingerprinter: PrefixFingerprinter = attrs.field(init=False, factory=PrefixFingerprinter)
-    costs: CostModel = attrs.field(init=False, factory=CostModel)
+    #: Prices prefill, decode, save and restore; it learns from every reply (the launch may
+    #: give it the model's KV bytes per token to start from).
+    costs: CostModel = attrs.field(factory=CostModel, kw_only=True)
     #: The queue and the leases.
     dispatcher: Dispatcher = attrs.field(init=False)
     #: The one writer of slot contents, and the prefix store's owner.
@@ -309,12 +310,16 @@ class Runtime:
             self.dispatcher, self.client, self.costs, self.store_compat, self.clock, self.later
         )
         self.tree = AgentTree(
-            self.dispatcher, self.clock, config.agent_tree, config.background_agent_offset
+            self.dispatcher,
+            self.clock,
+            config.agent_tree,
+            config.background_agent_offset,
+            prefetcher=(
+                Prefetcher(self.submit, self.dispatcher.available, config.split_min)
+                if config.agent_tree and self.store is not None
+                else None
+            ),
         )
-        if config.agent_tree and self.store is not None:
-            self.tree.prefetcher = Prefetcher(
-                self.submit, self.dispatcher.available, config.split_min
-            )
         self.compactor = Compactor(
             dispatcher=self.dispatcher,
             client=self.client,
@@ -372,7 +377,7 @@ class Runtime:
             raise RuntimeError("the runtime is not running (use `async with Runtime(...)`)")
         existing = self.joinable.get(prepared.key)
         if existing is not None and existing.joinable:
-            existing.record.attached += 1
+            existing.record.attach()
             log.info(
                 "agent %s retried a request that is %s; joining it",
                 prepared.agent,

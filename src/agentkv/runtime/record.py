@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 from cachetools import LRUCache
 
+from agentkv._types import Source
 from agentkv.snapshot import AgentTotals, Divergence, RequestView
 from agentkv.translate import first_difference
 
@@ -158,6 +159,68 @@ class RequestRecord:
         self.status = status
         if status is RequestStatus.FAILED:
             self.error_type = error_type or "api_error"
+        elif status is RequestStatus.SUSPENDED:
+            self.suspended += 1
+
+    # -- what the request's owners report (the exchange, its relay, the agent tree) ----------
+
+    def label(self, parent: str, description: str | None, waited_on: bool | None) -> None:
+        """Its place in the agent tree: started by ``parent`` through the call ``description``,
+        and whether the parent waits for it."""
+        self.parent, self.description, self.waited_on = parent, description, waited_on
+
+    def learn_description(self, description: str | None) -> None:
+        """A sub-agent's call description, once its parent's continuation names it."""
+        if self.parent is not None and self.description is None:
+            self.description = description
+
+    def attach(self) -> None:
+        """One more client follows the request (a retry joined it)."""
+        self.attached += 1
+
+    def parked_slot(self) -> None:
+        """The slot's previous content was saved before it was overwritten."""
+        self.parked = True
+
+    def restored_nothing(self) -> None:
+        """The planned restore gave nothing: the prompt is computed from the slot as it is."""
+        self.source = Source.NONE.value
+
+    def checkpointed(self, tokens: int) -> None:
+        """A shareable head of ``tokens`` was computed and saved on its own first."""
+        self.checkpoint_tokens = tokens
+
+    def retry(self) -> None:
+        """The reply tried a tool call that could not be recovered: it is asked for again."""
+        self.retried = True
+
+    def stop(self, reason: str) -> None:
+        """agentkv cut generation short (deadline, repetition)."""
+        self.stopped = reason
+
+    def output_chunk(self) -> None:
+        """An output chunk (about one token) arrived from the engine."""
+        self.generated += 1
+
+    def first_event(self, seconds: float) -> None:
+        """The client got its first event of the reply ``seconds`` after arrival."""
+        if self.ttft_s is None:
+            self.ttft_s = round(seconds, 4)
+
+    def progress(self, done: int) -> None:
+        """Prompt tokens cached or computed so far (the engine's prompt progress)."""
+        self.prefilled = done
+
+    def account(self, timings: Mapping[str, Any]) -> int:
+        """One engine call's ``timings``: tokens computed and reused, drafts, decode time.
+        Returns the tokens that call found cached (``cache_n``)."""
+        cached = int(timings.get("cache_n", 0))
+        self.computed_tokens += int(timings.get("prompt_n", 0))
+        self.cached_tokens = max(self.cached_tokens, cached)
+        self.draft_tokens += int(timings.get("draft_n", 0) or 0)
+        self.draft_accepted += int(timings.get("draft_n_accepted", 0) or 0)
+        self.decode_s += float(timings.get("predicted_ms", 0.0) or 0.0) / 1000
+        return cached
 
     def leased(self, slot: int, source: str, reuse: int, seq: int | None, queued_s: float) -> None:
         """The request got ``slot`` (the ``seq``-th lease handed out) after ``queued_s`` seconds

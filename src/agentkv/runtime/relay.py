@@ -127,7 +127,7 @@ class Relay:
         if isinstance(asm.verdict(), RetryWithTools):
             # The reply tried to call a tool and got it wrong: ask once more, with decoding
             # constrained to a valid call of a declared tool.
-            self.record.retried = True
+            self.record.retry()
             asm.begin_retry()
             plain = {**self.engine.body, "stream": True, "max_tokens": body["max_tokens"]}
             forced = self.translator.force_any_tool(self.engine, plain)
@@ -227,7 +227,7 @@ class Relay:
                     now = self.clock()
                     if now >= self.deadline:
                         # The client would give up before the reply ends: end it now, whole.
-                        record.stopped = "deadline"
+                        record.stop("deadline")
                         asm.feed({"choices": [{"delta": {}, "finish_reason": "length"}]}, now)
                         tg.cancel_scope.cancel()
                         break
@@ -246,36 +246,29 @@ class Relay:
                     output = generates(chunk)
                     on_chunk(output)
                     if output:
-                        record.generated += 1
+                        record.output_chunk()
                     events = asm.feed(chunk, now)
                     if events:
-                        if record.ttft_s is None:
-                            record.ttft_s = round(now - self.started, 4)
+                        record.first_event(now - self.started)
                         self.emit(events)
                     self._account(chunk)
                     if asm.stop is not None:
                         # A degenerate loop: closing the stream stops llama-server generating.
-                        record.stopped = asm.stop.reason
+                        record.stop(asm.stop.reason)
                         tg.cancel_scope.cancel()
                         break
         if failure:
             raise failure[0]
 
     def _account(self, chunk: Mapping[str, Any]) -> None:
-        record = self.record
         progress = chunk.get("prompt_progress")
         if isinstance(progress, Mapping):
             done = int(progress.get("cache", 0) or 0) + int(progress.get("processed", 0) or 0)
-            record.prefilled = done
+            self.record.progress(done)
         timings = chunk.get("timings")
         if isinstance(timings, Mapping) and "prompt_n" in timings:
-            record.computed_tokens += int(timings.get("prompt_n", 0))
             self.prompt_ms += float(timings.get("prompt_ms", 0.0) or 0.0)
-            self.last_cached = int(timings.get("cache_n", 0))
-            record.cached_tokens = max(record.cached_tokens, self.last_cached)
-            record.draft_tokens += int(timings.get("draft_n", 0) or 0)
-            record.decode_s += float(timings.get("predicted_ms", 0.0) or 0.0) / 1000
-            record.draft_accepted += int(timings.get("draft_n_accepted", 0) or 0)
+            self.last_cached = self.record.account(timings)
 
 
 async def _hand_over(send: MemoryObjectSendStream[dict[str, Any]], chunk: dict[str, Any]) -> None:

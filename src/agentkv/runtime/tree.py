@@ -35,7 +35,10 @@ class Labelled(Protocol):
     agent: str
     parent: str | None
     description: str | None
-    waited_on: bool | None
+
+    def label(self, parent: str, description: str | None, waited_on: bool | None) -> None: ...
+
+    def learn_description(self, description: str | None) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -47,8 +50,8 @@ class AgentTree:
     enabled: bool = True
     background_offset: int = 1
     directory: AgentDirectory = attrs.field(init=False)
-    #: Fan-out prefetch (set by the runtime when there is a store to save heads in).
-    prefetcher: Prefetcher | None = attrs.field(init=False, default=None)
+    #: Fan-out prefetch (given by the runtime when there is a store to save heads in).
+    prefetcher: Prefetcher | None = None
     #: The last answer of :meth:`warm` and the directory version it was computed at (placement
     #: asks for every ticket it prices; an empty answer changes only with a request or a reply).
     _warm: tuple[int, frozenset[str]] = attrs.field(init=False, default=(-1, frozenset()))
@@ -119,8 +122,7 @@ class AgentTree:
         parent waits for it, as they stand now."""
         place = self.describe(record.agent)
         if place is not None and place.parent is not None:
-            record.parent, record.description = place.parent, place.description
-            record.waited_on = place.waited_on
+            record.label(place.parent, place.description, place.waited_on)
 
     def relabel(self, records: Iterable[Labelled]) -> None:
         """Records of sub-agents learn the description of their call, once it is known (whether
@@ -129,7 +131,7 @@ class AgentTree:
             if record.parent is not None and record.description is None:
                 place = self.describe(record.agent)
                 if place is not None:
-                    record.description = place.description
+                    record.learn_description(place.description)
 
     def annotate(self, rows: Sequence[Placed], tree: Sequence[AgentView]) -> tuple[Placed, ...]:
         """Slot or queue ``rows`` of the operator's view, each with its agent's place in
