@@ -219,6 +219,11 @@ class Relay:
                         await _hand_over(send, chunk)
             except AgentKVError as exc:  # handed to the consumer, not wrapped in a group
                 failure.append(exc)
+            except anyio.BrokenResourceError:
+                # The consumer stopped reading (the deadline, a degenerate loop) and closed its
+                # end while this task held a chunk: its cancellation is on the way, and handing
+                # a chunk over is no checkpoint, so it would not arrive before this error.
+                return
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(produce)
