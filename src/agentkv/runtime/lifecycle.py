@@ -232,9 +232,9 @@ class Exchange:
                 record.checkpointed(entry.n_tokens)
         return await self._reply(lease)
 
-    async def _reply(self, lease: Lease) -> Tokens | None:
-        """Stream the reply (the relay), then end it; the slot then holds the prompt (None:
-        unknown)."""
+    async def _reply(self, lease: Lease) -> Tokens:
+        """Stream the reply (the relay), then end it; the slot then holds the prompt (after a
+        constrained retry, the part of it the retry found cached)."""
         runtime, asm = self.runtime, self.assembler
         resume_from, self._resume_from = self._resume_from, None
 
