@@ -730,18 +730,17 @@ class Dispatcher:
         Asked of the ticket whose turn it is, and dispatch stops there until that first token
         (:meth:`note_decoding` dispatches again): no ticket queued behind it takes the slot
         meanwhile, so the wait keeps the queue's order and its starvation bound."""
-        placement = self._place(ticket)
         batch = self.config.engine_batch
-        if placement is None or len(ticket.tokens) - placement.reuse > batch:
-            return False
-        for held in self._held.values():
-            if held.decoding:
-                continue
-            if held.ticket.priority <= ticket.priority and (
-                len(held.ticket.tokens) - held.lease.placement.reuse <= batch
-            ):
-                return True
-        return False
+        short_prefill_runs = any(
+            not held.decoding
+            and held.ticket.priority <= ticket.priority
+            and len(held.ticket.tokens) - held.lease.placement.reuse <= batch
+            for held in self._held.values()
+        )
+        if not short_prefill_runs:
+            return False  # the common case: no placement to price
+        placement = self._place(ticket)
+        return placement is not None and len(ticket.tokens) - placement.reuse <= batch
 
     def _hits(self, ticket: Ticket) -> bool:
         placement = self._place(ticket)
