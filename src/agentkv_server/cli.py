@@ -494,11 +494,9 @@ async def _serve(args: argparse.Namespace) -> None:
         url = f"http://{server_config.host}:{server_config.port}"
         fields = logs.startup_fields(
             engine=", ".join(m.base_url for m in engine.engines),
-            engine_name=built.client.engine_name,
+            engine_name=built.engine_name,
             launched=not settings.upstream,
-            model=str(engine.model)
-            if engine.model is not None
-            else getattr(built.client, "model", None),
+            model=str(engine.model) if engine.model is not None else built.served_model,
             slots=runtime_config.n_slots,
             ctx_per_slot=runtime_config.ctx_per_slot,
             store=str(runtime_config.store_dir) if runtime_config.store_dir is not None else None,

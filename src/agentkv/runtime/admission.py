@@ -20,11 +20,11 @@ from typing import Any
 import attrs
 
 from agentkv.exceptions import PromptTooLongError
-from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.contents import SlotContents
 from agentkv.runtime.dispatcher import Dispatcher
+from agentkv.runtime.seam import Engine
 from agentkv.sse import SSEAssembler
 from agentkv.tokens import Tokens, common_prefix
 from agentkv.translate import EngineRequest, MessagesTranslator, has_images
@@ -60,7 +60,7 @@ class Admission:
     """Validates and fits requests for one engine; it reads the other parts, writes none."""
 
     config: RuntimeConfig
-    client: LlamaSlotClient
+    client: Engine
     translator: MessagesTranslator
     #: Its store holds the agents' compactions, rewritten into their requests.
     compactor: Compactor

@@ -17,9 +17,12 @@ there is a store, the store's key names the model file, the engine build and the
 
 A pool (``engines`` above 1, or several ``upstream`` URLs): the launched engines share the
 machine as :func:`~agentkv.runtime.pool_launch.pool_layout` says, start side by side, and each
-has its own supervisor; the runtime's client is then an
+has its own supervisor; the runtime's engine is then an
 :class:`~agentkv.runtime.pool.EnginePool` over all of them (see docs/engine.md, "A pool of
 llama-servers").
+
+This module builds the engine, so it is the one place that knows which
+:class:`~agentkv.runtime.seam.Engine` it built; the runtime and the server only name the seam.
 
 :class:`EngineSettings` are ``agentkv-server``'s *engine* options: its command line is generated
 from these fields, as it is from :class:`~agentkv.runtime.config.RuntimeConfig`'s.
@@ -48,6 +51,7 @@ from agentkv.runtime.engine import parse_size
 from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.model import KV_TYPES
 from agentkv.runtime.pool import EnginePool
+from agentkv.runtime.seam import Engine
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import probe_length, probe_restore
 from agentkv.runtime.supervisor import EngineSupervisor
@@ -329,10 +333,14 @@ class Assembly:
     ``async with assembly.runtime`` runs it, as the server's lifespan does)."""
 
     engine: EngineHandle
-    client: LlamaSlotClient
+    client: Engine
     runtime: Runtime
     #: Why the prefix store is off although one was asked for (None: it is on, or none was).
     store_note: str | None = None
+    #: The engine, in words (the banner).
+    engine_name: str = "llama-server"
+    #: The model an engine that places requests itself serves, as it named it (None: not asked).
+    served_model: str | None = None
 
     @property
     def warnings(self) -> tuple[str, ...]:
@@ -382,7 +390,14 @@ async def assemble(
                 else CostModel()
             )
             runtime = Runtime(client, config, store_compat=engine.compat, costs=costs)
-            yield Assembly(engine, client, runtime, store_note)
+            yield Assembly(
+                engine,
+                client,
+                runtime,
+                store_note,
+                engine_name=client.engine_name,
+                served_model=client.model if isinstance(client, OpenAIEngineClient) else None,
+            )
         finally:
             with anyio.CancelScope(shield=True):
                 await client.aclose()
@@ -553,7 +568,9 @@ async def open_engine(
             raise
 
 
-def open_client(settings: EngineSettings, engine: EngineHandle) -> LlamaSlotClient:
+def open_client(
+    settings: EngineSettings, engine: EngineHandle
+) -> LlamaSlotClient | OpenAIEngineClient:
     """The engine's client: llama-server's, or the adapter for ``settings.engine_kind``
     (:mod:`agentkv.runtime.adapters`), which names ``settings.model`` as the engine's model."""
     if settings.engine_kind == LLAMA:
@@ -574,7 +591,7 @@ def open_client(settings: EngineSettings, engine: EngineHandle) -> LlamaSlotClie
 
 
 async def engine_shape(
-    client: LlamaSlotClient, slots: int, ctx_per_slot: int | None
+    client: LlamaSlotClient | EnginePool | OpenAIEngineClient, slots: int, ctx_per_slot: int | None
 ) -> tuple[int, int | None]:
     """The engine's real slot count and context per slot, read from its /slots; for an engine
     that places requests itself (an adapter), ``slots`` as given and the model's context from
@@ -596,7 +613,7 @@ async def engine_shape(
 
 
 async def check_store(
-    client: LlamaSlotClient, engine: EngineHandle, ctx_per_slot: int | None
+    client: Engine, engine: EngineHandle, ctx_per_slot: int | None
 ) -> tuple[Path | None, str | None]:
     """The store directory to use, and a line for the banner: off when a restore gives no
     reuse on this engine (contexts then stay resident in their slots)."""

@@ -71,15 +71,12 @@ from agentkv.runtime.error_map import (
     status_error,
 )
 from agentkv.runtime.health import probe, wait_until_ready
+from agentkv.runtime.seam import SlotsChanged
 from agentkv.runtime.status import EngineStatus
 from agentkv.snapshot import EngineRow
 
 if TYPE_CHECKING:
     from agentkv.runtime.hints import EngineHints
-
-#: Called with the global slots of an engine and whether they may be placed on now (True: the
-#: engine rejoined, its slots empty; False: it is down).
-SlotsChanged = Callable[[range, bool], None]
 
 __all__ = [
     "CHAT_PATH",

@@ -16,7 +16,7 @@ import anyio
 import anyio.abc
 import attrs
 
-from agentkv import AgentKVError, LlamaSlotClient, PrefixFingerprinter, Ticket
+from agentkv import AgentKVError, PrefixFingerprinter, Ticket
 from agentkv.compaction import (
     Compaction,
     CompactionPlan,
@@ -26,6 +26,7 @@ from agentkv.compaction import (
 )
 from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.hints import EngineHints
+from agentkv.runtime.seam import Engine
 
 __all__ = ["Compactor"]
 
@@ -39,7 +40,7 @@ class Compactor:
     """Plans, runs and records compactions for the agents of one engine."""
 
     dispatcher: Dispatcher
-    client: LlamaSlotClient
+    client: Engine
     fingerprinter: PrefixFingerprinter
     keep_recent: int = 6
     summary_tokens: int = 320

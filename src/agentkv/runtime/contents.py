@@ -33,8 +33,8 @@ from agentkv.exceptions import (
     EngineTimeoutError,
     EngineUnavailableError,
 )
-from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.dispatcher import Checkpoint, Dispatcher
+from agentkv.runtime.seam import Engine
 from agentkv.runtime.status import EngineStatus
 from agentkv.runtime.store import PrefixStore
 from agentkv.slots import ContentWriter
@@ -57,7 +57,7 @@ class SlotContents:
     """
 
     dispatcher: Dispatcher
-    client: LlamaSlotClient
+    client: Engine
     costs: CostModel
     store: PrefixStore | None = None
     clock: Callable[[], float] = time.monotonic
@@ -73,7 +73,7 @@ class SlotContents:
     def create(
         cls,
         dispatcher: Dispatcher,
-        client: LlamaSlotClient,
+        client: Engine,
         costs: CostModel,
         compat: str,
         clock: Callable[[], float] = time.monotonic,

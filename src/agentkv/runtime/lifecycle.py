@@ -43,7 +43,6 @@ from agentkv.exceptions import AgentKVError, EngineUnavailableError
 from agentkv.fingerprint import PrefixFingerprinter
 from agentkv.runtime.admission import Admission, Prepared
 from agentkv.runtime.broadcast import Broadcast, Emitted, Event, Failed, KeepAlive
-from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.contents import SlotContents
@@ -52,6 +51,7 @@ from agentkv.runtime.joinable import Joinable
 from agentkv.runtime.prefetch import Prefetcher
 from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, RequestStatus
 from agentkv.runtime.relay import Relay
+from agentkv.runtime.seam import Engine
 from agentkv.runtime.store import PrefixStore
 from agentkv.runtime.tree import AgentTree
 from agentkv.snapshot import RuntimeSnapshot
@@ -268,7 +268,7 @@ class Runtime:
     compactions, store upkeep) and the exchanges; leaving it cancels what is still running.
     """
 
-    client: LlamaSlotClient
+    client: Engine
     config: RuntimeConfig = attrs.field(factory=RuntimeConfig)
     #: The engine configuration the prefix store is bound to (model hash, build, context…).
     store_compat: str = ""

@@ -44,7 +44,8 @@ import attrs
 
 from agentkv.exceptions import EngineError, EngineTimeoutError, EngineUnavailableError
 from agentkv.prompts import PromptStats
-from agentkv.runtime.client import LlamaSlotClient, SlotsChanged
+from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.seam import SlotsChanged
 from agentkv.runtime.status import EngineStatus
 from agentkv.snapshot import EngineRow
 

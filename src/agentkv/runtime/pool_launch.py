@@ -173,7 +173,7 @@ async def open_engines(
     store_dir: Path | None,
     timeout: float,  # noqa: ASYNC109 - how long the engines may take to load
     **client_settings: Any,
-) -> LlamaSlotClient:
+) -> LlamaSlotClient | EnginePool:
     """The client for one engine, or a pool over several; every engine has loaded its model."""
     clients = [
         LlamaSlotClient(m.base_url, api_key=m.api_key, status=m.status, **client_settings)

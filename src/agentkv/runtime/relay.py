@@ -27,9 +27,9 @@ from agentkv.exceptions import (
     EngineStreamBrokenError,
     EngineTimeoutError,
 )
-from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.hints import EngineHints
 from agentkv.runtime.record import RequestRecord
+from agentkv.runtime.seam import Engine
 from agentkv.sse import RetryWithTools, SSEAssembler
 from agentkv.tokens import Tokens
 from agentkv.translate import EngineRequest, MessagesTranslator
@@ -70,7 +70,7 @@ class Relay:
     ``emit`` takes the Anthropic events as they come.
     """
 
-    client: LlamaSlotClient
+    client: Engine
     translator: MessagesTranslator
     engine: EngineRequest
     prompt: Tokens = attrs.field(repr=lambda t: f"<{len(t)} tokens>")

@@ -42,7 +42,7 @@ from agentkv.exceptions import (
     EngineTimeoutError,
     EngineUnavailableError,
 )
-from agentkv.runtime.client import LlamaSlotClient
+from agentkv.runtime.seam import Engine
 from agentkv.snapshot import StoreEntryRow, StoreSnapshot
 from agentkv.store import EntryKind, StoreEntry, StoreIndex, entry_id
 from agentkv.tokens import Tokens, digest
@@ -107,7 +107,7 @@ class PrefixStore:
     """Saved slot states of one engine, under ``directory``, within ``index.budget`` bytes."""
 
     directory: Path = attrs.field(converter=Path)
-    client: LlamaSlotClient
+    client: Engine
     index: StoreIndex
     #: Wall clock for entry ages (they outlive the process).
     wall: Callable[[], float] = time.time
@@ -405,7 +405,7 @@ def probe_length(sliding_window: int | None, *, batch: int = 512) -> int:
     return 64 if window <= 0 else window + batch + 64
 
 
-async def _probe_tokens(client: LlamaSlotClient, n: int) -> list[int]:
+async def _probe_tokens(client: Engine, n: int) -> list[int]:
     block = await client.tokenize(_PROBE_TEXT)
     if not block:
         raise EngineError("llama-server tokenized the probe text to nothing")
@@ -422,7 +422,7 @@ async def _once_more(call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str,
         return await call()
 
 
-async def _run_probe(client: LlamaSlotClient, directory: Path, n: int, slot: int) -> RestoreProbe:
+async def _run_probe(client: Engine, directory: Path, n: int, slot: int) -> RestoreProbe:
     tokens = await _probe_tokens(client, n)
     filename = f"{_FILE_PREFIX}probe-{secrets.token_hex(8)}.bin"
     try:
@@ -451,7 +451,7 @@ async def _run_probe(client: LlamaSlotClient, directory: Path, n: int, slot: int
 
 
 async def probe_restore(
-    client: LlamaSlotClient,
+    client: Engine,
     directory: Path,
     *,
     compat: str,
