@@ -189,6 +189,8 @@ class LlamaSlotClient:
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         #: The supervisor's view of the engine (None: not supervised by this process).
         self.status = status
+        #: :attr:`status` is this client's own, moved by :meth:`set_reachable` (no supervisor).
+        self._own_status = False
         self._templating = anyio.CapacityLimiter(max(1, templating_limit))
         #: What the engine link has seen: requests sent, and those sent again after a drop.
         self.link = LinkStats()
@@ -507,6 +509,26 @@ class LlamaSlotClient:
         """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
         ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
         await wait_until_ready(self._http, self.base_url, timeout=timeout, on_progress=on_progress)
+
+    def set_reachable(self, reachable: bool, detail: str = "") -> bool:
+        """Whether the engine answers, as a health watcher other than a supervisor finds it (a
+        pool's probes): while it does not (``detail`` says why), calls fail at once instead of
+        waiting on refused connections, and a stream that breaks first waits a moment for that
+        verdict. The client keeps a status of its own for it from the first call on.
+
+        An engine whose supervisor gave the status is the supervisor's to judge: False, and
+        nothing changes.
+        """
+        if self.status is None:
+            self.status = EngineStatus()
+            self._own_status = True
+        if not self._own_status:
+            return False
+        if reachable:
+            self.status.set_state("ready")
+        else:
+            self.status.set_state("unavailable", detail)
+        return True
 
     # -- what a pool of engines answers for all of them (see agentkv.runtime.pool) -----------
 

@@ -1,8 +1,9 @@
 """A pool of llama-servers under one scheduler: their slots as one slot space.
 
-:class:`EnginePool` stands where one :class:`~agentkv.runtime.client.LlamaSlotClient` stands. It
-numbers the slots of all its engines one after the other (engine 0's slots first), so global slot
-``k`` is one (engine, local slot) pair, and it sends each call to the engine that owns the slot.
+:class:`EnginePool` stands where one :class:`~agentkv.runtime.client.LlamaSlotClient` stands: both
+are an :class:`~agentkv.runtime.seam.Engine`. The pool holds one client per engine and numbers the
+slots of all its engines one after the other (engine 0's slots first), so global slot ``k`` is one
+(engine, local slot) pair, and it sends each call to the client of the engine that owns the slot.
 The runtime does not change: :func:`agentkv.slots.place` already prices every slot of the table,
 so it chooses an (engine, slot) pair with the one cost model. Calls that name no slot
 (templating, tokenizing, ``/props``) go to the first engine that is up, and to the next one when
@@ -36,7 +37,7 @@ import secrets
 import shutil
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import anyio.to_thread
@@ -46,11 +47,11 @@ from agentkv.exceptions import EngineError, EngineTimeoutError, EngineUnavailabl
 from agentkv.prompts import PromptStats
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.seam import SlotsChanged
-from agentkv.runtime.status import EngineStatus
 from agentkv.snapshot import EngineRow
 
 if TYPE_CHECKING:
     from agentkv.runtime.hints import EngineHints
+    from agentkv.runtime.status import EngineStatus
 
 __all__ = ["EnginePool", "PoolMember"]
 
@@ -75,8 +76,9 @@ class PoolMember:
     rejoined: int = 0
     #: The supervisor's generation last seen (a restart between two probes empties its slots).
     generation: int = 0
-    #: The client's status is the pool's (the engine has no supervisor here): set to
-    #: ``unavailable`` while it is down, so calls to it fail at once.
+    #: The engine has no supervisor here: the pool's probes tell its client whether it answers
+    #: (:meth:`~agentkv.runtime.client.LlamaSlotClient.set_reachable`), so that calls to it
+    #: fail at once while it is down.
     owns_status: bool = False
 
     @property
@@ -127,12 +129,13 @@ def _unlink(path: Path) -> None:
         path.unlink()
 
 
-class EnginePool(LlamaSlotClient):
-    """Several llama-servers of one model as one client; see the module docstring.
+class EnginePool:
+    """Several llama-servers of one model as one :class:`~agentkv.runtime.seam.Engine`; see the
+    module docstring.
 
-    A :class:`LlamaSlotClient` itself, so that every part of the runtime that takes the client
-    (the runtime, the prefix store, the compactor, the startup probe) takes a pool unchanged.
-    Each call goes to a member's own client, which keeps its retries and its error map.
+    Every part of the runtime that takes the engine (the runtime, the prefix store, the
+    compactor, the startup probe) takes a pool as it takes one client. Each call goes to a
+    member's own client, which keeps its retries and its error map.
 
     ``members`` are the engines' clients (closed by :meth:`aclose`), ``slots`` how many slots
     each has, ``slot_dirs`` each one's ``--slot-save-path`` (None entries, or none given: the
@@ -140,6 +143,10 @@ class EnginePool(LlamaSlotClient):
     ``on_change`` hears when an engine's slots go out of placement or come back; the runtime
     sets it (:meth:`watch`).
     """
+
+    #: llama-servers all: their slots are saved and restored as files.
+    slot_files: ClassVar[bool] = True
+    engine_name: ClassVar[str] = "llama-server"
 
     def __init__(
         self,
@@ -159,16 +166,13 @@ class EnginePool(LlamaSlotClient):
         dirs = list(slot_dirs) if slot_dirs is not None else [None] * len(members)
         if len(dirs) != len(members):
             raise ValueError("give the slot directory of every engine (or of none)")
-        # Every call goes to a member's own client; the base part only names the pool.
-        super().__init__(members[0].base_url)
         self.members: list[PoolMember] = []
         first = 0
         for index, (client, count, directory) in enumerate(zip(members, slots, dirs, strict=True)):
             if count < 1:
                 raise ValueError(f"engine {index} has no slots")
-            owns = client.status is None
-            if owns:
-                client.status = EngineStatus()
+            # Up, as far as the pool knows; an engine with no supervisor is the pool's to judge.
+            owns = client.set_reachable(True)
             assert client.status is not None
             self.members.append(
                 PoolMember(
@@ -188,6 +192,17 @@ class EnginePool(LlamaSlotClient):
         self.health_failures = max(1, health_failures)
         self.on_change: SlotsChanged | None = None
         self._suspect = anyio.Event()
+
+    @property
+    def status(self) -> EngineStatus | None:
+        """None: each engine has its own supervisor, or none (see :meth:`engine_state`)."""
+        return None
+
+    async def __aenter__(self) -> EnginePool:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     # -- routing --------------------------------------------------------------------------------
 
@@ -461,8 +476,8 @@ class EnginePool(LlamaSlotClient):
             if not member.up:
                 member.up, member.detail = True, ""
                 member.rejoined += 1
-                if member.owns_status and status is not None:
-                    status.set_state("ready")
+                if member.owns_status:
+                    member.client.set_reachable(True)
                 log.warning(
                     "engine %d (%s) answers again: it rejoins the pool, its slots empty",
                     member.index,
@@ -473,9 +488,9 @@ class EnginePool(LlamaSlotClient):
         member.failures += 1
         if member.up and (member.failures >= self.health_failures or supervised):
             member.up, member.detail = False, detail
-            if member.owns_status and status is not None:
+            if member.owns_status:
                 # Calls to it now fail at once instead of waiting on refused connections.
-                status.set_state("unavailable", detail)
+                member.client.set_reachable(False, detail)
             log.warning(
                 "engine %d (%s) is down (%s): its slots are out of placement",
                 member.index,
@@ -511,7 +526,7 @@ class EnginePool(LlamaSlotClient):
         """Where the prompt answers of every engine came from, summed."""
         total = PromptStats()
         for member in self.members:
-            total = total.add(member.client.prompt_stats)
+            total = total.add(member.client.prompt_answers())
         return total
 
     def engines(self) -> tuple[EngineRow, ...]:
@@ -531,4 +546,3 @@ class EnginePool(LlamaSlotClient):
     async def aclose(self) -> None:
         for member in self.members:
             await member.client.aclose()
-        await super().aclose()
