@@ -746,6 +746,37 @@ async def test_legacy_error_field_reports_the_engine_message() -> None:
     assert info.value.status == 400
 
 
+def test_event_parser_gives_the_same_events_however_the_text_is_cut() -> None:
+    """The event-stream rules (CRLF, CR or LF; comments; joined data lines; one space dropped),
+    the legacy ``error:`` field, and a last event without its blank line, at every cut."""
+    from agentkv.runtime.chunks import EventParser
+
+    text = (
+        ': keep-alive\r\ndata: {"a": 1}\r\n\r\n'
+        "event: note\rdata:one\rdata:  two\r\r"
+        'error: {"code": 400}\n\nunknown: x\n\n'
+        "data: [DONE]"
+    )
+    expected = [
+        ("message", '{"a": 1}'),
+        ("note", "one\n two"),
+        ("error", '{"code": 400}'),
+        ("message", "[DONE]"),
+    ]
+    whole = EventParser()
+    assert [*whole.feed(text), *whole.close()] == expected
+    for cut in range(len(text) + 1):
+        for second in range(cut, len(text) + 1):
+            parser = EventParser()
+            events = [
+                *parser.feed(text[:cut]),
+                *parser.feed(text[cut:second]),
+                *parser.feed(text[second:]),
+                *parser.close(),
+            ]
+            assert events == expected, (cut, second)
+
+
 async def test_crlf_and_split_chunks_are_parsed() -> None:
     """CRLF line ends and events split across network chunks parse like whole ones."""
     whole = sse(chunk("x"), chunk("y", "stop")).replace(b"\n", b"\r\n")

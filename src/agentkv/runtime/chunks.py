@@ -1,26 +1,24 @@
 """The engine's server-sent streams, decoded: one chunk dict after another, or the error.
 
 A chat completion, a raw ``/completion`` and a prefill all stream ``data: {json}`` lines ending in
-``data: [DONE]``. :class:`ChunkStream` reads them with httpx-sse's decoders, tells a stream that
+``data: [DONE]``. :class:`ChunkStream` reads them (:class:`EventParser`), tells a stream that
 stopped early (truncated) from one that finished, and raises what the engine reports as an error,
 as an ``error`` field or as a chunk's ``error`` key.
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
 
-# httpx-sse's decoders: its EventSource would drop the `error:` field older llama-servers use.
-from httpx_sse._decoders import SSEDecoder, SSELineDecoder
-
 from agentkv.exceptions import EngineError, EngineResponseError
 from agentkv.runtime.error_map import HTTPX_ERRORS, parse_json
 
-__all__ = ["ChunkStream", "check_chunk", "finish_reason"]
+__all__ = ["ChunkStream", "EventParser", "check_chunk", "finish_reason"]
 
 #: What the client makes of a failed read (``None``: the stream ended before it finished).
 EngineErrorFor = Callable[[Exception | None], Awaitable[EngineError]]
@@ -50,18 +48,63 @@ def finish_reason(chunk: Mapping[str, Any]) -> Any:
     return None
 
 
-class _Decoder(SSEDecoder):
-    """httpx-sse's event decoder, plus the ``error:`` field older llama-servers send.
+#: Where a line of an event stream ends: CRLF, CR or LF.
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
-    The SSE spec ignores unknown fields; llama-server versions of early 2025 report a failure
-    mid-stream as ``error: {json}``, which must not be mistaken for a merely truncated stream.
+
+class EventParser:
+    """``(event, data)`` of each server-sent event in text fed piece by piece (sans I/O).
+
+    The event-stream rules of the HTML standard (lines end in CRLF, CR or LF; a blank line ends
+    an event; ``data`` lines join with newlines; one space after the colon is dropped; a line
+    starting with a colon is a comment), plus the ``error:`` field that llama-server versions of
+    early 2025 send to report a failure mid-stream: it is read as ``event: error`` with that
+    line as its data, so that it is not mistaken for a merely truncated stream. The standard
+    says to ignore unknown fields, and so does httpx-sse's public ``EventSource`` (its decoders
+    are private, and the SDKs' are too): hence this small parser of our own.
     """
 
-    def decode(self, line: str) -> Any:
-        if line.startswith("error:"):
-            super().decode("event: error")
-            line = "data:" + line[len("error:") :]
-        return super().decode(line)
+    def __init__(self) -> None:
+        #: The start of a line not ended yet.
+        self._tail = ""
+        self._event = ""
+        self._data: list[str] = []
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """The events that ``text`` completes."""
+        text = self._tail + text
+        # A CR at the end may be the first half of a CRLF: the line ends, but wait for the LF.
+        held = "\r" if text.endswith("\r") else ""
+        lines = _LINE_END.split(text[: len(text) - len(held)])
+        self._tail = lines.pop() + held
+        return self._lines(lines)
+
+    def close(self) -> list[tuple[str, str]]:
+        """The body ended: a last line or event without its line end still counts."""
+        tail, self._tail = self._tail.rstrip("\r"), ""
+        return self._lines([tail, ""] if tail else [""])
+
+    def _lines(self, lines: list[str]) -> list[tuple[str, str]]:
+        events = []
+        for line in lines:
+            if not line:
+                if self._event or self._data:
+                    events.append((self._event or "message", "\n".join(self._data)))
+                self._event, self._data = "", []
+                continue
+            if line.startswith(":"):
+                continue
+            field, _, value = line.partition(":")
+            if value.startswith(" "):
+                value = value[1:]
+            if field == "data":
+                self._data.append(value)
+            elif field == "event":
+                self._event = value
+            elif field == "error":
+                self._event = "error"
+                self._data.append(value)
+        return events
 
 
 class _Events:
@@ -73,17 +116,9 @@ class _Events:
 
     def __init__(self, response: httpx.Response) -> None:
         self._texts = response.aiter_text()
-        self._lines = SSELineDecoder()
-        self._decoder = _Decoder()
+        self._parser = EventParser()
         self._batch: deque[tuple[str, str]] = deque()
         self._ended = False
-
-    def _decoded(self, lines: list[str]) -> None:
-        decode, batch = self._decoder.decode, self._batch
-        for line in lines:
-            event = decode(line)
-            if event is not None:
-                batch.append((event.event, event.data))
 
     async def next(self) -> tuple[str, str] | None:
         """The next event; None once the body has ended."""
@@ -96,9 +131,9 @@ class _Events:
             except StopAsyncIteration:
                 self._ended = True
                 # A last event without its closing blank line still counts.
-                self._decoded([*self._lines.flush(), ""])
+                batch.extend(self._parser.close())
                 continue
-            self._decoded(self._lines.decode(text))
+            batch.extend(self._parser.feed(text))
         return batch.popleft()
 
     async def aclose(self) -> None:

@@ -27,8 +27,8 @@ Requests are retried only where a retry cannot repeat work or costs nothing:
 Nothing is retried once a response body has started to reach the caller.
 
 Low-level httpx errors are mapped by one table, :data:`HTTPX_ERROR_MAP`, in one place
-(:mod:`agentkv.runtime.error_map`). Streams are parsed with httpx-sse
-(:mod:`agentkv.runtime.chunks`); readiness is :mod:`agentkv.runtime.health`'s. When agentkv
+(:mod:`agentkv.runtime.error_map`). Streams are parsed by
+:mod:`agentkv.runtime.chunks`; readiness is :mod:`agentkv.runtime.health`'s. When agentkv
 supervises the engine (``status``), a request made while it restarts fails at once with
 :class:`EngineRestartingError` (529, ``retry-after``).
 """
