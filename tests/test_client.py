@@ -615,7 +615,7 @@ async def test_owned_http_client_is_closed() -> None:
     """A client that created its own httpx client closes it on aclose; an injected one is kept."""
     own = LlamaSlotClient(BASE)
     await own.aclose()
-    assert own._http.is_closed
+    assert own._transport._http.is_closed
     injected = httpx.AsyncClient(transport=httpx.MockTransport(lambda _: httpx.Response(200)))
     async with LlamaSlotClient(BASE, http=injected):
         pass

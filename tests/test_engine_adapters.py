@@ -431,6 +431,19 @@ def test_header_values_are_ascii() -> None:
     assert header_value("a\u2028b").isascii()
 
 
+def test_every_client_implements_the_seam_on_its_own() -> None:
+    """llama-server's client, the pool and the adapters each implement every call of the engine
+    seam; an adapter holds the HTTP link, it is not a llama-server client."""
+    from agentkv.runtime.client import LlamaSlotClient
+    from agentkv.runtime.pool import EnginePool
+    from agentkv.runtime.seam import Engine as Seam
+
+    seam = {name for name in vars(Seam) if not name.startswith("_")}
+    for cls in (LlamaSlotClient, EnginePool, OpenAIEngineClient):
+        assert not [name for name in seam if not hasattr(cls, name)], cls
+    assert not issubclass(OpenAIEngineClient, LlamaSlotClient)
+
+
 def test_each_kind_has_its_adapter() -> None:
     assert {k: type(adapter(k, "http://e")) for k in ADAPTERS} == {
         "vllm": VLLMClient,

@@ -602,9 +602,11 @@ async def test_launched_engine_gets_a_private_key_that_never_shows(fake: Fake) -
         assert process.api_key not in process.log_path.read_text()
         async with process.client() as client:
             assert await client.slots() == []
-            response = await client._http.get(process.base_url + "/slots")
+            response = await client._transport._http.get(process.base_url + "/slots")
             assert response.status_code == 401
-            keyed = await client._http.get(process.base_url + "/slots", headers=process.headers)
+            keyed = await client._transport._http.get(
+                process.base_url + "/slots", headers=process.headers
+            )
             assert keyed.status_code == 200
 
 

@@ -115,7 +115,8 @@ async def main(rounds: int) -> None:
     ) as process:
         kept = process.client(read_timeout=120)
         fresh: LlamaSlotClient = process.client(read_timeout=120)
-        fresh._kept = fresh._http  # a new connection for every call, as before
+        # A new connection for every call, as before.
+        fresh._transport._kept = fresh._transport._http
         for name, body in bodies().items():
             await measure(name, body, kept, fresh, rounds)
         print("Claude Code's session, its third turn after its second:")

@@ -73,7 +73,9 @@ async def test_context_per_slot_follows_the_gguf(launched: EngineHandle) -> None
     assert launched.kv_bytes_per_token == shape.kv_bytes_per_token() == 12288
     async with process.client(read_timeout=120) as client:
         assert [slot["n_ctx"] for slot in await client.slots()] == [32768] * SLOTS
-        models = await client._http.get(process.base_url + "/v1/models", headers=process.headers)
+        models = await client._transport._http.get(
+            process.base_url + "/v1/models", headers=process.headers
+        )
         assert find_key(models.json(), "n_ctx_train") == shape.n_ctx_train
         # About 600 tokens in slot 0, then saved: the file holds their KV cache.
         rules = " ".join(f"Rule {i}: check the input of step {i} twice." for i in range(60))

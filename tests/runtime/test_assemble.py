@@ -41,7 +41,7 @@ async def test_the_runtime_takes_the_engines_real_shape_and_keeps_the_rest(
                     await runtime.prepare(body, agent="a", priority=1)
                 ).message()
             assert message["content"][0]["text"] == "Hello from the fake engine."
-        assert built.client._http.is_closed
+        assert built.client._transport._http.is_closed
 
 
 async def test_several_upstreams_are_assembled_as_one_pool() -> None:
@@ -70,7 +70,7 @@ async def test_several_upstreams_are_assembled_as_one_pool() -> None:
                     await runtime.prepare(body, agent="a", priority=1)
                 ).message()
             assert message["content"][0]["text"] in ("from a", "from b")
-        assert all(m.client._http.is_closed for m in pool.members)
+        assert all(m.client._transport._http.is_closed for m in pool.members)
 
 
 def test_the_engine_options_are_the_engine_settings() -> None:

@@ -363,6 +363,7 @@ async def assemble(
 
     config = config if config is not None else RuntimeConfig()
     async with open_engine(settings, on_progress=on_progress) as engine:
+        client: LlamaSlotClient | EnginePool | OpenAIEngineClient
         if settings.engine_kind == LLAMA and len(engine.engines) > 1:
             # A pool over several llama-servers (whose engines have all loaded their model by
             # then).

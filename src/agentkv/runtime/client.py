@@ -1,36 +1,14 @@
-"""LlamaSlotClient: the one place agentkv talks HTTP to llama-server.
+"""LlamaSlotClient: llama-server as the runtime's :class:`~agentkv.runtime.seam.Engine`.
 
-Every request to the engine goes through here, so every upstream failure is mapped once, at this
-boundary, onto the agentkv exception tree: unreachable → :class:`EngineUnavailableError`, stalled →
-:class:`EngineTimeoutError`, error status or unparseable body → :class:`EngineResponseError`.
+Every request to llama-server goes through here; every upstream failure is mapped onto the
+agentkv exception tree (unreachable → :class:`EngineUnavailableError`, stalled →
+:class:`EngineTimeoutError`, error status or unparseable body → :class:`EngineResponseError`).
 
-No call meets a connection a stream used. llama-server advertises keep-alive after a streamed
-reply but sometimes closes the socket right after the stream ends; a pooled connection then fails
-the next request sent on it. So a chat completion (streamed or not) always has a connection of its
-own, which it asks to be closed afterwards (also on an injected, pooling client). The calls that
-are safe to repeat (templating, tokenizing, slot actions, the operator's reads) share one
-kept-alive connection, idle at most :data:`KEEPALIVE_SECONDS` (llama-server closes its own after
-5 s), which saves a connection's setup on the two calls before every reply; when that connection
-turns out closed anyway, the call is sent once more on a new one (below).
-
-Requests are retried only where a retry cannot repeat work or costs nothing:
-
-- the connection was refused or could not be opened, or llama-server answered 503 because it is
-  still loading the model: retried with backoff (``connect_retries``, ``retry_seconds``);
-- the connection closed before any byte of the response arrived: sent once more, at once, on a
-  new connection. That holds for every call, a chat completion included: llama-server had sent
-  nothing, so the client has seen nothing of it;
-- a call that is safe to repeat (health, metrics, slots, apply-template, tokenize, detokenize,
-  slot save, restore and erase) whose reply broke while it was being read, or that got a 502 or
-  504 from something between agentkv and the engine: once more as well.
-
-Nothing is retried once a response body has started to reach the caller.
-
-Low-level httpx errors are mapped by one table, :data:`HTTPX_ERROR_MAP`, in one place
-(:mod:`agentkv.runtime.error_map`). Streams are parsed by
-:mod:`agentkv.runtime.chunks`; readiness is :mod:`agentkv.runtime.health`'s. When agentkv
-supervises the engine (``status``), a request made while it restarts fails at once with
-:class:`EngineRestartingError` (529, ``retry-after``).
+Its HTTP link is an :class:`~agentkv.runtime.transport.EngineTransport`: connections, the safe
+retries and the error map, shared with the OpenAI-compatible engines' clients. It adds what is
+llama-server's own: slots, prompt templating and tokenizing (with :class:`PromptMemo`), slot
+files and raw completions. When agentkv supervises the engine (``status``), a request made while
+it restarts fails at once with :class:`EngineRestartingError` (529, ``retry-after``).
 """
 
 from __future__ import annotations
@@ -42,37 +20,15 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
-import attrs
 import httpx
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-)
 
-from agentkv.exceptions import (
-    EngineError,
-    EngineResponseError,
-    EngineStreamBrokenError,
-    EngineUnavailableError,
-)
+from agentkv.exceptions import EngineResponseError, EngineStreamBrokenError
 from agentkv.prompts import PromptMemo, PromptStats, marker_candidates, template_key
-from agentkv.runtime.chunks import ChunkStream
-from agentkv.runtime.error_map import (
-    GATEWAY_STATUSES,
-    HTTPX_ERROR_MAP,
-    HTTPX_ERRORS,
-    DroppedError,
-    NotReadyError,
-    map_httpx_error,
-    parse_json,
-    status_error,
-)
+from agentkv.runtime.error_map import HTTPX_ERROR_MAP, map_httpx_error
 from agentkv.runtime.health import probe, wait_until_ready
 from agentkv.runtime.seam import SlotsChanged
 from agentkv.runtime.status import EngineStatus
+from agentkv.runtime.transport import CHAT_PATH, EngineTransport, LinkStats, new_http_client
 from agentkv.snapshot import EngineRow
 
 if TYPE_CHECKING:
@@ -91,54 +47,11 @@ __all__ = [
 
 log = logging.getLogger("agentkv.client")
 
-#: llama-server's (and every OpenAI-compatible engine's) chat completion path.
-CHAT_PATH = "/v1/chat/completions"
-# Opening a TCP connection to a local server never legitimately takes long; a slow connect means
-# the host is wrong or the server is wedged, and the caller should hear about it quickly.
-_CONNECT_TIMEOUT = 10.0
-
-
-#: While an engine restart is under way, a mid-stream break waits this long for the supervisor to
-#: notice, so that the caller hears "restarting" rather than "truncated".
-_SETTLE_SECONDS = 1.0
-
-
 #: How many prompts tokenized in pieces are checked against the engine's whole tokenizing.
 SPLIT_CHECKS = 3
 #: At most this many strings are asked about at once, and this many remembered in all.
 _LEARN_AT_ONCE = 16
 _MARKERS_MAX = 512
-
-#: How long the connection of the calls that are safe to repeat may stay idle before it is
-#: closed (llama-server closes an idle one after 5 s; each one open holds one of its HTTP threads).
-KEEPALIVE_SECONDS = 2.0
-
-
-def new_http_client(
-    timeout: httpx.Timeout | float = 600.0, *, keep_alive: bool = False
-) -> httpx.AsyncClient:
-    """The HTTP client for llama-server: by default a new connection for every call.
-
-    llama-server sometimes closes a connection right after a streamed reply although it said
-    keep-alive; a pooled connection is then dead when the next call takes it. ``keep_alive``:
-    one idle connection is kept, at most :data:`KEEPALIVE_SECONDS`, for calls that never stream
-    and are safe to send again.
-    """
-    if keep_alive:
-        limits = httpx.Limits(max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_SECONDS)
-    else:
-        limits = httpx.Limits(max_keepalive_connections=0)
-    return httpx.AsyncClient(timeout=timeout, limits=limits)
-
-
-@attrs.define
-class LinkStats:
-    """Counters of the engine link (for the operator and the tests)."""
-
-    #: Requests sent to llama-server (each attempt counts).
-    requests: int = 0
-    #: Requests sent once more on a new connection after the first was dropped.
-    resent: int = 0
 
 
 class LlamaSlotClient:
@@ -176,24 +89,21 @@ class LlamaSlotClient:
         status: EngineStatus | None = None,
         templating_limit: int = 4,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._owns_http = http is None
-        self._timeout = httpx.Timeout(read_timeout, connect=_CONNECT_TIMEOUT)
-        self._http = http if http is not None else new_http_client(self._timeout)
-        #: The first try of a call that is safe to repeat: one kept-alive connection (an
-        #: injected client is used as it is).
-        self._kept = http if http is not None else new_http_client(self._timeout, keep_alive=True)
-        self._connect_retries = max(0, connect_retries)
-        self._retry_seconds = retry_seconds
-        self._retry_backoff = retry_backoff
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        #: The supervisor's view of the engine (None: not supervised by this process).
-        self.status = status
-        #: :attr:`status` is this client's own, moved by :meth:`set_reachable` (no supervisor).
-        self._own_status = False
+        self._transport = EngineTransport(
+            base_url,
+            http=http,
+            connect_retries=connect_retries,
+            retry_seconds=retry_seconds,
+            read_timeout=read_timeout,
+            retry_backoff=retry_backoff,
+            api_key=api_key,
+            status=status,
+            engine_name=self.engine_name,
+        )
+        self.base_url = self._transport.base_url
         self._templating = anyio.CapacityLimiter(max(1, templating_limit))
         #: What the engine link has seen: requests sent, and those sent again after a drop.
-        self.link = LinkStats()
+        self.link: LinkStats = self._transport.link
         self._vision: bool | None = None
         #: The engine's templating and tokenizing answers, for the same question asked again.
         self.memo = PromptMemo()
@@ -229,7 +139,7 @@ class LlamaSlotClient:
         ``timings``. ``hints`` are for engines that place requests themselves; llama-server is
         placed by agentkv and needs none."""
         payload = self._chat_body(body, slot, stream=False)
-        data = await self._request_json(
+        data = await self._transport.request_json(
             "POST", CHAT_PATH, "chat completion", json_body=payload, safe=False
         )
         if not isinstance(data, dict):
@@ -251,9 +161,11 @@ class LlamaSlotClient:
         makes llama-server stop generating and free the slot.
         """
         payload = self._chat_body(body, slot, stream=True)
-        response = await self._send("POST", CHAT_PATH, "chat completion", payload, stream=True)
+        response = await self._transport.send(
+            "POST", CHAT_PATH, "chat completion", payload, stream=True
+        )
         try:
-            yield self._chunks(response, "chat completion")
+            yield self._transport.chunks(response, "chat completion")
         finally:
             # Shielded: closing must happen even when the caller is being cancelled, or the
             # engine would keep generating into a connection nobody reads.
@@ -269,7 +181,9 @@ class LlamaSlotClient:
         unless ``parse_special`` is False."""
         payload = {"content": content, "add_special": add_special, "parse_special": parse_special}
         async with self._templating:
-            data = await self._request_json("POST", "/tokenize", "tokenize", json_body=payload)
+            data = await self._transport.request_json(
+                "POST", "/tokenize", "tokenize", json_body=payload
+            )
         tokens = data.get("tokens") if isinstance(data, Mapping) else None
         if not isinstance(tokens, list):
             raise EngineResponseError(f"llama-server tokenize returned {data!r:.200}")
@@ -279,7 +193,7 @@ class LlamaSlotClient:
     async def apply_template(self, body: Mapping[str, Any]) -> str:
         """The prompt text llama-server's chat template makes of a chat ``body``."""
         async with self._templating:
-            data = await self._request_json(
+            data = await self._transport.request_json(
                 "POST", "/apply-template", "apply-template", json_body=dict(body)
             )
         prompt = data.get("prompt") if isinstance(data, Mapping) else None
@@ -378,17 +292,17 @@ class LlamaSlotClient:
             # Computing tokens into a slot is safe to repeat, and the second time llama-server
             # reuses what the first computed: a stream that broke is asked for once more.
             for attempt in (1, 2):
-                response = await self._send(
+                response = await self._transport.send(
                     "POST", "/completion", "prefill", payload, stream=True, safe=True
                 )
                 try:
-                    async for chunk in self._chunks(response, "prefill"):
+                    async for chunk in self._transport.chunks(response, "prefill"):
                         yield chunk
                     return
                 except EngineStreamBrokenError as exc:
                     if attempt == 2:
                         raise
-                    self.link.resent += 1
+                    self._transport.note_resent()
                     log.info("%s; computing the rest once more", exc.message)
                 finally:
                     with anyio.CancelScope(shield=True):
@@ -409,9 +323,11 @@ class LlamaSlotClient:
         ids and the sampling settings); yields an iterator of its chunks. Leaving the block
         closes the response, which stops the generation."""
         body = {**payload, "id_slot": slot, "cache_prompt": True, "stream": True}
-        response = await self._send("POST", "/completion", "completion", body, stream=True)
+        response = await self._transport.send(
+            "POST", "/completion", "completion", body, stream=True
+        )
         try:
-            yield self._chunks(response, "completion")
+            yield self._transport.chunks(response, "completion")
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
@@ -419,7 +335,7 @@ class LlamaSlotClient:
     async def detokenize(self, tokens: list[int] | tuple[int, ...]) -> str:
         """The text of ``tokens``, as the engine's tokenizer writes it."""
         async with self._templating:
-            data = await self._request_json(
+            data = await self._transport.request_json(
                 "POST", "/detokenize", "detokenize", json_body={"tokens": list(tokens)}
             )
         content = data.get("content") if isinstance(data, Mapping) else None
@@ -430,7 +346,7 @@ class LlamaSlotClient:
     async def props(self) -> dict[str, Any]:
         """``GET /props``: the server's settings (``modalities``, ``default_generation_settings``,
         …)."""
-        data = await self._request_json("GET", "/props", "props")
+        data = await self._transport.request_json("GET", "/props", "props")
         if not isinstance(data, dict):
             raise EngineResponseError(f"llama-server /props returned {data!r:.200}")
         return data
@@ -449,14 +365,14 @@ class LlamaSlotClient:
 
     async def metrics(self) -> str:
         """``GET /metrics`` (llama-server started with ``--metrics``): Prometheus text."""
-        response = await self._send("GET", "/metrics", "metrics", safe=True)
+        response = await self._transport.send("GET", "/metrics", "metrics", safe=True)
         return response.text
 
     # -- slots --------------------------------------------------------------------------------
 
     async def slots(self) -> list[dict[str, Any]]:
         """``GET /slots``: one dict per slot (``id``, ``n_ctx``, ``is_processing``, ...)."""
-        data = await self._request_json("GET", "/slots", "slots")
+        data = await self._transport.request_json("GET", "/slots", "slots")
         if not isinstance(data, list):
             raise EngineResponseError(f"llama-server /slots returned {data!r:.200}")
         return data
@@ -474,7 +390,7 @@ class LlamaSlotClient:
         return await self._slot_action(slot, "erase", {})
 
     async def _slot_action(self, slot: int, action: str, body: dict[str, Any]) -> dict[str, Any]:
-        data = await self._request_json(
+        data = await self._transport.request_json(
             "POST",
             f"/slots/{int(slot)}",
             f"slot {action}",
@@ -487,18 +403,23 @@ class LlamaSlotClient:
 
     # -- readiness ----------------------------------------------------------------------------
 
+    @property
+    def status(self) -> EngineStatus | None:
+        """The supervisor's view of the engine (None: not supervised by this process)."""
+        return self._transport.status
+
+    @status.setter
+    def status(self, status: EngineStatus | None) -> None:
+        self._transport.status = status
+
     async def health(self) -> bool:
         """True when llama-server is up and has loaded its model (one probe, no retries)."""
-        state, _ = await probe(self._http, self.base_url)
-        return state == "ready"
+        return await self._transport.health()
 
     async def engine_state(self) -> tuple[str, str]:
         """What ``/health`` reports: ``("ready" | "engine_restarting" | "engine_unavailable",
         detail)``, from the supervisor's status where there is one, else from one probe."""
-        if self.status is not None and self.status.state != "ready":
-            return f"engine_{self.status.state}", self.status.detail
-        state, detail = await probe(self._http, self.base_url)
-        return ("ready", detail) if state == "ready" else ("engine_unavailable", detail)
+        return await self._transport.engine_state()
 
     async def wait_ready(
         self,
@@ -508,34 +429,20 @@ class LlamaSlotClient:
     ) -> None:
         """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
         ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
-        await wait_until_ready(self._http, self.base_url, timeout=timeout, on_progress=on_progress)
+        await self._transport.wait_ready(timeout, on_progress=on_progress)
 
     def set_reachable(self, reachable: bool, detail: str = "") -> bool:
         """Whether the engine answers, as a health watcher other than a supervisor finds it (a
-        pool's probes): while it does not (``detail`` says why), calls fail at once instead of
-        waiting on refused connections, and a stream that breaks first waits a moment for that
-        verdict. The client keeps a status of its own for it from the first call on.
-
-        An engine whose supervisor gave the status is the supervisor's to judge: False, and
-        nothing changes.
-        """
-        if self.status is None:
-            self.status = EngineStatus()
-            self._own_status = True
-        if not self._own_status:
-            return False
-        if reachable:
-            self.status.set_state("ready")
-        else:
-            self.status.set_state("unavailable", detail)
-        return True
+        pool's probes): see :meth:`EngineTransport.set_reachable`. False, and nothing changes,
+        when a supervisor gave the status."""
+        return self._transport.set_reachable(reachable, detail)
 
     # -- what a pool of engines answers for all of them (see agentkv.runtime.pool) -----------
 
     @property
     def restarts(self) -> int:
         """The engine's restarts by its supervisor so far (none when not supervised here)."""
-        return self.status.restarts if self.status is not None else 0
+        return self._transport.restarts
 
     def prompt_answers(self) -> PromptStats:
         """Where the prompt answers came from (:attr:`prompt_stats`)."""
@@ -551,178 +458,10 @@ class LlamaSlotClient:
 
     async def aclose(self) -> None:
         """Close the HTTP client if this object created it."""
-        if self._owns_http:
-            await self._http.aclose()
-            await self._kept.aclose()
+        await self._transport.aclose()
 
     async def __aenter__(self) -> LlamaSlotClient:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-    # -- transport ----------------------------------------------------------------------------
-
-    async def _request_json(
-        self,
-        method: str,
-        path: str,
-        what: str,
-        *,
-        json_body: Any = None,
-        params: Mapping[str, str] | None = None,
-        safe: bool = True,
-    ) -> Any:
-        """One call with a JSON reply. ``safe``: the call may be repeated (everything but a chat
-        completion), so a reply that breaks while it is read is asked for once more."""
-        response = await self._send(method, path, what, json_body, params=params, safe=safe)
-        return parse_json(response.text, what)
-
-    def _chunks(self, response: httpx.Response, what: str) -> ChunkStream:
-        """The chunks of a streamed reply to ``what``; a read that fails is this client's error."""
-
-        async def engine_error(exc: Exception | None) -> EngineError:
-            return await self._engine_error(exc, what, started=True)
-
-        return ChunkStream(response, engine_error)
-
-    async def _engine_error(
-        self, exc: Exception | None, what: str, *, started: bool
-    ) -> EngineError:
-        """The error for a failed request (``exc`` None: a stream that ended too early).
-
-        While the supervisor restarts the engine, that is the error: the caller should retry.
-        A broken stream waits a moment for the supervisor to notice a dead engine first.
-        """
-        if exc is None:
-            error: EngineError = EngineStreamBrokenError(
-                f"llama-server {what} stream ended before the completion finished (truncated)"
-            )
-        else:
-            error = map_httpx_error(exc, what, self.base_url, started=started)
-        status = self.status
-        if status is not None and isinstance(error, EngineUnavailableError | EngineResponseError):
-            if started and status.state == "ready":
-                with anyio.move_on_after(_SETTLE_SECONDS):
-                    await status.changed()
-            restarting = status.error()
-            if restarting is not None:
-                return restarting
-        return error
-
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        what: str,
-        json_body: Any = None,
-        *,
-        params: Mapping[str, str] | None = None,
-        stream: bool = False,
-        safe: bool = False,
-        headers: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
-        """Send one request, retrying only the safe cases; a 2xx response or an agentkv error.
-
-        With ``stream=True`` the returned response body is unread and the caller must close it;
-        otherwise the body is read here (and, when ``safe``, asked for again if it broke).
-        ``headers`` are sent besides the client's own (an adapter's per-request hints).
-        """
-        dropped: DroppedError | None = None
-        while True:
-            retrying = AsyncRetrying(
-                stop=stop_after_attempt(self._connect_retries + 1)
-                | stop_after_delay(self._retry_seconds),
-                wait=wait_exponential(multiplier=self._retry_backoff, max=2.0),
-                retry=retry_if_exception_type(NotReadyError),
-                sleep=anyio.sleep,
-                reraise=True,
-            )
-            # A call sent once more after a drop goes on a new connection.
-            http = self._kept if safe and not stream and dropped is None else self._http
-            try:
-                return await retrying(
-                    self._send_once,
-                    http,
-                    method,
-                    path,
-                    what,
-                    json_body,
-                    params,
-                    stream,
-                    safe,
-                    headers,
-                )
-            except NotReadyError as exc:
-                # Callers see the public type; the private subclass only steers the retries.
-                raise EngineUnavailableError(exc.message) from exc.__cause__
-            except DroppedError as exc:
-                if dropped is not None:
-                    raise EngineUnavailableError(
-                        f"{exc.message} (also when sent again on a new connection)"
-                    ) from exc.__cause__
-                dropped = exc
-                self.link.resent += 1
-                log.info("%s; sending it once more on a new connection", exc.message)
-
-    def _build(
-        self,
-        http: httpx.AsyncClient,
-        method: str,
-        path: str,
-        json_body: Any,
-        params: Mapping[str, str] | None,
-        stream: bool,
-        extra: Mapping[str, str] | None = None,
-    ) -> httpx.Request:
-        headers = {**(extra or {}), **self._headers}
-        if stream:
-            # A stream's connection is never used again: llama-server may close it once the
-            # stream ends, though it advertised keep-alive, and a pool would hand it out dead.
-            headers["connection"] = "close"
-        return http.build_request(
-            method,
-            self.base_url + path,
-            json=json_body,
-            params=params,
-            headers=headers,
-            timeout=self._timeout,
-        )
-
-    async def _send_once(
-        self,
-        http: httpx.AsyncClient,
-        method: str,
-        path: str,
-        what: str,
-        json_body: Any,
-        params: Mapping[str, str] | None,
-        stream: bool,
-        safe: bool,
-        headers: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
-        if self.status is not None and (refused := self.status.error()) is not None:
-            raise refused
-        self.link.requests += 1
-        try:
-            request = self._build(http, method, path, json_body, params, stream, headers)
-            # Always sent as a stream: what failed before the reply's first byte (safe to send
-            # again) is then told apart from what failed while reading it.
-            response = await http.send(request, stream=True)
-        except HTTPX_ERRORS as exc:
-            raise await self._engine_error(exc, what, started=False) from exc
-        if response.is_success and stream:
-            return response
-        try:
-            await response.aread()
-        except HTTPX_ERRORS as exc:
-            error = await self._engine_error(exc, what, started=not safe)
-            raise error from exc
-        finally:
-            await response.aclose()
-        if response.is_success:
-            return response
-        error = status_error(response, what)
-        if safe and response.status_code in GATEWAY_STATUSES:
-            raise DroppedError(error.message) from error
-        raise error

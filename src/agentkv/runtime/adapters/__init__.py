@@ -1,9 +1,10 @@
 """Engines that place requests themselves, reached through their OpenAI-compatible HTTP APIs.
 
-One adapter per engine behind the seam of :class:`~agentkv.runtime.client.LlamaSlotClient`:
-:class:`OpenAIEngineClient` is the shared OpenAI-compatible path (and any such engine, without
-hints); :class:`VLLMClient`, :class:`SGLangClient` and :class:`DynamoClient` add their engine's
-hints and what it reports. See docs/engines.md.
+One adapter per engine behind the engine seam (:class:`~agentkv.runtime.seam.Engine`), as
+:class:`~agentkv.runtime.client.LlamaSlotClient` is: :class:`OpenAIEngineClient` is the shared
+OpenAI-compatible path (and any such engine, without hints); :class:`VLLMClient`,
+:class:`SGLangClient` and :class:`DynamoClient` add their engine's hints and what it reports.
+See docs/engines.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """The OpenAI-compatible path: an engine that places requests itself, behind the client's seam.
 
-:class:`OpenAIEngineClient` is a :class:`~agentkv.runtime.client.LlamaSlotClient` for an engine
-such as vLLM, SGLang or NVIDIA Dynamo, reached through its ``/v1/chat/completions``. It keeps the
-client's transport, retries and error map, and changes what the engine is asked:
+:class:`OpenAIEngineClient` is the runtime's :class:`~agentkv.runtime.seam.Engine` for an engine
+such as vLLM, SGLang or NVIDIA Dynamo, reached through its ``/v1/chat/completions``. It holds the
+HTTP link llama-server's client holds too (:class:`~agentkv.runtime.transport.EngineTransport`:
+connections, retries, the error map, readiness, errors in the engine's name), and asks the engine
+what an OpenAI-compatible engine answers:
 
 - no slot: the ``slot`` argument is ignored (no ``id_slot``, no ``cache_prompt``); agentkv's
   "slots" are only how many requests it sends the engine at once, and the engine's own scheduler
@@ -31,8 +33,8 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote
 
 import anyio
@@ -40,10 +42,16 @@ import attrs
 import httpx
 
 from agentkv.exceptions import EngineError, EngineResponseError
+from agentkv.prompts import PromptStats
 from agentkv.runtime.chunks import ChunkStream
-from agentkv.runtime.client import CHAT_PATH, LlamaSlotClient
 from agentkv.runtime.error_map import parse_json
 from agentkv.runtime.hints import EngineHints
+from agentkv.runtime.seam import SlotsChanged
+from agentkv.runtime.transport import CHAT_PATH, EngineTransport, LinkStats, in_name_of
+
+if TYPE_CHECKING:
+    from agentkv.runtime.status import EngineStatus
+    from agentkv.snapshot import EngineRow
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -208,11 +216,13 @@ class _UsageStream:
         return chunk
 
 
-class OpenAIEngineClient(LlamaSlotClient):
+class OpenAIEngineClient:
     """Any OpenAI-compatible engine that places requests itself; no hints.
 
     ``model`` is the model name the engine serves (None: the first of its ``/v1/models``).
-    The other arguments are :class:`~agentkv.runtime.client.LlamaSlotClient`'s.
+    ``templating_limit`` bounds the tokenizing calls sent at once (where the engine has them);
+    the other arguments are the :class:`~agentkv.runtime.transport.EngineTransport`'s, as for
+    :class:`~agentkv.runtime.client.LlamaSlotClient`.
     """
 
     #: The ``--engine-kind`` of ``agentkv-server``.
@@ -225,8 +235,35 @@ class OpenAIEngineClient(LlamaSlotClient):
     #: as llama-server does by itself; used to continue a reply whose stream broke.
     continues_final_message: ClassVar[bool] = False
 
-    def __init__(self, base_url: str, *, model: str | None = None, **kwargs: Any) -> None:
-        super().__init__(base_url, **kwargs)
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        http: httpx.AsyncClient | None = None,
+        connect_retries: int = 5,
+        retry_seconds: float = 30.0,
+        read_timeout: float = 600.0,
+        retry_backoff: float = 0.25,
+        api_key: str | None = None,
+        status: EngineStatus | None = None,
+        templating_limit: int = 4,
+    ) -> None:
+        self._transport = EngineTransport(
+            base_url,
+            http=http,
+            connect_retries=connect_retries,
+            retry_seconds=retry_seconds,
+            read_timeout=read_timeout,
+            retry_backoff=retry_backoff,
+            api_key=api_key,
+            status=status,
+            engine_name=self.engine_name,
+        )
+        self.base_url = self._transport.base_url
+        #: What the engine link has seen: requests sent, and those sent again after a drop.
+        self.link: LinkStats = self._transport.link
+        self._templating = anyio.CapacityLimiter(max(1, templating_limit))
         self.model = model
         self.card: EngineCard | None = None
         #: What the engine's usage says about the estimate's characters per token.
@@ -278,34 +315,7 @@ class OpenAIEngineClient(LlamaSlotClient):
 
     def renamed(self, error: EngineError) -> EngineError:
         """``error`` with this engine's name where the client's error map says llama-server."""
-        if "llama-server" in error.message:
-            error.message = error.message.replace("llama-server", self.engine_name)
-            error.args = (error.message,)
-        return error
-
-    async def _engine_error(
-        self, exc: Exception | None, what: str, *, started: bool
-    ) -> EngineError:
-        return self.renamed(await super()._engine_error(exc, what, started=started))
-
-    async def _send_once(
-        self,
-        http: httpx.AsyncClient,
-        method: str,
-        path: str,
-        what: str,
-        json_body: Any,
-        params: Mapping[str, str] | None,
-        stream: bool,
-        safe: bool,
-        headers: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
-        try:
-            return await super()._send_once(
-                http, method, path, what, json_body, params, stream, safe, headers
-            )
-        except EngineError as exc:
-            raise self.renamed(exc) from exc.__cause__
+        return in_name_of(error, self.engine_name)
 
     # -- the engine's model -------------------------------------------------------------------
 
@@ -313,7 +323,7 @@ class OpenAIEngineClient(LlamaSlotClient):
         """The model agentkv uses and its context length, from ``GET /v1/models`` (asked once)."""
         if self.card is not None:
             return self.card
-        data = await self._request_json("GET", "/v1/models", "models")
+        data = await self._transport.request_json("GET", "/v1/models", "models")
         models = data.get("data") if isinstance(data, Mapping) else None
         cards = [m for m in models or () if isinstance(m, Mapping) and isinstance(m.get("id"), str)]
         if self.model is not None:
@@ -377,7 +387,7 @@ class OpenAIEngineClient(LlamaSlotClient):
             payload = self.request_body(body, hints, model, stream=stream)
             headers = self.hint_headers(hints) if hints is not None else None
             try:
-                return await self._send(
+                return await self._transport.send(
                     "POST",
                     CHAT_PATH,
                     "chat completion",
@@ -422,7 +432,7 @@ class OpenAIEngineClient(LlamaSlotClient):
         generating."""
         response = await self._open(body, hints, stream=True)
         try:
-            chunks = self._chunks(response, "chat completion")
+            chunks = self._transport.chunks(response, "chat completion")
             yield _UsageStream(self, chunks, len(_estimate_text(body)))
         finally:
             with anyio.CancelScope(shield=True):
@@ -487,6 +497,58 @@ class OpenAIEngineClient(LlamaSlotClient):
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         raise self._unsupported("raw completion on a slot")
         yield  # pragma: no cover - an async context manager needs a yield
+
+    # -- readiness and health ------------------------------------------------------------------
+
+    @property
+    def status(self) -> EngineStatus | None:
+        """The supervisor's view of the engine (None: not supervised by this process)."""
+        return self._transport.status
+
+    @property
+    def restarts(self) -> int:
+        """The engine's restarts by its supervisor so far (none when not supervised here)."""
+        return self._transport.restarts
+
+    async def health(self) -> bool:
+        """True when the engine is up and serves (one probe of its ``/health``, no retries)."""
+        return await self._transport.health()
+
+    async def engine_state(self) -> tuple[str, str]:
+        """What ``/health`` reports, from the supervisor's status or one probe."""
+        return await self._transport.engine_state()
+
+    async def wait_ready(
+        self,
+        timeout: float,  # noqa: ASYNC109 - part of the public contract
+        *,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
+        """Poll ``/health`` until the engine serves; :class:`EngineUnavailableError` after
+        ``timeout`` seconds."""
+        await self._transport.wait_ready(timeout, on_progress=on_progress)
+
+    def prompt_answers(self) -> PromptStats:
+        """None kept or asked: prompt sizes come from the engine's ``/tokenize`` or an
+        estimate."""
+        return PromptStats()
+
+    def engines(self) -> tuple[EngineRow, ...] | None:
+        """One engine: no rows."""
+        return None
+
+    async def watch(self, on_change: SlotsChanged | None = None) -> None:
+        """One engine: nothing to follow (its supervisor follows its restarts)."""
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this object created it."""
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> OpenAIEngineClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 def context_tokens(card: EngineCard, requested: int | None) -> int | None:

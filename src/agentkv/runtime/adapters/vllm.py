@@ -77,7 +77,9 @@ class VLLMClient(OpenAIEngineClient):
             return None
         try:
             async with self._templating:
-                data = await self._request_json("POST", "/tokenize", "tokenize", json_body=body)
+                data = await self._transport.request_json(
+                    "POST", "/tokenize", "tokenize", json_body=body
+                )
         except EngineResponseError as exc:
             if exc.upstream_status not in (404, 405):
                 raise

@@ -1,0 +1,433 @@
+"""EngineTransport: the one place agentkv talks HTTP to an engine.
+
+Every request to the engine goes through here (for llama-server's
+:class:`~agentkv.runtime.client.LlamaSlotClient`, and for the OpenAI-compatible engines'
+:class:`~agentkv.runtime.adapters.OpenAIEngineClient`, each of which holds one), so every upstream
+failure is mapped once, at this boundary, onto the agentkv exception tree: unreachable →
+:class:`EngineUnavailableError`, stalled → :class:`EngineTimeoutError`, error status or
+unparseable body → :class:`EngineResponseError`. An error names the engine (``engine_name``).
+
+No call meets a connection a stream used. llama-server advertises keep-alive after a streamed
+reply but sometimes closes the socket right after the stream ends; a pooled connection then fails
+the next request sent on it. So a chat completion (streamed or not) always has a connection of its
+own, which it asks to be closed afterwards (also on an injected, pooling client). The calls that
+are safe to repeat (templating, tokenizing, slot actions, the operator's reads) share one
+kept-alive connection, idle at most :data:`KEEPALIVE_SECONDS` (llama-server closes its own after
+5 s), which saves a connection's setup on the two calls before every reply; when that connection
+turns out closed anyway, the call is sent once more on a new one (below).
+
+Requests are retried only where a retry cannot repeat work or costs nothing:
+
+- the connection was refused or could not be opened, or llama-server answered 503 because it is
+  still loading the model: retried with backoff (``connect_retries``, ``retry_seconds``);
+- the connection closed before any byte of the response arrived: sent once more, at once, on a
+  new connection. That holds for every call, a chat completion included: llama-server had sent
+  nothing, so the client has seen nothing of it;
+- a call that is safe to repeat (health, metrics, slots, apply-template, tokenize, detokenize,
+  slot save, restore and erase) whose reply broke while it was being read, or that got a 502 or
+  504 from something between agentkv and the engine: once more as well.
+
+Nothing is retried once a response body has started to reach the caller.
+
+Low-level httpx errors are mapped by one table,
+:data:`~agentkv.runtime.error_map.HTTPX_ERROR_MAP`, in one place (:mod:`agentkv.runtime.error_map`).
+Streams are parsed by :mod:`agentkv.runtime.chunks`; readiness is :mod:`agentkv.runtime.health`'s.
+When agentkv supervises the engine (``status``), a request made while it restarts fails at once
+with :class:`EngineRestartingError` (529, ``retry-after``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
+
+from agentkv.exceptions import (
+    EngineError,
+    EngineResponseError,
+    EngineStreamBrokenError,
+    EngineUnavailableError,
+)
+from agentkv.runtime.chunks import ChunkStream
+from agentkv.runtime.error_map import (
+    GATEWAY_STATUSES,
+    HTTPX_ERRORS,
+    DroppedError,
+    NotReadyError,
+    map_httpx_error,
+    parse_json,
+    status_error,
+)
+from agentkv.runtime.health import probe, wait_until_ready
+from agentkv.runtime.status import EngineStatus
+
+__all__ = [
+    "CHAT_PATH",
+    "KEEPALIVE_SECONDS",
+    "LLAMA_SERVER",
+    "EngineTransport",
+    "LinkStats",
+    "in_name_of",
+    "new_http_client",
+]
+
+log = logging.getLogger("agentkv.client")
+
+#: The engine the error map's messages name.
+LLAMA_SERVER = "llama-server"
+#: llama-server's (and every OpenAI-compatible engine's) chat completion path.
+CHAT_PATH = "/v1/chat/completions"
+# Opening a TCP connection to a local server never legitimately takes long; a slow connect means
+# the host is wrong or the server is wedged, and the caller should hear about it quickly.
+_CONNECT_TIMEOUT = 10.0
+
+
+#: While an engine restart is under way, a mid-stream break waits this long for the supervisor to
+#: notice, so that the caller hears "restarting" rather than "truncated".
+_SETTLE_SECONDS = 1.0
+
+
+#: How long the connection of the calls that are safe to repeat may stay idle before it is
+#: closed (llama-server closes an idle one after 5 s; each one open holds one of its HTTP threads).
+KEEPALIVE_SECONDS = 2.0
+
+
+def new_http_client(
+    timeout: httpx.Timeout | float = 600.0, *, keep_alive: bool = False
+) -> httpx.AsyncClient:
+    """The HTTP client for llama-server: by default a new connection for every call.
+
+    llama-server sometimes closes a connection right after a streamed reply although it said
+    keep-alive; a pooled connection is then dead when the next call takes it. ``keep_alive``:
+    one idle connection is kept, at most :data:`KEEPALIVE_SECONDS`, for calls that never stream
+    and are safe to send again.
+    """
+    if keep_alive:
+        limits = httpx.Limits(max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_SECONDS)
+    else:
+        limits = httpx.Limits(max_keepalive_connections=0)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+@attrs.define
+class LinkStats:
+    """Counters of the engine link (for the operator and the tests)."""
+
+    #: Requests sent to llama-server (each attempt counts).
+    requests: int = 0
+    #: Requests sent once more on a new connection after the first was dropped.
+    resent: int = 0
+
+
+def in_name_of(error: EngineError, engine_name: str) -> EngineError:
+    """``error`` naming ``engine_name`` where the error map says llama-server."""
+    if engine_name != LLAMA_SERVER and LLAMA_SERVER in error.message:
+        error.message = error.message.replace(LLAMA_SERVER, engine_name)
+        error.args = (error.message,)
+    return error
+
+
+class EngineTransport:
+    """One engine's HTTP link: its connections, retries, error map and readiness.
+
+    ``http`` may be injected (tests use ``httpx.MockTransport``); a client created here is closed by
+    :meth:`aclose`. ``connect_retries`` and ``retry_seconds`` bound the safe retries (refused
+    connection, 503 while loading); ``read_timeout`` is how long the engine may stay silent
+    mid-request before :class:`EngineTimeoutError`. ``api_key`` is sent as ``Authorization:
+    Bearer``. ``status`` is the supervisor's view of that engine: while it restarts, requests fail
+    at once with :class:`EngineRestartingError`. ``engine_name`` is the engine in error messages.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        http: httpx.AsyncClient | None = None,
+        connect_retries: int = 5,
+        retry_seconds: float = 30.0,
+        read_timeout: float = 600.0,
+        retry_backoff: float = 0.25,
+        api_key: str | None = None,
+        status: EngineStatus | None = None,
+        engine_name: str = LLAMA_SERVER,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.engine_name = engine_name
+        self._owns_http = http is None
+        self._timeout = httpx.Timeout(read_timeout, connect=_CONNECT_TIMEOUT)
+        self._http = http if http is not None else new_http_client(self._timeout)
+        #: The first try of a call that is safe to repeat: one kept-alive connection (an
+        #: injected client is used as it is).
+        self._kept = http if http is not None else new_http_client(self._timeout, keep_alive=True)
+        self._connect_retries = max(0, connect_retries)
+        self._retry_seconds = retry_seconds
+        self._retry_backoff = retry_backoff
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        #: The supervisor's view of the engine (None: not supervised by this process).
+        self.status = status
+        #: :attr:`status` is this link's own, moved by :meth:`set_reachable` (no supervisor).
+        self._own_status = False
+        #: What the link has seen: requests sent, and those sent again after a drop.
+        self.link = LinkStats()
+
+    def _named(self, error: EngineError) -> EngineError:
+        return in_name_of(error, self.engine_name)
+
+    def note_resent(self) -> None:
+        """A caller sent a call once more after its reply broke (counted in :attr:`link`)."""
+        self.link.resent += 1
+
+    # -- readiness ------------------------------------------------------------------------------
+
+    async def health(self) -> bool:
+        """True when the engine is up and has loaded its model (one probe, no retries)."""
+        state, _ = await probe(self._http, self.base_url)
+        return state == "ready"
+
+    async def engine_state(self) -> tuple[str, str]:
+        """What ``/health`` reports: ``("ready" | "engine_restarting" | "engine_unavailable",
+        detail)``, from the supervisor's status where there is one, else from one probe."""
+        if self.status is not None and self.status.state != "ready":
+            return f"engine_{self.status.state}", self.status.detail
+        state, detail = await probe(self._http, self.base_url)
+        return ("ready", detail) if state == "ready" else ("engine_unavailable", detail)
+
+    async def wait_ready(
+        self,
+        timeout: float,  # noqa: ASYNC109 - part of the public contract
+        *,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
+        """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
+        ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
+        await wait_until_ready(self._http, self.base_url, timeout=timeout, on_progress=on_progress)
+
+    def set_reachable(self, reachable: bool, detail: str = "") -> bool:
+        """Whether the engine answers, as a health watcher other than a supervisor finds it (a
+        pool's probes): while it does not (``detail`` says why), calls fail at once instead of
+        waiting on refused connections, and a stream that breaks first waits a moment for that
+        verdict. The link keeps a status of its own for it from the first call on.
+
+        An engine whose supervisor gave the status is the supervisor's to judge: False, and
+        nothing changes.
+        """
+        if self.status is None:
+            self.status = EngineStatus()
+            self._own_status = True
+        if not self._own_status:
+            return False
+        if reachable:
+            self.status.set_state("ready")
+        else:
+            self.status.set_state("unavailable", detail)
+        return True
+
+    @property
+    def restarts(self) -> int:
+        """The engine's restarts by its supervisor so far (none when not supervised here)."""
+        return self.status.restarts if self.status is not None else 0
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this object created it."""
+        if self._owns_http:
+            await self._http.aclose()
+            await self._kept.aclose()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def request_json(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, str] | None = None,
+        safe: bool = True,
+    ) -> Any:
+        """One call with a JSON reply. ``safe``: the call may be repeated (everything but a chat
+        completion), so a reply that breaks while it is read is asked for once more."""
+        response = await self.send(method, path, what, json_body, params=params, safe=safe)
+        return parse_json(response.text, what)
+
+    def chunks(self, response: httpx.Response, what: str) -> ChunkStream:
+        """The chunks of a streamed reply to ``what``; a read that fails is this link's error."""
+
+        async def engine_error(exc: Exception | None) -> EngineError:
+            return await self._engine_error(exc, what, started=True)
+
+        return ChunkStream(response, engine_error)
+
+    async def _engine_error(
+        self, exc: Exception | None, what: str, *, started: bool
+    ) -> EngineError:
+        """The error for a failed request (``exc`` None: a stream that ended too early).
+
+        While the supervisor restarts the engine, that is the error: the caller should retry.
+        A broken stream waits a moment for the supervisor to notice a dead engine first.
+        """
+        if exc is None:
+            error: EngineError = EngineStreamBrokenError(
+                f"llama-server {what} stream ended before the completion finished (truncated)"
+            )
+        else:
+            error = map_httpx_error(exc, what, self.base_url, started=started)
+        error = self._named(error)
+        status = self.status
+        if status is not None and isinstance(error, EngineUnavailableError | EngineResponseError):
+            if started and status.state == "ready":
+                with anyio.move_on_after(_SETTLE_SECONDS):
+                    await status.changed()
+            restarting = status.error()
+            if restarting is not None:
+                return self._named(restarting)
+        return error
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        what: str,
+        json_body: Any = None,
+        *,
+        params: Mapping[str, str] | None = None,
+        stream: bool = False,
+        safe: bool = False,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        """Send one request, retrying only the safe cases; a 2xx response or an agentkv error.
+
+        With ``stream=True`` the returned response body is unread and the caller must close it;
+        otherwise the body is read here (and, when ``safe``, asked for again if it broke).
+        ``headers`` are sent besides the client's own (an adapter's per-request hints).
+        """
+        dropped: DroppedError | None = None
+        while True:
+            retrying = AsyncRetrying(
+                stop=stop_after_attempt(self._connect_retries + 1)
+                | stop_after_delay(self._retry_seconds),
+                wait=wait_exponential(multiplier=self._retry_backoff, max=2.0),
+                retry=retry_if_exception_type(NotReadyError),
+                sleep=anyio.sleep,
+                reraise=True,
+            )
+            # A call sent once more after a drop goes on a new connection.
+            http = self._kept if safe and not stream and dropped is None else self._http
+            try:
+                return await retrying(
+                    self._send_once,
+                    http,
+                    method,
+                    path,
+                    what,
+                    json_body,
+                    params,
+                    stream,
+                    safe,
+                    headers,
+                )
+            except NotReadyError as exc:
+                # Callers see the public type; the private subclass only steers the retries.
+                raise EngineUnavailableError(exc.message) from exc.__cause__
+            except DroppedError as exc:
+                if dropped is not None:
+                    raise EngineUnavailableError(
+                        f"{exc.message} (also when sent again on a new connection)"
+                    ) from exc.__cause__
+                dropped = exc
+                self.link.resent += 1
+                log.info("%s; sending it once more on a new connection", exc.message)
+
+    def _build(
+        self,
+        http: httpx.AsyncClient,
+        method: str,
+        path: str,
+        json_body: Any,
+        params: Mapping[str, str] | None,
+        stream: bool,
+        extra: Mapping[str, str] | None = None,
+    ) -> httpx.Request:
+        headers = {**(extra or {}), **self._headers}
+        if stream:
+            # A stream's connection is never used again: llama-server may close it once the
+            # stream ends, though it advertised keep-alive, and a pool would hand it out dead.
+            headers["connection"] = "close"
+        return http.build_request(
+            method,
+            self.base_url + path,
+            json=json_body,
+            params=params,
+            headers=headers,
+            timeout=self._timeout,
+        )
+
+    async def _send_once(
+        self,
+        http: httpx.AsyncClient,
+        method: str,
+        path: str,
+        what: str,
+        json_body: Any,
+        params: Mapping[str, str] | None,
+        stream: bool,
+        safe: bool,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        try:
+            return await self._attempt(
+                http, method, path, what, json_body, params, stream, safe, headers
+            )
+        except EngineError as exc:
+            if self.engine_name == LLAMA_SERVER:
+                raise
+            raise self._named(exc) from exc.__cause__
+
+    async def _attempt(
+        self,
+        http: httpx.AsyncClient,
+        method: str,
+        path: str,
+        what: str,
+        json_body: Any,
+        params: Mapping[str, str] | None,
+        stream: bool,
+        safe: bool,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        if self.status is not None and (refused := self.status.error()) is not None:
+            raise refused
+        self.link.requests += 1
+        try:
+            request = self._build(http, method, path, json_body, params, stream, headers)
+            # Always sent as a stream: what failed before the reply's first byte (safe to send
+            # again) is then told apart from what failed while reading it.
+            response = await http.send(request, stream=True)
+        except HTTPX_ERRORS as exc:
+            raise await self._engine_error(exc, what, started=False) from exc
+        if response.is_success and stream:
+            return response
+        try:
+            await response.aread()
+        except HTTPX_ERRORS as exc:
+            error = await self._engine_error(exc, what, started=not safe)
+            raise error from exc
+        finally:
+            await response.aclose()
+        if response.is_success:
+            return response
+        error = status_error(response, what)
+        if safe and response.status_code in GATEWAY_STATUSES:
+            raise DroppedError(error.message) from error
+        raise error
