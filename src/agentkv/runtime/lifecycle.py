@@ -293,7 +293,7 @@ class Runtime:
 
     def __attrs_post_init__(self) -> None:
         config = self.config
-        self.joinable = Joinable(config.retry_grace, self.later)
+        self.joinable = Joinable(config.retry_grace, self.clock)
         self.translator = MessagesTranslator(
             session_layout=config.session_layout, limits=config.limits
         )
