@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from agentkv.agents import AgentDirectory, agent_calls, first_prompt, named_subagents
-from agentkv.sse import accumulate
+from agentkv.anthropic_sse import accumulate, anthropic_events
 from agentkv.translate import MessagesTranslator
 from agentkv_bench import cli
 from agentkv_bench.subagents import (
@@ -28,7 +28,7 @@ def test_scripted_reply_is_a_valid_stream_ending_in_tool_use() -> None:
         {"type": "text", "text": "Splitting."},
         agent_call("c1", "Write the tests", "test it", background=False),
     ]
-    message = accumulate(scripted_reply(blocks))
+    message = accumulate(anthropic_events(scripted_reply(blocks)))
     assert message["stop_reason"] == "tool_use"
     assert message["content"][1]["input"]["run_in_background"] is False
     assert [c.description for c in agent_calls(message["content"])] == ["Write the tests"]

@@ -1,4 +1,4 @@
-"""ResponsesAssembler and ChatAssembler: Anthropic events → OpenAI streams, checked by the SDK."""
+"""ResponsesAssembler and ChatAssembler: reply events → OpenAI streams, checked by the SDK."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def done(reason: str) -> dict[str, Any]:
     }
 
 
-def anthropic_events(chunks: Sequence[dict[str, Any]], **options: Any) -> list[dict[str, Any]]:
-    """The Anthropic events the runtime would emit for these engine chunks."""
+def reply_events(chunks: Sequence[dict[str, Any]], **options: Any) -> list[dict[str, Any]]:
+    """The reply events the runtime would emit for these engine chunks."""
     sse = SSEAssembler(message_id="msg_0123abcd", model="m", coalesce_chars=1, **options)
     events = sse.start()
     for chunk in chunks:
@@ -109,7 +109,7 @@ def chat_request(**extra: Any) -> Any:
 def responses_stream(chunks: Sequence[dict[str, Any]], **extra: Any) -> list[dict[str, Any]]:
     assembler = ResponsesAssembler(responses_request(**extra), created_at=CREATED)
     out: list[dict[str, Any]] = []
-    for event in anthropic_events(chunks):  # one at a time, as they arrive
+    for event in reply_events(chunks):  # one at a time, as they arrive
         out += assembler.feed([event])
     return out
 
@@ -171,7 +171,7 @@ def test_responses_stream_rules(chunks: list[dict[str, Any]]) -> None:
 def test_the_sdk_accumulates_the_same_response() -> None:
     """The official SDK's stream helper rebuilds, from our bytes, the response we hold."""
     assembler = ResponsesAssembler(responses_request(), created_at=CREATED)
-    events = assembler.feed(anthropic_events(CALLS))
+    events = assembler.feed(reply_events(CALLS))
     client = sdk_client(b"".join(encode_response_event(e) for e in events))
     with client.responses.stream(model="m", input="hi") as stream:
         seen = [event.type for event in stream]
@@ -195,7 +195,7 @@ def test_the_sdk_accumulates_the_same_response() -> None:
 def test_non_streaming_is_the_final_snapshot() -> None:
     """Fed all at once, the assembler's response is the one the stream ended with."""
     assembler = ResponsesAssembler(responses_request(), created_at=CREATED)
-    events = assembler.feed(anthropic_events(THINKING_THEN_TEXT))
+    events = assembler.feed(reply_events(THINKING_THEN_TEXT))
     assert assembler.response == events[-1]["response"]
     reasoning, message = assembler.response["output"]
     assert reasoning["type"] == "reasoning"
@@ -206,7 +206,7 @@ def test_non_streaming_is_the_final_snapshot() -> None:
 def test_failure_is_an_error_then_response_failed() -> None:
     """A request that fails mid-way ends with ``error`` and ``response.failed``."""
     assembler = ResponsesAssembler(responses_request(), created_at=CREATED)
-    events = assembler.feed(anthropic_events(TEXT)[:4])
+    events = assembler.feed(reply_events(TEXT)[:4])
     events += assembler.fail(EngineUnavailableError("engine gone", retry_after=4.2))
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "server_is_overloaded"
@@ -219,7 +219,7 @@ def test_failure_is_an_error_then_response_failed() -> None:
 def test_keep_alive_is_an_in_progress_event() -> None:
     assembler = ResponsesAssembler(responses_request(), created_at=CREATED)
     assert assembler.keep_alive() == []  # nothing before the stream starts
-    assembler.feed(anthropic_events(TEXT)[:1])
+    assembler.feed(reply_events(TEXT)[:1])
     (event,) = assembler.keep_alive()
     assert event["type"] == "response.in_progress"
 
@@ -235,7 +235,7 @@ def test_custom_tool_call_is_its_input_string() -> None:
         "function": {"name": "apply_patch", "arguments": '{"input": "*** Begin Patch"}'},
     }
     assembler = ResponsesAssembler(request, created_at=CREATED)
-    events = assembler.feed(anthropic_events([delta(tool_calls=[call]), done("tool_calls")]))
+    events = assembler.feed(reply_events([delta(tool_calls=[call]), done("tool_calls")]))
     (item,) = assembler.response["output"]
     assert item == {
         "id": item["id"],
@@ -253,7 +253,7 @@ def test_custom_tool_call_is_its_input_string() -> None:
 
 def chat_stream(chunks: Sequence[dict[str, Any]], **extra: Any) -> list[dict[str, Any]]:
     assembler = ChatAssembler(chat_request(**extra), created=CREATED)
-    return assembler.feed(anthropic_events(chunks))
+    return assembler.feed(reply_events(chunks))
 
 
 @pytest.mark.parametrize("name", ["text", "calls"])
@@ -266,7 +266,7 @@ def test_chat_stream_snapshot(name: str, snapshot_json: SnapshotAssertion) -> No
 def test_the_sdk_accumulates_the_same_completion() -> None:
     """The SDK's chat stream helper rebuilds our non-streaming completion from our chunks."""
     assembler = ChatAssembler(chat_request(stream_options={"include_usage": True}), created=CREATED)
-    chunks = assembler.feed(anthropic_events(CALLS))
+    chunks = assembler.feed(reply_events(CALLS))
     client = sdk_client(b"".join(map(encode_chat_chunk, chunks)) + CHAT_DONE)
     with client.chat.completions.stream(
         model="m", messages=[{"role": "user", "content": "hi"}]
@@ -300,7 +300,7 @@ def test_chat_without_include_usage_has_no_usage_chunk() -> None:
 
 def test_chat_failure_is_an_error_chunk_the_sdk_raises() -> None:
     assembler = ChatAssembler(chat_request(), created=CREATED)
-    chunks = assembler.feed(anthropic_events(TEXT)[:4])
+    chunks = assembler.feed(reply_events(TEXT)[:4])
     chunks += assembler.fail(EngineUnavailableError("engine gone"))
     client = sdk_client(b"".join(map(encode_chat_chunk, chunks)) + CHAT_DONE)
     stream = client.chat.completions.create(

@@ -13,11 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkv import ANY_TOOL
+from agentkv.anthropic_sse import accumulate
 from agentkv.exceptions import SSEProtocolError
 from agentkv.guard import RepetitionGuard
 from agentkv.repair import extract_tool_calls
 from agentkv.schema import validate
-from agentkv.sse import ReplyComplete, RetryWithTools, SSEAssembler, StopRequest, accumulate
+from agentkv.sse import ReplyComplete, RetryWithTools, SSEAssembler, StopRequest
 from tests.test_sse import (
     assembler,
     done,

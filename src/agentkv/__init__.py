@@ -34,6 +34,7 @@ from agentkv.exceptions import (
 )
 from agentkv.fingerprint import PrefixFingerprinter
 from agentkv.guard import Repetition, RepetitionGuard
+from agentkv.reply import ReplyEvent
 from agentkv.scheduler import FairScheduler
 from agentkv.slots import SlotManager, SlotStats
 from agentkv.sse import ReplyComplete, RetryWithTools, SSEAssembler, StopRequest, Verdict
@@ -68,6 +69,7 @@ __all__ = [
     "Repetition",
     "RepetitionGuard",
     "ReplyComplete",
+    "ReplyEvent",
     "RetryWithTools",
     "SSEAssembler",
     "SSEProtocolError",

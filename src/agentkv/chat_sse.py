@@ -1,4 +1,4 @@
-"""Anthropic stream events in, Chat Completions chunks out (``POST /v1/chat/completions``).
+"""A reply's events in, Chat Completions chunks out (``POST /v1/chat/completions``).
 
 Fed the whole event list at once, :class:`ChatAssembler` gives the non-streaming reply too
 (:attr:`ChatAssembler.completion`), so both modes share one code path. Pure: events and the
@@ -7,7 +7,6 @@ creation time go in, dicts come out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
@@ -22,6 +21,7 @@ from agentkv.openai_reply import (
     usage_counts,
 )
 from agentkv.openai_request import OpenAIRequest
+from agentkv.reply import BlockOpened, Delta
 
 __all__ = ["ChatAssembler"]
 
@@ -35,7 +35,7 @@ _STOP_TO_FINISH: Final = {
 
 @attrs.define
 class ChatAssembler(EventWalk):
-    """Turns one Anthropic event stream into Chat Completions chunks.
+    """Turns one reply's events into Chat Completions chunks.
 
     Promises: the first chunk carries ``role``; each tool call's first chunk carries its ``index``,
     ``id``, ``type`` and name, later ones only arguments; the last choice chunk carries the
@@ -114,10 +114,10 @@ class ChatAssembler(EventWalk):
     def _started(self) -> bool:
         return bool(self._id)
 
-    def _start(self, message: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    def _start(self, message_id: str, out: list[dict[str, Any]]) -> None:
         if self._started:
             return
-        source = str(message.get("id") or digest(self.created))
+        source = message_id or digest(self.created)
         self._id = "chatcmpl-" + source.removeprefix("msg_")
         out.append(self._chunk({"role": "assistant", "content": ""}))
 
@@ -150,15 +150,14 @@ class ChatAssembler(EventWalk):
             "choices": choices,
         }
 
-    def _open(self, block: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
-        kind = block.get("type")
-        self._block = kind if isinstance(kind, str) else None
-        if kind != "tool_use":
+    def _open(self, block: BlockOpened, out: list[dict[str, Any]]) -> None:
+        self._block = block.kind
+        if block.kind != "tool_use":
             return
-        origin = tool_origin(self.request, str(block.get("name") or ""))
+        origin = tool_origin(self.request, block.tool_name)
         index = len(self._calls)
         call = {
-            "id": openai_call_id(str(block.get("id") or f"toolu_{digest(self._id, index)}")),
+            "id": openai_call_id(block.tool_id or f"toolu_{digest(self._id, index)}"),
             "name": origin.name,
             "arguments": "",
         }
@@ -178,18 +177,15 @@ class ChatAssembler(EventWalk):
             )
         )
 
-    def _delta(self, delta: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
-        kind = delta.get("type")
-        if kind == "text_delta" and self._block == "text":
-            text = str(delta.get("text") or "")
+    def _delta(self, delta: Delta, out: list[dict[str, Any]]) -> None:
+        kind, text = delta.kind, delta.value
+        if kind == "text" and self._block == "text":
             self._text += text
             out.append(self._chunk({"content": text}))
-        elif kind == "thinking_delta" and self._block == "thinking":
-            text = str(delta.get("thinking") or "")
+        elif kind == "thinking" and self._block == "thinking":
             self._reasoning += text
             out.append(self._chunk({"reasoning_content": text}))
-        elif kind == "input_json_delta" and self._block == "tool_use" and self._calls:
-            text = str(delta.get("partial_json") or "")
+        elif kind == "input" and self._block == "tool_use" and self._calls:
             call = self._calls[-1]
             call["arguments"] += text
             index = len(self._calls) - 1

@@ -1,5 +1,5 @@
 """What the Responses stream and the Chat Completions chunks share: the error body, the framing,
-ids and usage, and the walk over an Anthropic event stream.
+ids and usage, and the walk over a reply's events (:mod:`agentkv.reply`).
 
 :mod:`agentkv.responses_sse` and :mod:`agentkv.chat_sse` build on these; :mod:`agentkv.openai_sse`
 is where the server finds them all. Pure: values in, values out.
@@ -17,6 +17,7 @@ import attrs
 
 from agentkv.exceptions import AgentKVError, InvalidRequestError, PromptTooLongError
 from agentkv.openai_request import CUSTOM_INPUT, OpenAIRequest, ToolOrigin
+from agentkv.reply import BlockClosed, BlockOpened, Delta, ReplyEvent, Started, Usage
 
 __all__ = [
     "CHAT_DONE",
@@ -92,13 +93,9 @@ def openai_call_id(tool_use_id: str) -> str:
     return "call_" + tool_use_id.removeprefix("toolu_")
 
 
-def usage_counts(usage: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(prompt tokens, of which cached, output tokens) from Anthropic usage."""
-    cached = int(usage.get("cache_read_input_tokens") or 0)
-    uncached = int(usage.get("input_tokens") or 0) + int(
-        usage.get("cache_creation_input_tokens") or 0
-    )
-    return uncached + cached, cached, int(usage.get("output_tokens") or 0)
+def usage_counts(usage: Usage) -> tuple[int, int, int]:
+    """(prompt tokens, of which cached, output tokens)."""
+    return usage.prompt_tokens, usage.cache_read_tokens, usage.output_tokens
 
 
 def tool_origin(request: OpenAIRequest, engine_name: str) -> ToolOrigin:
@@ -118,40 +115,37 @@ def custom_input(arguments: str) -> str:
 
 @attrs.define
 class EventWalk:
-    """One Anthropic event stream, walked in order: what both OpenAI streams do with it.
+    """One reply's events, walked in order: what both OpenAI streams do with them.
 
     A subclass says what each event becomes (:meth:`_start`, :meth:`_open`, :meth:`_delta`,
     :meth:`_close`, :meth:`_finish`); the walk keeps the stop reason and the usage, and passes
-    nothing on before ``message_start`` or after the end.
+    nothing on before ``Started`` or after the end.
     """
 
     _stop_reason: str | None = attrs.field(default=None, init=False)
-    _usage: dict[str, Any] = attrs.field(factory=dict, init=False)
+    _usage: Usage = attrs.field(factory=Usage, init=False)
     _ended: bool = attrs.field(default=False, init=False)
 
     @property
     def ended(self) -> bool:
         return self._ended
 
-    def feed(self, events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """What these Anthropic events become, in order."""
+    def feed(self, events: Iterable[ReplyEvent]) -> list[dict[str, Any]]:
+        """What these reply events become, in order."""
         out: list[dict[str, Any]] = []
         for event in events:
-            kind = event.get("type")
-            if kind == "message_start":
-                self._start(event.get("message") or {}, out)
+            if isinstance(event, Started):
+                self._start(event.message_id, out)
             elif not self._started or self._ended:
                 continue
-            elif kind == "content_block_start":
-                self._open(event.get("content_block") or {}, out)
-            elif kind == "content_block_delta":
-                self._delta(event.get("delta") or {}, out)
-            elif kind == "content_block_stop":
+            elif isinstance(event, BlockOpened):
+                self._open(event, out)
+            elif isinstance(event, Delta):
+                self._delta(event, out)
+            elif isinstance(event, BlockClosed):
                 self._close(out)
-            elif kind == "message_delta":
-                self._stop_reason = (event.get("delta") or {}).get("stop_reason")
-                self._usage.update(event.get("usage") or {})
-            elif kind == "message_stop":
+            else:
+                self._stop_reason, self._usage = event.stop_reason, event.usage
                 self._finish(out)
         return out
 
@@ -159,13 +153,13 @@ class EventWalk:
     def _started(self) -> bool:
         raise NotImplementedError
 
-    def _start(self, message: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    def _start(self, message_id: str, out: list[dict[str, Any]]) -> None:
         raise NotImplementedError
 
-    def _open(self, block: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    def _open(self, block: BlockOpened, out: list[dict[str, Any]]) -> None:
         raise NotImplementedError
 
-    def _delta(self, delta: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    def _delta(self, delta: Delta, out: list[dict[str, Any]]) -> None:
         raise NotImplementedError
 
     def _close(self, out: list[dict[str, Any]]) -> None:

@@ -1,6 +1,6 @@
-"""Anthropic stream events in, OpenAI streams out: the Responses event stream and Chat chunks.
+"""A reply's events in, OpenAI streams out: the Responses event stream and Chat chunks.
 
-The runtime answers every request with Anthropic Messages events (:mod:`agentkv.sse`), whichever
+The runtime answers every request with the reply's typed events (:mod:`agentkv.reply`), whichever
 route it came in on. :class:`ResponsesAssembler` and :class:`ChatAssembler` turn those events into
 what an OpenAI client reads: ``response.*`` events for ``/v1/responses`` (what Codex and the
 ``openai`` SDK expect) and ``chat.completion.chunk`` objects for ``/v1/chat/completions``. Fed the

@@ -4,7 +4,8 @@ agentkv has one request lifecycle, built around the Anthropic Messages API: queu
 prefix store, compaction, tool repair and records all work on a Messages body. The OpenAI routes
 therefore translate their body into exactly the Messages body that ``/v1/messages`` would take for
 the same conversation, and the runtime never knows which API a request came in on. The reply comes
-back as Anthropic events, which :mod:`agentkv.openai_sse` turns into the client's own stream.
+back as typed events (:mod:`agentkv.reply`), which :mod:`agentkv.openai_sse` encodes as the
+client's own stream.
 
 Pure: no I/O, no clock. Each input item or message is translated on its own and only ever appended
 to, so a conversation that grows by items keeps a prompt that grows by appending too, and the

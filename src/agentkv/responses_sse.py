@@ -1,4 +1,4 @@
-"""Anthropic stream events in, the Responses event stream out (``POST /v1/responses``).
+"""A reply's events in, the Responses event stream out (``POST /v1/responses``).
 
 Fed the whole event list at once, :class:`ResponsesAssembler` gives the non-streaming reply too
 (:attr:`ResponsesAssembler.response`), so both modes share one code path. A tool call arrives from
@@ -9,7 +9,6 @@ Pure: events and the creation time go in, dicts come out.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from typing import Any, Final
 
 import attrs
@@ -25,16 +24,12 @@ from agentkv.openai_reply import (
     usage_counts,
 )
 from agentkv.openai_request import OpenAIRequest
+from agentkv.reply import BlockOpened, Delta
 
 __all__ = ["ResponsesAssembler"]
 
-#: Per output item kind: the Anthropic delta that adds to it, and the key that holds its text.
-_DELTAS: Final = {
-    "text": ("text_delta", "text"),
-    "thinking": ("thinking_delta", "thinking"),
-    "function": ("input_json_delta", "partial_json"),
-    "custom": ("input_json_delta", "partial_json"),
-}
+#: Per output item kind: the kind of delta that adds to it.
+_DELTAS: Final = {"text": "text", "thinking": "thinking", "function": "input", "custom": "input"}
 #: The Responses events (``<name>.delta``, ``<name>.done``) of a text or reasoning part.
 _TEXT_EVENTS: Final = {"text": "response.output_text", "thinking": "response.reasoning_text"}
 
@@ -56,7 +51,7 @@ class _Item:
 
 @attrs.define
 class ResponsesAssembler(EventWalk):
-    """Turns one Anthropic event stream into one Responses event stream.
+    """Turns one reply's events into one Responses event stream.
 
     Promises: ``response.created`` and ``response.in_progress`` first; every output item is
     ``added`` before its deltas and ``done`` after them, with ``output_index`` counting up from 0;
@@ -97,7 +92,7 @@ class ResponsesAssembler(EventWalk):
             return []
         out: list[dict[str, Any]] = []
         if self._response is None:
-            self._start({}, out)
+            self._start("", out)
         error = openai_error(exc)["error"]
         self._ended = True
         out.append(
@@ -119,10 +114,10 @@ class ResponsesAssembler(EventWalk):
     def _snapshot(self) -> dict[str, Any]:
         return json.loads(json.dumps(self.response))  # type: ignore[no-any-return]
 
-    def _start(self, message: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    def _start(self, message_id: str, out: list[dict[str, Any]]) -> None:
         if self._response is not None:
             return
-        source = str(message.get("id") or digest(self.created_at))
+        source = message_id or digest(self.created_at)
         echo = self.request.echo
         self._response = {
             "id": "resp_" + source.removeprefix("msg_"),
@@ -157,10 +152,10 @@ class ResponsesAssembler(EventWalk):
     def _item_id(self, prefix: str, index: int) -> str:
         return f"{prefix}_{digest(self.response['id'], index)}"
 
-    def _open(self, block: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    def _open(self, block: BlockOpened, out: list[dict[str, Any]]) -> None:
         self._close(out)  # a well-formed stream has none open; never leave one dangling
         index = len(self.response["output"])
-        kind = block.get("type")
+        kind = block.kind
         item: dict[str, Any]
         if kind == "text":
             item = {
@@ -181,9 +176,9 @@ class ResponsesAssembler(EventWalk):
                 "status": "in_progress",
             }
             current = _Item(index, item, "thinking")
-        elif kind == "tool_use":
-            origin = tool_origin(self.request, str(block.get("name") or ""))
-            call_id = openai_call_id(str(block.get("id") or self._item_id("toolu", index)))
+        else:
+            origin = tool_origin(self.request, block.tool_name)
+            call_id = openai_call_id(block.tool_id or self._item_id("toolu", index))
             if origin.custom:
                 item = {
                     "id": self._item_id("ctc", index),
@@ -206,8 +201,6 @@ class ResponsesAssembler(EventWalk):
                 current = _Item(index, item, "function")
             if origin.namespace is not None:
                 item["namespace"] = origin.namespace
-        else:
-            return  # no other block kind reaches a client (redacted thinking is never produced)
         self.response["output"].append(item)
         self._current = current
         out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
@@ -228,14 +221,11 @@ class ResponsesAssembler(EventWalk):
             return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         return {"type": "reasoning_text", "text": text}
 
-    def _delta(self, delta: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    def _delta(self, delta: Delta, out: list[dict[str, Any]]) -> None:
         current = self._current
-        if current is None:
+        if current is None or delta.kind != _DELTAS[current.kind]:
             return
-        wanted, key = _DELTAS[current.kind]
-        if delta.get("type") != wanted:
-            return
-        text = str(delta.get(key) or "")
+        text = delta.value
         current.text += text
         item_id = current.item["id"]
         if current.kind in _TEXT_EVENTS:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from jsonschema import Draft202012Validator, validators
 
-__all__ = ["TYPE_NAMES", "Schema", "json_type", "validate"]
+__all__ = ["TYPE_NAMES", "Schema", "json_object", "json_type", "validate"]
 
 #: A tool's ``input_schema``: a JSON Schema object, or a boolean schema.
 Schema = Mapping[str, Any] | bool
@@ -33,6 +34,19 @@ def json_type(value: Any) -> str:
     if isinstance(value, dict):
         return "object"
     return type(value).__name__
+
+
+def json_object(text: str) -> dict[str, Any] | None:
+    """``text`` parsed as a JSON object (blank means ``{}``), or None when it is not one (NaN and
+    infinities included: a client's JSON parser would reject them)."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def validate(instance: Any, schema: Schema, path: str = "$") -> list[str]:

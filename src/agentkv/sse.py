@@ -1,8 +1,8 @@
-"""SSEAssembler: llama-server chat chunks in, Anthropic Messages stream events out.
+"""SSEAssembler: llama-server chat chunks in, the reply's typed events out.
 
 Pure, in the style of a sans-IO protocol machine: chunks (already parsed JSON) and the current time
-go in, event dicts come out, and :func:`encode_event` frames them. :func:`accumulate` folds the
-same events into the non-streaming Message, so both response modes share one code path.
+go in, :mod:`agentkv.reply` events come out. Each API encodes them in its own shape
+(:mod:`agentkv.anthropic_sse`, :mod:`agentkv.responses_sse`, :mod:`agentkv.chat_sse`).
 
 Besides events, the assembler tells the runtime two things, as typed values:
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
@@ -43,6 +43,17 @@ from agentkv.callscan import HoldGate
 from agentkv.exceptions import EngineResponseError, SSEProtocolError
 from agentkv.guard import Repetition, RepetitionGuard, cut_tail
 from agentkv.repair import RejectedCandidate, extract_tool_calls, repair_arguments
+from agentkv.reply import (
+    BlockClosed,
+    BlockKind,
+    BlockOpened,
+    Delta,
+    Ended,
+    ReplyEvent,
+    Started,
+    Usage,
+)
+from agentkv.schema import json_object
 
 __all__ = [
     "DEFAULT_COALESCE_CHARS",
@@ -52,8 +63,6 @@ __all__ = [
     "SSEAssembler",
     "StopRequest",
     "Verdict",
-    "accumulate",
-    "encode_event",
 ]
 
 
@@ -61,12 +70,6 @@ __all__ = [
 #: settings take their defaults from here).
 DEFAULT_COALESCE_CHARS = 16
 DEFAULT_COALESCE_SECONDS = 0.05
-
-
-def encode_event(event: Mapping[str, Any]) -> bytes:
-    """One SSE frame: ``event: <type>\\ndata: <json>\\n\\n``."""
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 @attrs.frozen
@@ -131,12 +134,12 @@ class _ToolDraft:
 
 @attrs.define
 class SSEAssembler:
-    """Turns one engine stream into one Anthropic message stream.
+    """Turns one engine stream into one reply's events.
 
-    Promises: the events it returns, in order, form a valid Messages stream (``index`` counts up
-    from 0, every started block is stopped, no empty text block, every ``tool_use`` input is a JSON
-    object); ``start`` comes first and ``finish`` last; a second ``finish`` or a ``feed`` outside
-    that window raises :class:`SSEProtocolError`.
+    Promises: the events it returns, in order, form a valid reply (:mod:`agentkv.reply`: ``index``
+    counts up from 0, every opened block is closed, no empty text block, every tool call's input is
+    a JSON object); ``start`` comes first and ``finish`` last; a second ``finish`` or a ``feed``
+    outside that window raises :class:`SSEProtocolError`.
 
     With ``tool_schemas`` (auto mode, tool-call repair on), text is held back from the point where
     a call written as text may start, by a :class:`~agentkv.callscan.HoldGate` (which says what
@@ -190,29 +193,14 @@ class SSEAssembler:
     # What holds back text that may be a call (auto mode with tools), made on first use.
     _gate: HoldGate | None = attrs.field(default=None, init=False)
 
-    def start(self) -> list[dict[str, Any]]:
-        """``[message_start]``; send it as early as possible (it keeps clients from timing out)."""
+    def start(self) -> list[ReplyEvent]:
+        """``[Started]``; send it as early as possible (it keeps clients from timing out)."""
         if self._state != "new":
             raise SSEProtocolError("start() called twice")
         self._state = "streaming"
-        message: dict[str, Any] = {
-            "id": self.message_id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": {
-                "input_tokens": self.input_tokens_hint,
-                "cache_creation_input_tokens": 0,
-                "cache_read_input_tokens": 0,
-                "output_tokens": 0,
-            },
-        }
-        return [{"type": "message_start", "message": message}]
+        return [Started(self.message_id, self.model, self.input_tokens_hint)]
 
-    def feed(self, chunk: Mapping[str, Any], now: float) -> list[dict[str, Any]]:
+    def feed(self, chunk: Mapping[str, Any], now: float) -> list[ReplyEvent]:
         """The events one engine chunk gives (often none: deltas are coalesced).
 
         Once :attr:`stop` is set, the content of further chunks (still in flight when the runtime
@@ -225,7 +213,7 @@ class SSEAssembler:
         if error is not None:
             message = error.get("message") if isinstance(error, Mapping) else str(error)
             raise EngineResponseError(f"engine stream error: {message}")
-        out: list[dict[str, Any]] = []
+        out: list[ReplyEvent] = []
         self._read_usage(chunk)
         choices = chunk.get("choices") or ()
         if not choices or self._stop is not None:
@@ -260,10 +248,10 @@ class SSEAssembler:
             self._finish_reason = choice["finish_reason"]
         return out
 
-    def flush(self, now: float) -> list[dict[str, Any]]:
+    def flush(self, now: float) -> list[ReplyEvent]:
         """Buffered deltas whose time bound has passed, and held text whose hold has run out
         (call it on a timer between chunks)."""
-        out: list[dict[str, Any]] = []
+        out: list[ReplyEvent] = []
         if self._state != "streaming":
             return out
         if self._gate is not None and self._stop is None:
@@ -321,9 +309,9 @@ class SSEAssembler:
             raise SSEProtocolError("begin_retry() needs a RetryWithTools verdict")
         usage = self.usage
         self._usage_before_retry = (
-            usage["input_tokens"],
-            usage["cache_read_input_tokens"],
-            usage["output_tokens"],
+            usage.input_tokens,
+            usage.cache_read_tokens,
+            usage.output_tokens,
         )
         self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
         self._delta_chunks = 0
@@ -359,16 +347,16 @@ class SSEAssembler:
             raise SSEProtocolError("begin_continuation() needs a plain-text reply in progress")
         usage = self.usage
         self._usage_before_retry = (
-            usage["input_tokens"],
-            usage["cache_read_input_tokens"],
-            usage["output_tokens"] or self._delta_chunks,
+            usage.input_tokens,
+            usage.cache_read_tokens,
+            usage.output_tokens or self._delta_chunks,
         )
         self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
         self._delta_chunks = 0
         self._finish_reason = None
 
-    def finish(self, now: float) -> list[dict[str, Any]]:
-        """Close the open block, then ``message_delta`` and ``message_stop``.
+    def finish(self, now: float) -> list[ReplyEvent]:
+        """Close the open block, then ``Ended``.
 
         Held text is turned into tool_use blocks where it holds valid calls, and into text
         otherwise. A reply cut off by the token limit, or stopped for repetition, is not repaired:
@@ -382,7 +370,7 @@ class SSEAssembler:
             raise SSEProtocolError(
                 f"finish() called {'before start' if self._state == 'new' else 'twice'}"
             )
-        out: list[dict[str, Any]] = []
+        out: list[ReplyEvent] = []
         if self._gate is not None:
             self._append("text", self._gate.take_pending(), now, out)
         self._close(out)
@@ -391,18 +379,11 @@ class SSEAssembler:
         elif self._gate is not None and self._gate.holding:
             self._emit_held(self._gate.held, out)
         self._state = "done"
-        out.append(
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": self._stop_reason(), "stop_sequence": self._stop_sequence},
-                "usage": self.usage,
-            }
-        )
-        out.append({"type": "message_stop"})
+        out.append(Ended(self._stop_reason(), self._stop_sequence, self.usage))
         return out
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> Usage:
         """Token counts so far: uncached prompt, cache reads and generated tokens.
 
         A stream closed on :attr:`stop` ends without the engine's counts; its output is then
@@ -416,12 +397,7 @@ class SSEAssembler:
         generated = self._output_tokens
         if not generated and self._stop is not None:
             generated = self._delta_chunks
-        return {
-            "input_tokens": uncached,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached + self._cache_read,
-            "output_tokens": output + generated,
-        }
+        return Usage(uncached, cached + self._cache_read, output + generated)
 
     # -- engine chunk parts ------------------------------------------------------------------
 
@@ -447,7 +423,7 @@ class SSEAssembler:
                 self._stop_sequence = word
 
     def _append(
-        self, kind: Literal["text", "thinking"], text: str, now: float, out: list[dict[str, Any]]
+        self, kind: Literal["text", "thinking"], text: str, now: float, out: list[ReplyEvent]
     ) -> None:
         if not text:
             return
@@ -463,7 +439,7 @@ class SSEAssembler:
             # never opened (the API rejects whitespace-only text blocks when they are sent back).
             if not current.pending.strip():
                 return
-            self._open(_start_block(kind), out)
+            self._open(kind, out)
             current.opened = True
         if (
             len(current.pending) >= self.coalesce_chars
@@ -471,7 +447,7 @@ class SSEAssembler:
         ):
             self._emit_pending(current, out)
 
-    def _tool_delta(self, call: Mapping[str, Any], out: list[dict[str, Any]]) -> None:
+    def _tool_delta(self, call: Mapping[str, Any], out: list[ReplyEvent]) -> None:
         key = int(call.get("index", 0))
         current = self._current
         if not (isinstance(current, _ToolDraft) and current.key == key):
@@ -514,14 +490,14 @@ class SSEAssembler:
 
     # -- holding back what may be a call -------------------------------------------------------
 
-    def _gated(self, text: str, now: float, out: list[dict[str, Any]]) -> None:
+    def _gated(self, text: str, now: float, out: list[ReplyEvent]) -> None:
         """Auto mode with tools: stream what cannot be a call, hold the rest (see HoldGate)."""
         if self._gate is None:
             self._gate = HoldGate(self.tool_schemas or {}, self.hold_chars, self.hold_seconds)
         for piece in self._gate.feed(text, now):
             self._append("text", piece, now, out)
 
-    def _emit_held(self, held: str, out: list[dict[str, Any]]) -> None:
+    def _emit_held(self, held: str, out: list[ReplyEvent]) -> None:
         assert self.tool_schemas is not None
         # A reply cut off by the token limit, or stopped, is not repaired: a "fixed" half Write
         # would write half a file.
@@ -539,23 +515,21 @@ class SSEAssembler:
 
     # -- blocks --------------------------------------------------------------------------------
 
-    def _open(self, block: dict[str, Any], out: list[dict[str, Any]]) -> None:
-        out.append({"type": "content_block_start", "index": self._index, "content_block": block})
+    def _open(
+        self, kind: BlockKind, out: list[ReplyEvent], tool_id: str = "", tool_name: str = ""
+    ) -> None:
+        out.append(BlockOpened(self._index, kind, tool_id, tool_name))
 
-    def _stop_block(self, out: list[dict[str, Any]]) -> None:
-        out.append({"type": "content_block_stop", "index": self._index})
+    def _stop_block(self, out: list[ReplyEvent]) -> None:
+        out.append(BlockClosed(self._index))
         self._index += 1
 
-    def _emit_pending(self, current: _Streamed, out: list[dict[str, Any]]) -> None:
+    def _emit_pending(self, current: _Streamed, out: list[ReplyEvent]) -> None:
         text, current.pending = current.pending, ""
         current.text += text
-        if current.kind == "text":
-            delta = {"type": "text_delta", "text": text}
-        else:
-            delta = {"type": "thinking_delta", "thinking": text}
-        out.append({"type": "content_block_delta", "index": self._index, "delta": delta})
+        out.append(Delta(self._index, current.kind, text))
 
-    def _close(self, out: list[dict[str, Any]]) -> None:
+    def _close(self, out: list[ReplyEvent]) -> None:
         """Close whatever block is current (block switches and finish flush first)."""
         current, self._current = self._current, None
         if isinstance(current, _Streamed) and current.opened:
@@ -565,17 +539,14 @@ class SSEAssembler:
                 # Clients echo the signature back with the thinking; it only has to be opaque
                 # and stable, so a digest of the text serves.
                 signature = hashlib.sha256(current.text.encode()).hexdigest()
-                delta = {"type": "signature_delta", "signature": signature}
-                out.append({"type": "content_block_delta", "index": self._index, "delta": delta})
+                out.append(Delta(self._index, "signature", signature))
             self._stop_block(out)
         elif isinstance(current, _ToolDraft):
             self._closed_tools.add(current.key)
             self._emit_tool(current.id, current.name, current.arguments, out)
 
-    def _emit_tool(
-        self, engine_id: str, name: str, arguments: str, out: list[dict[str, Any]]
-    ) -> None:
-        tool_input = _json_object(arguments) if name else None
+    def _emit_tool(self, engine_id: str, name: str, arguments: str, out: list[ReplyEvent]) -> None:
+        tool_input = json_object(arguments) if name else None
         # Arguments cut off by the token limit (or a stop) are not repaired: a "fixed" half Write
         # would write half a file.
         cut = self._cut()
@@ -586,28 +557,25 @@ class SSEAssembler:
             self._emit_text(arguments, out)
             return
         tool_id = engine_id if engine_id.startswith("toolu_") else self._tool_id()
-        self._open({"type": "tool_use", "id": tool_id, "name": name, "input": {}}, out)
-        partial = json.dumps(tool_input, ensure_ascii=False)
-        delta = {"type": "input_json_delta", "partial_json": partial}
-        out.append({"type": "content_block_delta", "index": self._index, "delta": delta})
+        self._open("tool_use", out, tool_id, name)
+        out.append(Delta(self._index, "input", json.dumps(tool_input, ensure_ascii=False)))
         self._stop_block(out)
         self._emitted_tool = True
 
-    def _emit_text(self, text: str, out: list[dict[str, Any]]) -> None:
+    def _emit_text(self, text: str, out: list[ReplyEvent]) -> None:
         if not text.strip():
             return
-        self._open(_start_block("text"), out)
-        delta = {"type": "text_delta", "text": text}
-        out.append({"type": "content_block_delta", "index": self._index, "delta": delta})
+        self._open("text", out)
+        out.append(Delta(self._index, "text", text))
         self._stop_block(out)
 
-    def _emit_forced(self, out: list[dict[str, Any]]) -> None:
+    def _emit_forced(self, out: list[ReplyEvent]) -> None:
         text = self._forced_text
         if self.forced_tool is not ANY_TOOL:
             self._emit_tool("", self.forced_tool or "", text, out)
             return
         # Any-tool mode: the schema made the model write {"name": ..., "arguments": {...}}.
-        call = _json_object(text)
+        call = json_object(text)
         name = call.get("name") if call is not None else None
         arguments = call.get("arguments") if call is not None else None
         known = isinstance(name, str) and (not self.tool_names or name in self.tool_names)
@@ -631,101 +599,3 @@ class SSEAssembler:
         if self._stop_sequence is not None:
             return "stop_sequence"
         return "end_turn"
-
-
-def _start_block(kind: Literal["text", "thinking"]) -> dict[str, Any]:
-    if kind == "text":
-        return {"type": "text", "text": ""}
-    return {"type": "thinking", "thinking": "", "signature": ""}
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    """``text`` parsed as a JSON object (blank means ``{}``), or None when it is not one."""
-    if not text.strip():
-        return {}
-    try:
-        value = json.loads(text)
-        json.dumps(value, allow_nan=False)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-_DELTA_FOR = {"text": "text_delta", "thinking": "thinking_delta", "tool_use": "input_json_delta"}
-
-
-def accumulate(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Fold a complete event stream into the Anthropic Message JSON.
-
-    Raises :class:`SSEProtocolError` on events out of order, a delta that does not fit its block,
-    tool input that is not a JSON object, an ``error`` event, or a stream without ``message_stop``.
-    """
-    message: dict[str, Any] | None = None
-    open_index: int | None = None
-    json_buf = ""
-    seen_delta = stopped = False
-    for event in events:
-        kind = event.get("type")
-        if kind == "ping":
-            continue
-        if kind == "error":
-            raise SSEProtocolError(f"stream ended with an error: {event.get('error')}")
-        if stopped:
-            raise SSEProtocolError(f"{kind} after message_stop")
-        if message is None:
-            if kind != "message_start":
-                raise SSEProtocolError(f"{kind} before message_start")
-            message = json.loads(json.dumps(event["message"]))
-            message.setdefault("content", [])
-            continue
-        content: list[dict[str, Any]] = message["content"]
-        if kind == "message_start":
-            raise SSEProtocolError("message_start twice")
-        if kind == "content_block_start":
-            if open_index is not None or seen_delta:
-                raise SSEProtocolError("content_block_start while a block is open or after the end")
-            if event["index"] != len(content):
-                raise SSEProtocolError(
-                    f"content_block_start index {event['index']} != {len(content)}"
-                )
-            content.append(dict(event["content_block"]))
-            open_index, json_buf = event["index"], ""
-        elif kind == "content_block_delta":
-            if open_index is None or event["index"] != open_index:
-                raise SSEProtocolError(f"content_block_delta for block {event['index']} not open")
-            block, delta = content[open_index], event["delta"]
-            if delta["type"] == "signature_delta" and block["type"] == "thinking":
-                block["signature"] = delta["signature"]
-            elif delta["type"] != _DELTA_FOR.get(block["type"]):
-                raise SSEProtocolError(f"{delta['type']} in a {block['type']} block")
-            elif delta["type"] == "text_delta":
-                block["text"] += delta["text"]
-            elif delta["type"] == "thinking_delta":
-                block["thinking"] += delta["thinking"]
-            else:
-                json_buf += delta["partial_json"]
-        elif kind == "content_block_stop":
-            if open_index is None or event["index"] != open_index:
-                raise SSEProtocolError(f"content_block_stop for block {event['index']} not open")
-            block = content[open_index]
-            if block["type"] == "tool_use" and json_buf:
-                tool_input = _json_object(json_buf)
-                if tool_input is None:
-                    raise SSEProtocolError(f"tool_use input is not a JSON object: {json_buf!r}")
-                block["input"] = tool_input
-            open_index = None
-        elif kind == "message_delta":
-            if open_index is not None or seen_delta:
-                raise SSEProtocolError("message_delta while a block is open, or twice")
-            seen_delta = True
-            message.update(event.get("delta") or {})
-            message["usage"].update(event.get("usage") or {})
-        elif kind == "message_stop":
-            if not seen_delta:
-                raise SSEProtocolError("message_stop before message_delta")
-            stopped = True
-        else:
-            raise SSEProtocolError(f"unknown event type {kind!r}")
-    if message is None or not stopped:
-        raise SSEProtocolError("stream ended before message_stop")
-    return message

@@ -38,8 +38,9 @@ import anyio
 import attrs
 import httpx
 
+from agentkv.anthropic_sse import anthropic_events, encode_event
+from agentkv.reply import BlockClosed, BlockOpened, Delta, Ended, ReplyEvent, Started, Usage
 from agentkv.snapshot import RuntimeSnapshot, unstructure
-from agentkv.sse import encode_event
 from agentkv.tokens import common_prefix
 from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
 from agentkv_bench.drivers import Clock, RequestResult, one_request
@@ -104,49 +105,28 @@ def agent_call(
     }
 
 
-def scripted_reply(blocks: Sequence[dict[str, Any]], *, model: str = "scripted") -> list[Any]:
-    """The Anthropic stream events of a reply made of ``blocks`` (text and tool_use), ending in
-    ``tool_use`` when it calls a tool: what a test harness answers in the model's place."""
-    events: list[dict[str, Any]] = [
-        {
-            "type": "message_start",
-            "message": {
-                "id": "msg_scripted",
-                "type": "message",
-                "role": "assistant",
-                "model": model,
-                "content": [],
-                "stop_reason": None,
-                "stop_sequence": None,
-                "usage": {"input_tokens": 1, "output_tokens": 1},
-            },
-        }
-    ]
+def scripted_reply(
+    blocks: Sequence[dict[str, Any]], *, model: str = "scripted"
+) -> list[ReplyEvent]:
+    """The events of a reply made of ``blocks`` (text and tool_use), ending in ``tool_use`` when it
+    calls a tool: what a test harness answers in the model's place."""
+    events: list[ReplyEvent] = [Started("msg_scripted", model, 1)]
     for index, block in enumerate(blocks):
         if block["type"] == "text":
-            start: dict[str, Any] = {"type": "text", "text": ""}
-            delta: dict[str, Any] = {"type": "text_delta", "text": block["text"]}
+            events.append(BlockOpened(index, "text"))
+            events.append(Delta(index, "text", block["text"]))
         else:
-            start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        events.append({"type": "content_block_start", "index": index, "content_block": start})
-        events.append({"type": "content_block_delta", "index": index, "delta": delta})
-        events.append({"type": "content_block_stop", "index": index})
+            events.append(BlockOpened(index, "tool_use", block["id"], block["name"]))
+            events.append(Delta(index, "input", json.dumps(block["input"])))
+        events.append(BlockClosed(index))
     calls = any(block["type"] == "tool_use" for block in blocks)
-    events.append(
-        {
-            "type": "message_delta",
-            "delta": {"stop_reason": "tool_use" if calls else "end_turn", "stop_sequence": None},
-            "usage": {"output_tokens": 8},
-        }
-    )
-    events.append({"type": "message_stop"})
+    events.append(Ended("tool_use" if calls else "end_turn", None, Usage(1, 0, 8)))
     return events
 
 
 def scripted_sse(blocks: Sequence[dict[str, Any]]) -> bytes:
     """:func:`scripted_reply` as a ``text/event-stream`` body."""
-    return b"".join(encode_event(event) for event in scripted_reply(blocks))
+    return b"".join(encode_event(event) for event in anthropic_events(scripted_reply(blocks)))
 
 
 @attrs.frozen

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agentkv.anthropic_sse import anthropic_events, encode_event
 from agentkv.exceptions import (
     AgentKVError,
     AuthenticationError,
@@ -43,9 +44,9 @@ from agentkv.openai_sse import (
     openai_error,
 )
 from agentkv.openai_translate import OpenAIRequest, OpenAITranslator
+from agentkv.reply import ReplyEvent
 from agentkv.runtime.lifecycle import Emitted, Exchange, Failed, KeepAlive, Prepared, Runtime
 from agentkv.snapshot import unstructure
-from agentkv.sse import encode_event
 from agentkv_server.body import read_json
 from agentkv_server.config import ServerConfig
 from agentkv_server.identity import (
@@ -92,7 +93,7 @@ async def _frames(exchange: Exchange) -> AsyncIterator[bytes]:
     """The exchange's events as SSE frames; an error after the 200 is an ``error`` event."""
     async for item in exchange.events():
         if isinstance(item, Emitted):
-            yield b"".join(encode_event(event) for event in item.events)
+            yield b"".join(encode_event(event) for event in anthropic_events(item.events))
         elif isinstance(item, KeepAlive):
             yield _PING
         elif isinstance(item, Failed):
@@ -129,9 +130,9 @@ async def _chat_frames(exchange: Exchange, assembler: ChatAssembler) -> AsyncIte
     yield CHAT_DONE
 
 
-async def _all_events(exchange: Exchange) -> list[dict[str, Any]]:
-    """Every Anthropic event of the exchange (non-streaming); raises the error that ended it."""
-    events: list[dict[str, Any]] = []
+async def _all_events(exchange: Exchange) -> list[ReplyEvent]:
+    """Every event of the exchange's reply (non-streaming); raises the error that ended it."""
+    events: list[ReplyEvent] = []
     async for item in exchange.events(ping_interval=3600):
         if isinstance(item, Emitted):
             events.extend(item.events)

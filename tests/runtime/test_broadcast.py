@@ -8,7 +8,11 @@ import anyio
 import pytest
 
 from agentkv.exceptions import EngineUnavailableError
+from agentkv.reply import BlockClosed, BlockOpened, Ended, Started, Usage
 from agentkv.runtime.broadcast import Broadcast, Emitted, Event, Failed, KeepAlive
+
+START = Started("msg_1", "m", 1)
+OPENED = BlockOpened(0, "text")
 
 pytestmark = pytest.mark.anyio
 
@@ -39,7 +43,7 @@ async def _all(log: Broadcast) -> list[Event]:
 async def test_a_late_follower_gets_everything_then_the_end() -> None:
     """Events emitted before a follower came are replayed to it; a failure ends every follower."""
     log = _log([])
-    log.emit([{"type": "message_start"}])
+    log.emit([START])
     log.emit([])  # nothing: no wake-up, no empty batch
     failure = EngineUnavailableError("gone")
     got: list[list[Event]] = []
@@ -51,19 +55,19 @@ async def test_a_late_follower_gets_everything_then_the_end() -> None:
         tg.start_soon(follow)
         tg.start_soon(follow)
         await anyio.sleep(0.01)
-        log.emit([{"type": "ping"}])
+        log.emit([OPENED])
         await anyio.sleep(0.01)
         log.close(failure)
-        log.emit([{"type": "late"}])  # after the end: dropped
+        log.emit([BlockClosed(0)])  # after the end: dropped
     for items in got:
         events = [e for item in items if isinstance(item, Emitted) for e in item.events]
-        assert events == [{"type": "message_start"}, {"type": "ping"}]
+        assert events == [START, OPENED]
         assert items[-1] == Failed(failure)
     assert log.delivered and log.followers == 0
-    assert [e["type"] for e in log.emitted] == ["message_start", "ping"]
+    assert log.emitted == (START, OPENED)
     # A follower that comes after the end still gets it all.
     late = await _all(log)
-    assert late[0] == Emitted([{"type": "message_start"}, {"type": "ping"}])
+    assert late[0] == Emitted([START, OPENED])
 
 
 async def test_silence_gives_keep_alives() -> None:
@@ -122,29 +126,7 @@ async def test_without_background_an_orphan_abandons_at_once() -> None:
 
 async def test_message_accumulates_or_raises() -> None:
     log = _log([])
-    log.emit(
-        [
-            {
-                "type": "message_start",
-                "message": {
-                    "id": "msg_1",
-                    "type": "message",
-                    "role": "assistant",
-                    "model": "m",
-                    "content": [],
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": {"input_tokens": 1, "output_tokens": 0},
-                },
-            },
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                "usage": {"output_tokens": 0},
-            },
-            {"type": "message_stop"},
-        ]
-    )
+    log.emit([Started("msg_1", "m", 1), Ended("end_turn", None, Usage(input_tokens=1))])
     log.close()
     assert (await log.message())["id"] == "msg_1"
     failed = _log([])

@@ -426,28 +426,19 @@ async def test_the_watchdog_reclaims_a_lease_whose_engine_falls_silent() -> None
             await task_done.wait()
 
 
-async def test_finished_replies_kept_for_a_retry_are_bounded() -> None:
-    """Within retry_grace a finished reply is kept for the client's retry, but at most
-    max_kept of them: the oldest is dropped, and freed at once (its timer does not hold
-    it); the newest stay."""
-    import gc
-    import weakref
-
+async def test_finished_replies_are_kept_for_a_retry() -> None:
+    """Within retry_grace a finished reply is kept for the client's retry, and a retry of its
+    request gets it; its bounds are the Joinable's own (tests/runtime/test_joinable.py)."""
     fake = FakeLlama(reply="ok")
     async with running(fake, retry_grace=60.0) as runtime:
-        runtime.joinable.max_kept = 3
         bodies = [
             {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": f"q{i}"}]}
-            for i in range(5)
+            for i in range(3)
         ]
         replies = []
         for body in bodies:
             exchange = runtime.submit(await runtime.prepare(body, agent="a", priority=1))
             await exchange.message()
-            replies.append(weakref.ref(exchange))
-            del exchange
-        assert len(runtime.joinable) == 3
-        gc.collect()
-        assert replies[0]() is None and replies[1]() is None  # dropped and freed
-        kept = list(runtime.joinable)
-        assert kept == [replies[2](), replies[3](), replies[4]()]  # the newest, still kept
+            replies.append(exchange)
+        assert list(runtime.joinable) == replies
+        assert runtime.joinable.get(replies[0].prepared.key) is replies[0]

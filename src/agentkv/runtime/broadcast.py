@@ -17,17 +17,18 @@ from typing import Any
 import anyio
 import attrs
 
+from agentkv.anthropic_sse import reply_message
 from agentkv.exceptions import AgentKVError
-from agentkv.sse import accumulate
+from agentkv.reply import ReplyEvent
 
 __all__ = ["Broadcast", "Emitted", "Event", "Failed", "KeepAlive"]
 
 
 @attrs.frozen
 class Emitted:
-    """Anthropic stream events, in order."""
+    """The reply's events, in order."""
 
-    events: list[dict[str, Any]]
+    events: list[ReplyEvent]
 
 
 @attrs.frozen
@@ -65,7 +66,7 @@ class Broadcast:
     ping_interval: float
     spawn: Callable[[Callable[[], Awaitable[None]]], bool] = _start_now
     clock: Callable[[], float] = time.monotonic
-    _events: list[dict[str, Any]] = attrs.field(init=False, factory=list)
+    _events: list[ReplyEvent] = attrs.field(init=False, factory=list)
     _changed: anyio.Event = attrs.field(init=False, factory=anyio.Event)
     _failure: AgentKVError | None = attrs.field(init=False, default=None)
     _closed: bool = attrs.field(init=False, default=False)
@@ -101,13 +102,13 @@ class Broadcast:
         return self._followers == 0 and not self._delivered and self._failure is None
 
     @property
-    def emitted(self) -> Sequence[dict[str, Any]]:
+    def emitted(self) -> Sequence[ReplyEvent]:
         """Everything emitted so far (read-only)."""
         return tuple(self._events)
 
     # -- the producer's side ----------------------------------------------------------------------
 
-    def emit(self, events: list[dict[str, Any]]) -> None:
+    def emit(self, events: list[ReplyEvent]) -> None:
         if events and not self._closed:
             self._events.extend(events)
             self._wake()
@@ -158,15 +159,16 @@ class Broadcast:
                 self._orphaned()
 
     async def message(self) -> dict[str, Any]:
-        """The whole reply as one Message (non-streaming); raises the error that ended it."""
-        events: list[dict[str, Any]] = []
+        """The whole reply as one Anthropic Message (non-streaming); raises the error that ended
+        it."""
+        events: list[ReplyEvent] = []
         async with contextlib.aclosing(self.follow(ping_interval=3600)) as items:
             async for item in items:
                 if isinstance(item, Emitted):
                     events.extend(item.events)
                 elif isinstance(item, Failed):
                     raise item.error
-        return accumulate(events)
+        return reply_message(events)
 
     def _orphaned(self) -> None:
         self.orphaned_at = self.clock()

@@ -18,7 +18,7 @@ import httpx
 from agentkv.exceptions import EngineError, EngineResponseError
 from agentkv.runtime.error_map import HTTPX_ERRORS, parse_json
 
-__all__ = ["ChunkStream", "EventParser", "check_chunk", "finish_reason"]
+__all__ = ["ChunkStream", "EventParser", "check_chunk", "finish_reason", "prompt_done"]
 
 #: What the client makes of a failed read (``None``: the stream ended before it finished).
 EngineErrorFor = Callable[[Exception | None], Awaitable[EngineError]]
@@ -46,6 +46,15 @@ def finish_reason(chunk: Mapping[str, Any]) -> Any:
     if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
         return choices[0].get("finish_reason")
     return None
+
+
+def prompt_done(chunk: Mapping[str, Any]) -> int | None:
+    """How many of the prompt's tokens the engine has (cached or computed), from a chunk's
+    ``prompt_progress``; None when the chunk carries none."""
+    progress = chunk.get("prompt_progress")
+    if not isinstance(progress, Mapping):
+        return None
+    return int(progress.get("cache", 0) or 0) + int(progress.get("processed", 0) or 0)
 
 
 #: Where a line of an event stream ends: CRLF, CR or LF.

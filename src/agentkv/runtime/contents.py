@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -33,6 +33,7 @@ from agentkv.exceptions import (
     EngineTimeoutError,
     EngineUnavailableError,
 )
+from agentkv.runtime.chunks import prompt_done
 from agentkv.runtime.dispatcher import Checkpoint, Dispatcher
 from agentkv.runtime.seam import Engine
 from agentkv.runtime.status import EngineStatus
@@ -242,9 +243,8 @@ class SlotContents:
             async with self.client.prefill(checkpoint.tokens, slot=lease.slot) as chunks:
                 async for chunk in chunks:
                     dispatcher.note_progress(lease)
-                    progress = chunk.get("prompt_progress")
-                    if isinstance(progress, Mapping):
-                        done = int(progress.get("cache", 0)) + int(progress.get("processed", 0))
+                    done = prompt_done(chunk)
+                    if done is not None:
                         dispatcher.checkpoint_progress(checkpoint, done)
                     self.costs.observe_timings(chunk.get("timings"))
             for _ in range(2):  # a save that failed is tried once more: others wait for it

@@ -9,13 +9,11 @@ tokens and its events), the oldest dropped first.
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-import anyio
 import attrs
+from cachetools import TTLCache
 
 __all__ = ["MAX_KEPT_REPLIES", "Joinable"]
 
@@ -35,47 +33,40 @@ E = TypeVar("E", bound=_Exchange)
 class Joinable(Generic[E]):
     """Running exchanges and the finished replies kept for a retry.
 
-    ``later(work, *args)`` runs ``work`` in the runtime's background (False when stopping).
+    The finished ones are a TTL cache on the runtime's ``clock``: one is dropped once
+    ``retry_grace`` has passed (when the cache is next used), or when ``max_kept`` newer ones came.
     """
 
     retry_grace: float
-    later: Callable[..., bool]
+    clock: Callable[[], float]
     max_kept: int = MAX_KEPT_REPLIES
-    _by_key: dict[str, E] = attrs.field(init=False, factory=dict)
-    #: The keys of the finished replies still kept, oldest first.
-    _kept: OrderedDict[str, None] = attrs.field(init=False, factory=OrderedDict)
+    _running: dict[str, E] = attrs.field(init=False, factory=dict)
+    _finished: TTLCache[str, E] = attrs.field(init=False)
+
+    @_finished.default
+    def _cache(self) -> TTLCache[str, E]:
+        return TTLCache(maxsize=self.max_kept, ttl=self.retry_grace, timer=self.clock)
 
     def get(self, key: str) -> E | None:
-        return self._by_key.get(key)
+        return self._running.get(key) or self._finished.get(key)
 
     def add(self, key: str, exchange: E) -> None:
         """``exchange`` starts: a retry of its request joins it from now on."""
-        self._by_key[key] = exchange
+        self._running[key] = exchange
+        self._finished.pop(key, None)
 
     def __iter__(self) -> Iterator[E]:
-        return iter(list(self._by_key.values()))
+        self._finished.expire()
+        return iter([*self._running.values(), *self._finished.values()])
 
     def __len__(self) -> int:
-        return len(self._by_key)
+        self._finished.expire()
+        return len(self._running) + len(self._finished)
 
     def ended(self, key: str, exchange: E, *, keep: bool) -> None:
         """``exchange`` ended: kept for ``retry_grace`` when ``keep`` (it ended well and the
         runtime runs on), else forgotten now."""
-        if not keep or not self.later(self._forget_later, key, weakref.ref(exchange)):
-            self._by_key.pop(key, None)
-            return
-        self._kept[key] = None
-        self._kept.move_to_end(key)
-        while len(self._kept) > self.max_kept:
-            oldest, _ = self._kept.popitem(last=False)
-            kept = self._by_key.get(oldest)
-            if kept is not None and kept.done:
-                del self._by_key[oldest]
-
-    async def _forget_later(self, key: str, reply: weakref.ref[Any]) -> None:
-        # The timer holds the reply weakly: one dropped for the bound is freed at once.
-        await anyio.sleep(self.retry_grace)
-        exchange = reply()
-        if exchange is not None and self._by_key.get(key) is exchange:
-            del self._by_key[key]
-            self._kept.pop(key, None)
+        if self._running.get(key) is exchange:
+            del self._running[key]
+        if keep:
+            self._finished[key] = exchange

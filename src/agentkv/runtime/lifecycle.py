@@ -13,7 +13,7 @@
             park        the slot's present content, if worth it (save → store)
             restore     a saved state holding more of the prompt (verified, else prefill)
             checkpoint  compute a long shareable head alone and save it for others
-        the reply: engine chunks → SSEAssembler → Anthropic events                relay
+        the reply: engine chunks → SSEAssembler → reply events                    relay
             bounded by the client's timeout; a degenerate loop is cut
             once more, constrained to a declared tool, when a tool call broke
         suspended by a more urgent request: save progress, queue again, resume    contents
@@ -293,7 +293,7 @@ class Runtime:
 
     def __attrs_post_init__(self) -> None:
         config = self.config
-        self.joinable = Joinable(config.retry_grace, self.later)
+        self.joinable = Joinable(config.retry_grace, self.clock)
         self.translator = MessagesTranslator(
             session_layout=config.session_layout, limits=config.limits
         )

@@ -31,6 +31,7 @@ import attrs
 from cachetools import LRUCache
 
 from agentkv._types import Source
+from agentkv.reply import Usage
 from agentkv.snapshot import AgentTotals, Divergence, RequestView
 from agentkv.translate import first_difference
 
@@ -234,12 +235,12 @@ class RequestRecord:
         if self.ttft_s is not None:
             self.generating_s = round(seconds - self.ttft_s, 3)
 
-    def ended(self, seconds: float, usage: Mapping[str, Any]) -> None:
+    def ended(self, seconds: float, usage: Usage) -> None:
         """The request ended ``seconds`` after it arrived, having generated what ``usage`` says
         (the assembler's)."""
         if self.total_s is None:
             self.total_s = round(seconds, 4)
-        self.output_tokens = int(usage.get("output_tokens", 0) or 0)
+        self.output_tokens = usage.output_tokens
 
     def explain(
         self,

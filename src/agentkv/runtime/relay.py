@@ -1,4 +1,4 @@
-"""One request's reply: the engine calls that produce it, relayed into Anthropic events.
+"""One request's reply: the engine calls that produce it, relayed into its events.
 
 The relay owns everything between "the slot is ready" and "the reply is whole": the client's
 deadline (generation is bounded so the reply ends before the client gives up), the echo a
@@ -27,6 +27,8 @@ from agentkv.exceptions import (
     EngineStreamBrokenError,
     EngineTimeoutError,
 )
+from agentkv.reply import ReplyEvent
+from agentkv.runtime.chunks import prompt_done
 from agentkv.runtime.hints import EngineHints
 from agentkv.runtime.record import RequestRecord
 from agentkv.runtime.seam import Engine
@@ -67,7 +69,7 @@ class Relay:
     """The engine calls of one request's reply, on whatever slot it holds at the time.
 
     ``started`` is when the request arrived and ``client_timeout`` how long its client waits;
-    ``emit`` takes the Anthropic events as they come.
+    ``emit`` takes the reply's events (:mod:`agentkv.reply`) as they come.
     """
 
     client: Engine
@@ -77,7 +79,7 @@ class Relay:
     assembler: SSEAssembler
     record: RequestRecord
     costs: CostModel
-    emit: Callable[[list[dict[str, Any]]], None]
+    emit: Callable[[list[ReplyEvent]], None]
     started: float
     client_timeout: float
     #: Longest silence before the assembler's held deltas are flushed (None: one second).
@@ -150,7 +152,7 @@ class Relay:
             prefill = continuation_prefill(so_far)
             if prefill:
                 body["messages"] = [*body["messages"], {"role": "assistant", "content": prefill}]
-            requested -= asm.usage["output_tokens"]
+            requested -= asm.usage.output_tokens
         left = self.deadline - self.clock()
         affordable = int(max(1.0, left) * self.costs.decode.rate)
         body["max_tokens"] = max(1, min(requested, affordable))
@@ -201,7 +203,7 @@ class Relay:
         echo: str = "",
         raw: bool = False,
     ) -> None:
-        """One engine call: chunks in, Anthropic events out, until the engine ends, the client's
+        """One engine call: chunks in, reply events out, until the engine ends, the client's
         deadline comes or the assembler asks to stop (a degenerate loop)."""
         asm, record, client = self.assembler, self.record, self.client
         send, receive = anyio.create_memory_object_stream[dict[str, Any]](64)
@@ -266,9 +268,8 @@ class Relay:
             raise failure[0]
 
     def _account(self, chunk: Mapping[str, Any]) -> None:
-        progress = chunk.get("prompt_progress")
-        if isinstance(progress, Mapping):
-            done = int(progress.get("cache", 0) or 0) + int(progress.get("processed", 0) or 0)
+        done = prompt_done(chunk)
+        if done is not None:
             self.record.progress(done)
         timings = chunk.get("timings")
         if isinstance(timings, Mapping) and "prompt_n" in timings:

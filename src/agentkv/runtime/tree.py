@@ -17,10 +17,11 @@ from typing import Any, Protocol, TypeVar
 import attrs
 
 from agentkv.agents import AGENT_TOOL, AgentCall, AgentDirectory, AgentPlace, AgentView
+from agentkv.anthropic_sse import reply_message
+from agentkv.reply import BlockOpened, ReplyEvent
 from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.prefetch import Prefetcher
 from agentkv.snapshot import QueueRow, SlotRow
-from agentkv.sse import accumulate
 
 __all__ = ["AgentTree", "Labelled"]
 
@@ -70,13 +71,13 @@ class AgentTree:
         self._reprioritise(place.agent, now)
         return place
 
-    def replied(self, agent: str, events: Sequence[Mapping[str, Any]]) -> list[AgentCall]:
+    def replied(self, agent: str, events: Sequence[ReplyEvent]) -> list[AgentCall]:
         """A reply agentkv streamed to ``agent`` ended: learn the sub-agents it starts. Returns
         the ``Agent`` calls the reply ended its turn in (their sub-agents start now)."""
         if not self.enabled or not _calls_agent(events):
             return []
         try:
-            message = accumulate(events)
+            message = reply_message(events)
         except Exception:  # a reply cut short: its calls are learnt from the next request
             return []
         now = self.clock()
@@ -103,7 +104,7 @@ class AgentTree:
         return self.directory.view(self.clock()) if self.enabled else []
 
     def ended(
-        self, prepared: Any, events: Sequence[Mapping[str, Any]], *, ok: bool, running: bool
+        self, prepared: Any, events: Sequence[ReplyEvent], *, ok: bool, running: bool
     ) -> None:
         """A request of ``prepared.agent`` ended (``ok``: whole): learn the sub-agents its reply
         starts; while the runtime is ``running``, let the prefetcher learn from the request and
@@ -151,10 +152,5 @@ class AgentTree:
                 self.dispatcher.reprioritise(row.agent, row.priority)
 
 
-def _calls_agent(events: Sequence[Mapping[str, Any]]) -> bool:
-    for event in events:
-        if event.get("type") == "content_block_start":
-            block = event.get("content_block")
-            if isinstance(block, Mapping) and block.get("name") == AGENT_TOOL:
-                return True
-    return False
+def _calls_agent(events: Sequence[ReplyEvent]) -> bool:
+    return any(isinstance(event, BlockOpened) and event.tool_name == AGENT_TOOL for event in events)
