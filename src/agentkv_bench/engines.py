@@ -103,11 +103,12 @@ async def raw_llama_server(
 
 @contextlib.asynccontextmanager
 async def serve_app(app: Any) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn on a free loopback port, in this event loop."""
+    """Serve an ASGI 3 app with uvicorn on a free loopback port, in this event loop."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", interface="asgi3"
     )
+    server = uvicorn.Server(config)
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve)
         # uvicorn exposes readiness only as a flag.

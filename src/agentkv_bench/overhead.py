@@ -7,35 +7,32 @@ prompt each time, which the engine is asked about), as wall time and as this pro
 (tracemalloc, once the finished requests are no longer kept for a client's retry) and per
 request that just ended (kept ``retry_grace``).
 
-The fake engine writes varied words: a reply that repeats one piece is a degenerate loop, which
-agentkv's repetition guard cuts short, and the relay would then not be measured.
+The fake engine (:class:`~agentkv_bench.fake_engine.FakeLlama`, the tests' own) streams one
+word per chunk, varied: a reply that repeats one piece is a degenerate loop, which agentkv's
+repetition guard cuts short, and the relay would then not be measured.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import random
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
 from agentkv import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
 from agentkv_bench.engines import serve_app
+from agentkv_bench.fake_engine import FakeLlama
 from agentkv_bench.report import percentile, rounded
 from agentkv_server.app import create_app
 
-__all__ = ["fake_llama", "gateway_overhead"]
+__all__ = ["gateway_overhead"]
 
 _WORDS = (
     "the", "slot", "holds", "a", "prefix", "of", "tokens", "so", "next", "request", "this",
@@ -46,59 +43,10 @@ _WORDS = (
 _RETRY_GRACE = 0.2
 
 
-def _pieces(n: int, seed: int = 0) -> list[bytes]:
-    """``n`` SSE chunks of one word each, in a seeded random order (never a periodic text)."""
+def _words(n: int, seed: int = 0) -> tuple[str, ...]:
+    """``n`` pieces of one word each, in a seeded random order (never a periodic text)."""
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        piece = {
-            "choices": [
-                {"index": 0, "delta": {"content": rng.choice(_WORDS) + " "}, "finish_reason": None}
-            ]
-        }
-        out.append(b"data: " + json.dumps(piece).encode() + b"\n\n")
-    return out
-
-
-def fake_llama(chunks_per_reply: Callable[[], int]) -> Starlette:
-    """A fake llama-server that answers at once: /health, templating, tokenizing, and streamed
-    chat completions of ``chunks_per_reply()`` chunks."""
-    pieces = _pieces(8192)
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def chat(request: Request) -> Response:
-        body = await request.json()
-        n = chunks_per_reply()
-
-        async def stream() -> AsyncIterator[bytes]:
-            for i in range(n):
-                yield pieces[i % len(pieces)]
-            final = {
-                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                "timings": {"cache_n": 0, "prompt_n": len(body["messages"]), "predicted_n": n},
-            }
-            yield b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    async def apply_template(request: Request) -> Response:
-        body = await request.json()
-        return JSONResponse({"prompt": json.dumps(body["messages"])})
-
-    async def tokenize(request: Request) -> Response:
-        content = (await request.json())["content"]
-        return JSONResponse({"tokens": [ord(c) for c in content[:: max(1, len(content) // 64)]]})
-
-    return Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/apply-template", apply_template, methods=["POST"]),
-            Route("/tokenize", tokenize, methods=["POST"]),
-        ]
-    )
+    return tuple(rng.choice(_WORDS) + " " for _ in range(n))
 
 
 async def _timed_stream(
@@ -137,8 +85,9 @@ async def gateway_overhead(
     idle_agents: int = 300,
 ) -> dict[str, Any]:
     """What agentkv adds on top of an engine that answers instantly (all in this process)."""
-    chunks = {"n": 4}
-    fake = fake_llama(lambda: chunks["n"])
+    words = _words(max(stream_chunks, 4))
+    # Nothing kept per request: the fake runs in the process whose memory is measured.
+    fake = FakeLlama(reply=words[:4], record=False)
     message = {
         "model": "bench",
         "max_tokens": 16,
@@ -146,7 +95,7 @@ async def gateway_overhead(
         "messages": [{"role": "user", "content": "ping"}],
     }
     chat = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 16, "stream": True}
-    async with serve_app(fake) as fake_url:
+    async with serve_app(fake.asgi) as fake_url:
         client = LlamaSlotClient(fake_url)
         config = RuntimeConfig(n_slots=2, retry_grace=_RETRY_GRACE)
         app = create_app(Runtime(client, config))
@@ -176,7 +125,7 @@ async def gateway_overhead(
                         )
                     )[0]
                 )
-            chunks["n"] = stream_chunks
+            fake.reply = words[:stream_chunks]
             d_runs, v_runs = [], []
             for _ in range(stream_rounds):  # alternated; the median of each is reported
                 d_runs.append(
@@ -189,7 +138,7 @@ async def gateway_overhead(
                 )
             d_stream, _, d_events = _median_run(d_runs)
             v_stream, v_stream_cpu, v_events = _median_run(v_runs)
-            chunks["n"] = 1
+            fake.reply = words[:1]
             runtime = app.state.runtime
             stream_record = runtime.records()[-1]
             memory = await _idle_memory(http, gw_url, message, idle_agents)
