@@ -42,7 +42,7 @@ from agentkv.snapshot import RuntimeSnapshot, unstructure
 from agentkv.sse import encode_event
 from agentkv.tokens import common_prefix
 from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
-from agentkv_bench.drivers import Clock, RequestResult, one_request
+from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sdk_clients
 from agentkv_bench.metrics import PrefillYardstick, difference, read_counters, token_sequences
 
 __all__ = [
@@ -332,28 +332,19 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
 # -- running it ------------------------------------------------------------------------------
 
 
-async def _send(
-    http: httpx.AsyncClient, url: str, step: Step, clock: Clock, results: list[RequestResult]
-) -> None:
-    try:
-        reply = await one_request(http, url, step.body, step.headers, clock)
-        submitted, first, done = reply.submitted, reply.first, reply.done
-        output, error, text = reply.output_tokens, reply.error, reply.text
-    except httpx.HTTPError as exc:
-        submitted = first = done = clock()
-        first = None
-        output, error, text = 0, repr(exc), ""
+async def _send(clients: Clients, step: Step, clock: Clock, results: list[RequestResult]) -> None:
+    reply = await one_request(clients, step.body, step.headers, clock)
     results.append(
         RequestResult(
             agent=step.name,
             priority=int(step.headers.get("x-agent-priority", "1")),
             turn=0,
-            submitted=round(submitted, 4),
-            ttft=None if first is None else round(first - submitted, 4),
-            done=round(done, 4),
-            output_tokens=output,
-            error=error,
-            text=text[:200],
+            submitted=round(reply.submitted, 4),
+            ttft=None if reply.first is None else round(reply.first - reply.submitted, 4),
+            done=round(reply.done, 4),
+            output_tokens=reply.output_tokens,
+            error=reply.error,
+            text=reply.text[:200],
         )
     )
 
@@ -361,22 +352,20 @@ async def _send(
 async def play(url: str, workload: SubagentsWorkload, clock: Clock) -> list[RequestResult]:
     """The fan-out against ``url``, timed as Claude Code would send it."""
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=16, max_keepalive_connections=0)
-    timeout = httpx.Timeout(3600.0, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
-        await _send(http, url, workload.first, clock, results)
+    async with sdk_clients(url) as clients:
+        await _send(clients, workload.first, clock, results)
 
         async def coordinator() -> None:
-            await _send(http, url, workload.next_turn, clock, results)
+            await _send(clients, workload.next_turn, clock, results)
             # Its (scripted) reply starts the foreground sub-agent, which it waits for.
-            await _send(http, url, workload.foreground, clock, results)
-            await _send(http, url, workload.continuation, clock, results)
+            await _send(clients, workload.foreground, clock, results)
+            await _send(clients, workload.continuation, clock, results)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(coordinator)
             await anyio.sleep(0.05)
             for step in (*workload.background, workload.other):
-                tg.start_soon(_send, http, url, step, clock, results)
+                tg.start_soon(_send, clients, step, clock, results)
     return results
 
 
@@ -391,8 +380,8 @@ async def measure_fan_out(
             results = await play(url, workload, clock)
         else:
             results = []
-            async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=10.0)) as client:
-                await _send(client, url, only, clock, results)
+            async with sdk_clients(url) as clients:
+                await _send(clients, only, clock, results)
         wall = clock()
         after = await read_counters(http, engine_url)
     return wall, results, difference(after, before)
