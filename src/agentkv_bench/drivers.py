@@ -35,6 +35,7 @@ __all__ = [
     "StreamEvent",
     "drive",
     "one_request",
+    "open_stream",
     "read_event",
     "sdk_clients",
 ]
@@ -207,7 +208,7 @@ _NAMED = {
 }
 
 
-async def _open_stream(
+async def open_stream(
     clients: Clients, api: str, body: Mapping[str, Any], headers: Mapping[str, str]
 ) -> anthropic.AsyncStream[Any] | openai.AsyncStream[Any]:
     """The SDK's stream of ``api`` for ``body``, sent as it is (see the module)."""
@@ -260,7 +261,7 @@ async def one_request(
     text: list[str] = []
     read = _READERS[api]
     try:
-        async with await _open_stream(clients, api, body, headers) as stream:
+        async with await open_stream(clients, api, body, headers) as stream:
             async for item in stream:
                 event = read(item.to_dict())
                 if event.content and first is None:

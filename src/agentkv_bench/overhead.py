@@ -22,11 +22,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
-import httpx
 
 from agentkv import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
+from agentkv_bench.drivers import Clients, open_stream, sdk_clients
 from agentkv_bench.engines import serve_app
 from agentkv_bench.fake_engine import FakeLlama
 from agentkv_bench.report import percentile, rounded
@@ -50,16 +50,15 @@ def _words(n: int, seed: int = 0) -> tuple[str, ...]:
 
 
 async def _timed_stream(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+    clients: Clients, api: str, body: dict[str, Any], headers: dict[str, str]
 ) -> tuple[float, float, int]:
-    """Wall seconds and CPU seconds (this process) to the end of one streamed response, and its
-    number of SSE data lines."""
+    """Wall seconds and CPU seconds (this process) to the end of one streamed response (through
+    the SDK of ``api``), and the number of SSE events the SDK read."""
     start, cpu = time.perf_counter(), time.process_time()
     events = 0
-    async with http.stream("POST", url, json=body, headers=headers) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            events += line.startswith("data:")
+    async with await open_stream(clients, api, body, headers) as stream:
+        async for _ in stream:
+            events += 1
     return time.perf_counter() - start, time.process_time() - cpu, events
 
 
@@ -95,17 +94,20 @@ async def gateway_overhead(
         "messages": [{"role": "user", "content": "ping"}],
     }
     chat = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 16, "stream": True}
+    latency = {"x-agent-id": "latency"}
     async with serve_app(fake.asgi) as fake_url:
         client = LlamaSlotClient(fake_url)
         config = RuntimeConfig(n_slots=2, retry_grace=_RETRY_GRACE)
         app = create_app(Runtime(client, config))
-        async with serve_app(app) as gw_url, httpx.AsyncClient(timeout=60) as http:
+        async with (
+            serve_app(app) as gw_url,
+            sdk_clients(fake_url, keep_alive=True, request_timeout=60) as engine,
+            sdk_clients(gw_url, keep_alive=True, request_timeout=60) as gateway,
+        ):
             direct, via, direct_cpu, via_cpu = [], [], [], []
             for i in range(requests + 20):
-                d, dc, _ = await _timed_stream(http, fake_url + "/v1/chat/completions", chat, {})
-                v, vc, _ = await _timed_stream(
-                    http, gw_url + "/v1/messages", message, {"x-agent-id": "latency"}
-                )
+                d, dc, _ = await _timed_stream(engine, "chat", chat, {})
+                v, vc, _ = await _timed_stream(gateway, "messages", message, latency)
                 if i >= 20:  # the first ones warm up connections and code paths
                     direct.append(d)
                     via.append(v)
@@ -114,34 +116,22 @@ async def gateway_overhead(
             # The same with a new prompt each time: nothing of the engine's answers is kept.
             fresh, fresh_direct = [], []
             for i in range(requests // 2):
-                fresh_direct.append(
-                    (await _timed_stream(http, fake_url + "/v1/chat/completions", chat, {}))[0]
-                )
+                fresh_direct.append((await _timed_stream(engine, "chat", chat, {}))[0])
                 new_prompt = {**message, "messages": [{"role": "user", "content": f"ping {i}"}]}
-                fresh.append(
-                    (
-                        await _timed_stream(
-                            http, gw_url + "/v1/messages", new_prompt, {"x-agent-id": "latency"}
-                        )
-                    )[0]
-                )
+                fresh.append((await _timed_stream(gateway, "messages", new_prompt, latency))[0])
             fake.reply = words[:stream_chunks]
             d_runs, v_runs = [], []
             for _ in range(stream_rounds):  # alternated; the median of each is reported
-                d_runs.append(
-                    await _timed_stream(http, fake_url + "/v1/chat/completions", chat, {})
-                )
+                d_runs.append(await _timed_stream(engine, "chat", chat, {}))
                 v_runs.append(
-                    await _timed_stream(
-                        http, gw_url + "/v1/messages", message, {"x-agent-id": "stream"}
-                    )
+                    await _timed_stream(gateway, "messages", message, {"x-agent-id": "stream"})
                 )
             d_stream, _, d_events = _median_run(d_runs)
             v_stream, v_stream_cpu, v_events = _median_run(v_runs)
             fake.reply = words[:1]
             runtime = app.state.runtime
             stream_record = runtime.records()[-1]
-            memory = await _idle_memory(http, gw_url, message, idle_agents)
+            memory = await _idle_memory(gateway, message, idle_agents)
             known = len(runtime.snapshot().agents)
         await client.aclose()
 
@@ -175,19 +165,17 @@ async def gateway_overhead(
     }
 
 
-async def _idle_memory(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], agents: int
-) -> dict[str, int]:
+async def _idle_memory(clients: Clients, body: dict[str, Any], agents: int) -> dict[str, int]:
     """Bytes kept per agent that made one request: just after it (the finished request is still
     kept for a retry) and once it is idle (after ``retry_grace``)."""
     gc.collect()
     tracemalloc.start()
     try:
-        await _agents_requests(http, url, body, 0, 50)
+        await _agents_requests(clients, body, 0, 50)
         await anyio.sleep(2 * _RETRY_GRACE)
         gc.collect()
         base = tracemalloc.get_traced_memory()[0]
-        await _agents_requests(http, url, body, 50, 50 + agents)
+        await _agents_requests(clients, body, 50, 50 + agents)
         gc.collect()
         recent = tracemalloc.get_traced_memory()[0]
         await anyio.sleep(2 * _RETRY_GRACE)
@@ -201,8 +189,6 @@ async def _idle_memory(
     }
 
 
-async def _agents_requests(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], first: int, stop: int
-) -> None:
+async def _agents_requests(clients: Clients, body: dict[str, Any], first: int, stop: int) -> None:
     for i in range(first, stop):
-        await _timed_stream(http, url + "/v1/messages", body, {"x-agent-id": f"idle-{i}"})
+        await _timed_stream(clients, "messages", body, {"x-agent-id": f"idle-{i}"})
