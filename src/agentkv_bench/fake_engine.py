@@ -67,6 +67,8 @@ class FakeLlama:
     restore_reuses: bool = True
     #: Speculative decoding, as a streamed reply's timings report it: (drafted, accepted).
     drafts: tuple[int, int] | None = None
+    #: The slots its ``/slots`` table lists.
+    slots: int = 4
     #: False: nothing is kept per request (:attr:`requests`, :attr:`paths`, :attr:`slot_actions`
     #: stay empty), for a long run or one whose memory is measured in the same process.
     record: bool = True
@@ -146,7 +148,10 @@ class FakeLlama:
             return self._slot_action(slot, action, filename)
         if path == "/slots":
             return httpx.Response(
-                200, json=[{"id": i, "is_processing": bool(self.active.get(i))} for i in range(4)]
+                200,
+                json=[
+                    {"id": i, "is_processing": bool(self.active.get(i))} for i in range(self.slots)
+                ],
             )
         return httpx.Response(404, json={"error": {"message": "not found", "code": 404}})
 

@@ -23,9 +23,8 @@ from typing import Any
 
 import anyio
 
-from agentkv import LlamaSlotClient
+from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.lifecycle import Runtime
 from agentkv_bench.drivers import Clients, open_stream, sdk_clients
 from agentkv_bench.engines import serve_app
 from agentkv_bench.fake_engine import FakeLlama
@@ -86,7 +85,7 @@ async def gateway_overhead(
     """What agentkv adds on top of an engine that answers instantly (all in this process)."""
     words = _words(max(stream_chunks, 4))
     # Nothing kept per request: the fake runs in the process whose memory is measured.
-    fake = FakeLlama(reply=words[:4], record=False)
+    fake = FakeLlama(reply=words[:4], record=False, slots=2)
     message = {
         "model": "bench",
         "max_tokens": 16,
@@ -96,11 +95,13 @@ async def gateway_overhead(
     chat = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 16, "stream": True}
     latency = {"x-agent-id": "latency"}
     async with serve_app(fake.asgi) as fake_url:
-        client = LlamaSlotClient(fake_url)
-        config = RuntimeConfig(n_slots=2, retry_grace=_RETRY_GRACE)
-        app = create_app(Runtime(client, config))
+        # agentkv as `agentkv-server --upstream URL` builds it; the one default changed is how
+        # long a finished request is kept for a retry (the memory figure waits that long).
+        settings = EngineSettings(upstream=(fake_url,), slots=2)
+        built = assemble(settings, RuntimeConfig(retry_grace=_RETRY_GRACE))
         async with (
-            serve_app(app) as gw_url,
+            built as assembly,
+            serve_app(create_app(assembly.runtime)) as gw_url,
             sdk_clients(fake_url, keep_alive=True, request_timeout=60) as engine,
             sdk_clients(gw_url, keep_alive=True, request_timeout=60) as gateway,
         ):
@@ -129,11 +130,10 @@ async def gateway_overhead(
             d_stream, _, d_events = _median_run(d_runs)
             v_stream, v_stream_cpu, v_events = _median_run(v_runs)
             fake.reply = words[:1]
-            runtime = app.state.runtime
+            runtime = assembly.runtime
             stream_record = runtime.records()[-1]
             memory = await _idle_memory(gateway, message, idle_agents)
             known = len(runtime.snapshot().agents)
-        await client.aclose()
 
     return {
         "requests": requests,
