@@ -370,12 +370,17 @@ async def play(url: str, workload: SubagentsWorkload, clock: Clock) -> list[Requ
 
 
 async def measure_fan_out(
-    url: str, engine_url: str, workload: SubagentsWorkload, *, only: Step | None = None
+    url: str,
+    engine_url: str,
+    workload: SubagentsWorkload,
+    *,
+    only: Step | None = None,
+    engine_key: str | None = None,
 ) -> tuple[float, list[RequestResult], dict[str, float]]:
     """Play the fan-out (or one request alone) and count llama-server's prefill."""
     clock = Clock()
     async with httpx.AsyncClient() as http:
-        before = await read_counters(http, engine_url)
+        before = await read_counters(http, engine_url, engine_key)
         if only is None:
             results = await play(url, workload, clock)
         else:
@@ -383,15 +388,17 @@ async def measure_fan_out(
             async with sdk_clients(url) as clients:
                 await _send(clients, only, clock, results)
         wall = clock()
-        after = await read_counters(http, engine_url)
+        after = await read_counters(http, engine_url, engine_key)
     return wall, results, difference(after, before)
 
 
-async def fan_out_facts(engine_url: str, workload: SubagentsWorkload) -> dict[str, Any]:
+async def fan_out_facts(
+    engine_url: str, workload: SubagentsWorkload, *, engine_key: str | None = None
+) -> dict[str, Any]:
     """Token facts of the workload as the engine tokenizes it: the minimum prefill (agentkv's
     layout), the sub-agents' shared head and the continuation's own new tokens."""
     steps = workload.order()
-    tokens = await token_sequences(engine_url, [step.body for step in steps])
+    tokens = await token_sequences(engine_url, [step.body for step in steps], api_key=engine_key)
     by_name = dict(zip([step.name for step in steps], tokens, strict=True))
     subs = [by_name[s.name] for s in (*workload.background, workload.foreground)]
     head = min(common_prefix(subs[0], other) for other in subs[1:])
@@ -449,6 +456,7 @@ async def run_subagents(
 
     ``bench`` is a :class:`agentkv_bench.scenarios.Bench`.
     """
+    from agentkv.runtime.config import RuntimeConfig
     from agentkv_bench.engines import start
     from agentkv_bench.report import summarize, write_report
     from agentkv_bench.scenarios import _machine, _store
@@ -464,18 +472,17 @@ async def run_subagents(
             store = _store(bench, "agentkv", fresh=name == "agentkv", tag="subagents")
         else:
             store = _store(bench, engine_name, fresh=True, tag=f"subagents-{name}")
-        async with start(
-            bench.setup,
-            engine_name,
-            store_dir=store,
-            preempt_from=1,
-            agent_tree=name != "agentkv-notree",
-        ) as engine:
+        # agentkv's defaults, pre-emption on (preempt-from 1); "agentkv-notree" changes one:
+        # the agent tree off (--no-agent-tree).
+        config = RuntimeConfig(agent_tree=False) if name == "agentkv-notree" else RuntimeConfig()
+        async with start(bench.setup, engine_name, store_dir=store, config=config) as engine:
             if facts is None:
-                facts = await fan_out_facts(engine.engine_url, workload)
+                facts = await fan_out_facts(
+                    engine.engine_url, workload, engine_key=engine.engine_key
+                )
             only = workload.foreground if name == "alone" else None
             wall, results, counters = await measure_fan_out(
-                engine.url, engine.engine_url, workload, only=only
+                engine.url, engine.engine_url, workload, only=only, engine_key=engine.engine_key
             )
             snapshot = engine.runtime.snapshot() if engine.runtime is not None else None
         summary = summarize(name, wall, results, counters, None, {"flags": engine.flags})
