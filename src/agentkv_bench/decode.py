@@ -495,48 +495,44 @@ async def _run_alone(
 async def _run_agentkv(
     spec: DecodeSpec, root: Path, model: Path, echo: Any
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """agentkv as ``agentkv-server`` builds it: :func:`assemble` with the defaults (only the
-    model, slots, context per slot and store directory are given)."""
-    from agentkv.runtime.assemble import EngineSettings, assemble
-    from agentkv_bench.engines import serve_app
-    from agentkv_server.app import create_app
+    """agentkv as ``agentkv-server`` builds it: :func:`assemble` with the defaults, pre-emption
+    included (only the model, slots, context per slot and store directory are given)."""
+    from agentkv.runtime.config import RuntimeConfig
+    from agentkv_bench.engines import EngineSetup, agentkv_engine
 
-    settings = EngineSettings(
-        model=model, slots=2, ctx_per_slot=spec.slot_context, store_dir=root / "store"
-    )
+    setup = EngineSetup(find_llama_server(), model, 2, spec.slot_context, root / "logs")
     out: dict[str, Any] = {
         "settings": f"the defaults, --slots 2 --ctx-per-slot {spec.slot_context}"
     }
     texts: dict[str, str] = {}
-    async with assemble(settings) as built:
-        runtime = built.runtime
-        async with serve_app(create_app(runtime)) as url:
-            for depth in spec.depths:
-                requests = bodies(depth, max_tokens=spec.max_tokens)
-                warm = {**requests["copy"], "max_tokens": 1}
-                await _agentkv_reply(url, runtime, warm, f"a-{depth}")
-                for kind in spec.kinds:
-                    reply = await _agentkv_reply(url, runtime, requests[kind], f"a-{depth}")
-                    out[f"{depth} {kind}"] = reply.row()
-                    texts[f"{depth} {kind}"] = reply.text
-                    echo(f"agentkv {depth:>3} {kind:<5} {reply.row()}")
-                if spec.two_agents:
-                    # The second agent's context on a slot of its own, as the copied slot of the
-                    # configuration alone: set up while the first agent's slot is busy (on an
-                    # idle slot that holds the same context agentkv would place it there).
-                    busy = {**requests["copy"], "max_tokens": 16}
-                    await _at_once(
-                        functools.partial(_agentkv_reply, url, runtime, busy, f"a-{depth}"),
-                        functools.partial(_agentkv_reply, url, runtime, warm, f"b-{depth}"),
+    async with agentkv_engine(setup, store_dir=root / "store", config=RuntimeConfig()) as engine:
+        runtime, url = engine.runtime, engine.url
+        for depth in spec.depths:
+            requests = bodies(depth, max_tokens=spec.max_tokens)
+            warm = {**requests["copy"], "max_tokens": 1}
+            await _agentkv_reply(url, runtime, warm, f"a-{depth}")
+            for kind in spec.kinds:
+                reply = await _agentkv_reply(url, runtime, requests[kind], f"a-{depth}")
+                out[f"{depth} {kind}"] = reply.row()
+                texts[f"{depth} {kind}"] = reply.text
+                echo(f"agentkv {depth:>3} {kind:<5} {reply.row()}")
+            if spec.two_agents:
+                # The second agent's context on a slot of its own, as the copied slot of the
+                # configuration alone: set up while the first agent's slot is busy (on an
+                # idle slot that holds the same context agentkv would place it there).
+                busy = {**requests["copy"], "max_tokens": 16}
+                await _at_once(
+                    functools.partial(_agentkv_reply, url, runtime, busy, f"a-{depth}"),
+                    functools.partial(_agentkv_reply, url, runtime, warm, f"b-{depth}"),
+                )
+                replies = await _at_once(
+                    *(
+                        functools.partial(_agentkv_reply, url, runtime, requests["copy"], a)
+                        for a in (f"a-{depth}", f"b-{depth}")
                     )
-                    replies = await _at_once(
-                        *(
-                            functools.partial(_agentkv_reply, url, runtime, requests["copy"], a)
-                            for a in (f"a-{depth}", f"b-{depth}")
-                        )
-                    )
-                    out[f"{depth} copy x2"] = _pair(replies)
-                    echo(f"agentkv {depth:>3} copy x2 {out[f'{depth} copy x2']}")
+                )
+                out[f"{depth} copy x2"] = _pair(replies)
+                echo(f"agentkv {depth:>3} copy x2 {out[f'{depth} copy x2']}")
     return out, texts
 
 
