@@ -6,10 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 import httpx
 import pytest
@@ -145,7 +147,7 @@ def test_direct_clients_send_codex_as_chat_completions_and_claude_code_as_is() -
 def test_each_api_stream_is_read_for_content_and_usage(
     api: str, data: dict[str, Any], content: bool, text: str, tokens: int | None
 ) -> None:
-    event = read_event(api, json.dumps(data))
+    event = read_event(api, data)
     assert (event.content, event.text, event.output_tokens, event.error) == (
         content,
         text,
@@ -154,12 +156,53 @@ def test_each_api_stream_is_read_for_content_and_usage(
     )
 
 
+_ERROR_STREAMS = {
+    "messages": 'event: error\ndata: {"type":"error","error":{"type":"x","message":"boom"}}\n\n',
+    "responses": 'event: error\ndata: {"type":"error","message":"boom"}\n\n',
+    "chat": 'data: {"error":{"message":"boom"}}\n\n',
+}
+
+
 def test_errors_in_each_api_stream_are_seen() -> None:
-    assert read_event("messages", '{"type":"error","error":{"type":"x"}}').error
-    assert read_event("responses", '{"type":"response.failed","response":{"error":{}}}').error
-    assert read_event("responses", '{"type":"error","message":"boom"}').error
-    assert read_event("chat", '{"error":{"message":"boom"}}').error
-    assert read_event("chat", "[DONE]") == read_event("chat", "")
+    """An error event, or an error status, is a request's result: the SDKs raise the Messages
+    and Chat ones, the Responses ones are events."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+
+    from agentkv_bench.drivers import ROUTES, one_request, sdk_clients
+    from agentkv_bench.engines import serve_app
+
+    assert read_event("responses", {"type": "response.failed", "response": {"error": {}}}).error
+    status = {"code": 200}
+
+    async def answer(request: Request) -> Response:
+        if status["code"] != 200:
+            return JSONResponse({"type": "error", "error": {"type": "x"}}, status["code"])
+        api = next(api for api, route in ROUTES.items() if route == request.url.path)
+        return Response(_ERROR_STREAMS[api], media_type="text/event-stream")
+
+    app = Starlette(routes=[Route(route, answer, methods=["POST"]) for route in ROUTES.values()])
+    bodies = {
+        "messages": {"model": "m", "max_tokens": 8, "messages": [], "stream": True},
+        "responses": {"model": "m", "input": "hi", "stream": True},
+        "chat": {"messages": [], "stream": True},
+    }
+
+    async def main() -> list[str | None]:
+        errors = []
+        async with serve_app(app) as url, sdk_clients(url) as clients:
+            for code in (200, 529):
+                status["code"] = code
+                for api, body in bodies.items():
+                    reply = await one_request(clients, body, {}, time.monotonic, api=api)
+                    errors.append(reply.error)
+        return errors
+
+    errors = anyio.run(main)
+    assert all("boom" in (e or "") for e in errors[:3]), errors
+    assert all((e or "").startswith("HTTP 529: ") for e in errors[3:]), errors
 
 
 def _ticket(agent: str, priority: int, arrival: float, dispatch: float, seq: int) -> TicketTimes:

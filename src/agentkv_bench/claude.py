@@ -178,7 +178,7 @@ async def run_real_cli(
                 log = setup.log_dir / "llama-server-real-cli.log"
                 async with raw_llama_server(setup.binary, args, log) as url:
                     report = await _measure(
-                        name, url, url, claude, project, home, spec, setup, first_word
+                        name, url, url, None, claude, project, home, spec, setup, first_word
                     )
             else:
                 async with agentkv_engine(setup, store_dir=store, name=name) as engine:
@@ -186,6 +186,7 @@ async def run_real_cli(
                         name,
                         engine.url,
                         engine.engine_url,
+                        engine.engine_key,
                         claude,
                         project,
                         home,
@@ -221,6 +222,7 @@ async def _measure(
     name: str,
     url: str,
     engine_url: str,
+    engine_key: str | None,
     claude: Path,
     project: Path,
     home: Path,
@@ -229,9 +231,9 @@ async def _measure(
     first_word: int,
 ) -> dict[str, Any]:
     async with httpx.AsyncClient() as http:
-        before = await read_counters(http, engine_url)
+        before = await read_counters(http, engine_url, engine_key)
         wall, sessions = await _run_agents(claude, project, home, url, spec, setup.ctx, first_word)
-        counters = difference(await read_counters(http, engine_url), before)
+        counters = difference(await read_counters(http, engine_url, engine_key), before)
     rows = [row for agent in sessions.values() for row in agent]
     return {
         "name": name,

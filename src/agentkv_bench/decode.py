@@ -47,6 +47,7 @@ from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_
 from agentkv.runtime.model import default_model_path, read_model_shape
 from agentkv.tokens import common_prefix
 from agentkv.translate import MessagesTranslator
+from agentkv_bench.drivers import Clients, open_stream, sdk_clients
 
 __all__ = [
     "DEPTHS",
@@ -63,7 +64,8 @@ DEPTHS = ("1k", "12k")
 #: Tokens before the shared head's end that a settings launch computes at depth (the restored
 #: state stops this far short of the head), so that each launch measures prefill at depth too.
 TAIL = 512
-_TIMEOUT = httpx.Timeout(1800.0, connect=10.0)
+_SECONDS = 1800.0
+_TIMEOUT = httpx.Timeout(_SECONDS, connect=10.0)
 
 
 def _data(name: str) -> Any:
@@ -356,22 +358,19 @@ def _text_of(message: Mapping[str, Any]) -> str:
     return "".join(parts)
 
 
-async def _alone_reply(http: httpx.AsyncClient, body: Mapping[str, Any], slot: int) -> Reply:
-    """One streamed chat completion from llama-server alone, pinned to ``slot``."""
-    from httpx_sse import aconnect_sse
-
-    payload = {**body, "stream": True, "id_slot": slot, "cache_prompt": True}
+async def _alone_reply(clients: Clients, body: Mapping[str, Any], slot: int) -> Reply:
+    """One streamed chat completion from llama-server alone, pinned to ``slot``, through the
+    ``openai`` SDK (llama-server's own fields, and its ``timings``, pass through it)."""
+    payload = {**body, "id_slot": slot, "cache_prompt": True}
     payload["stream_options"] = {"include_usage": True}
     started = time.monotonic()
     first: float | None = None
     text: list[str] = []
     calls: list[dict[str, Any]] = []
     timings: dict[str, Any] = {}
-    async with aconnect_sse(http, "POST", "/v1/chat/completions", json=payload) as source:
-        async for event in source.aiter_sse():
-            if event.data == "[DONE]":
-                break
-            chunk = json.loads(event.data)
+    async with await open_stream(clients, "chat", payload, {}) as stream:
+        async for event in stream:
+            chunk = event.to_dict()
             timings = chunk.get("timings") or timings
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
@@ -406,7 +405,7 @@ async def _agentkv_reply(url: str, runtime: Any, body: Mapping[str, Any], agent:
     started = time.monotonic()
     first: float | None = None
     async with anthropic.AsyncAnthropic(
-        base_url=url, api_key="agentkv", timeout=1800.0, max_retries=0
+        base_url=url, api_key="agentkv", timeout=_SECONDS, max_retries=0
     ) as sdk:
         # Claude Code's fields (context_management, output_config, temperature...) are not all
         # arguments of this SDK's stream(): everything but the essentials goes in the body as is.
@@ -464,15 +463,16 @@ async def _run_alone(
     flags = ("--jinja", "-fa", "auto")
     out: dict[str, Any] = {"flags": " ".join(flags)}
     texts: dict[str, str] = {}
-    async with _engine(
-        model, flags, root / "alone", slots=2, ctx=spec.slot_context, name="alone"
-    ) as http:
+    async with (
+        _engine(model, flags, root / "alone", slots=2, ctx=spec.slot_context, name="alone") as http,
+        sdk_clients(str(http.base_url).rstrip("/"), request_timeout=_SECONDS) as clients,
+    ):
         for depth in spec.depths:
             chat = chat_bodies(depth, max_tokens=spec.max_tokens)
             warm = {**chat["copy"], "max_tokens": 1}
-            await _alone_reply(http, warm, 0)  # the agent's earlier turns: the context is cached
+            await _alone_reply(clients, warm, 0)  # the agent's earlier turns: the context is cached
             for kind in spec.kinds:
-                reply = await _alone_reply(http, chat[kind], 0)
+                reply = await _alone_reply(clients, chat[kind], 0)
                 out[f"{depth} {kind}"] = reply.row()
                 texts[f"{depth} {kind}"] = reply.text
                 echo(f"alone   {depth:>3} {kind:<5} {reply.row()}")
@@ -480,9 +480,12 @@ async def _run_alone(
                 # The second agent's slot holds the same context (restored, not timed).
                 await _slot_action(http, 0, "save", f"two-{depth}.bin")
                 await _slot_action(http, 1, "restore", f"two-{depth}.bin")
-                await _alone_reply(http, warm, 1)
+                await _alone_reply(clients, warm, 1)
                 replies = await _at_once(
-                    *(functools.partial(_alone_reply, http, chat["copy"], slot) for slot in (0, 1))
+                    *(
+                        functools.partial(_alone_reply, clients, chat["copy"], slot)
+                        for slot in (0, 1)
+                    )
                 )
                 out[f"{depth} copy x2"] = _pair(replies)
                 echo(f"alone   {depth:>3} copy x2 {out[f'{depth} copy x2']}")
@@ -492,48 +495,44 @@ async def _run_alone(
 async def _run_agentkv(
     spec: DecodeSpec, root: Path, model: Path, echo: Any
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """agentkv as ``agentkv-server`` builds it: :func:`assemble` with the defaults (only the
-    model, slots, context per slot and store directory are given)."""
-    from agentkv.runtime.assemble import EngineSettings, assemble
-    from agentkv_bench.engines import serve_app
-    from agentkv_server.app import create_app
+    """agentkv as ``agentkv-server`` builds it: :func:`assemble` with the defaults, pre-emption
+    included (only the model, slots, context per slot and store directory are given)."""
+    from agentkv.runtime.config import RuntimeConfig
+    from agentkv_bench.engines import EngineSetup, agentkv_engine
 
-    settings = EngineSettings(
-        model=model, slots=2, ctx_per_slot=spec.slot_context, store_dir=root / "store"
-    )
+    setup = EngineSetup(find_llama_server(), model, 2, spec.slot_context, root / "logs")
     out: dict[str, Any] = {
         "settings": f"the defaults, --slots 2 --ctx-per-slot {spec.slot_context}"
     }
     texts: dict[str, str] = {}
-    async with assemble(settings) as built:
-        runtime = built.runtime
-        async with serve_app(create_app(runtime)) as url:
-            for depth in spec.depths:
-                requests = bodies(depth, max_tokens=spec.max_tokens)
-                warm = {**requests["copy"], "max_tokens": 1}
-                await _agentkv_reply(url, runtime, warm, f"a-{depth}")
-                for kind in spec.kinds:
-                    reply = await _agentkv_reply(url, runtime, requests[kind], f"a-{depth}")
-                    out[f"{depth} {kind}"] = reply.row()
-                    texts[f"{depth} {kind}"] = reply.text
-                    echo(f"agentkv {depth:>3} {kind:<5} {reply.row()}")
-                if spec.two_agents:
-                    # The second agent's context on a slot of its own, as the copied slot of the
-                    # configuration alone: set up while the first agent's slot is busy (on an
-                    # idle slot that holds the same context agentkv would place it there).
-                    busy = {**requests["copy"], "max_tokens": 16}
-                    await _at_once(
-                        functools.partial(_agentkv_reply, url, runtime, busy, f"a-{depth}"),
-                        functools.partial(_agentkv_reply, url, runtime, warm, f"b-{depth}"),
+    async with agentkv_engine(setup, store_dir=root / "store", config=RuntimeConfig()) as engine:
+        runtime, url = engine.runtime, engine.url
+        for depth in spec.depths:
+            requests = bodies(depth, max_tokens=spec.max_tokens)
+            warm = {**requests["copy"], "max_tokens": 1}
+            await _agentkv_reply(url, runtime, warm, f"a-{depth}")
+            for kind in spec.kinds:
+                reply = await _agentkv_reply(url, runtime, requests[kind], f"a-{depth}")
+                out[f"{depth} {kind}"] = reply.row()
+                texts[f"{depth} {kind}"] = reply.text
+                echo(f"agentkv {depth:>3} {kind:<5} {reply.row()}")
+            if spec.two_agents:
+                # The second agent's context on a slot of its own, as the copied slot of the
+                # configuration alone: set up while the first agent's slot is busy (on an
+                # idle slot that holds the same context agentkv would place it there).
+                busy = {**requests["copy"], "max_tokens": 16}
+                await _at_once(
+                    functools.partial(_agentkv_reply, url, runtime, busy, f"a-{depth}"),
+                    functools.partial(_agentkv_reply, url, runtime, warm, f"b-{depth}"),
+                )
+                replies = await _at_once(
+                    *(
+                        functools.partial(_agentkv_reply, url, runtime, requests["copy"], a)
+                        for a in (f"a-{depth}", f"b-{depth}")
                     )
-                    replies = await _at_once(
-                        *(
-                            functools.partial(_agentkv_reply, url, runtime, requests["copy"], a)
-                            for a in (f"a-{depth}", f"b-{depth}")
-                        )
-                    )
-                    out[f"{depth} copy x2"] = _pair(replies)
-                    echo(f"agentkv {depth:>3} copy x2 {out[f'{depth} copy x2']}")
+                )
+                out[f"{depth} copy x2"] = _pair(replies)
+                echo(f"agentkv {depth:>3} copy x2 {out[f'{depth} copy x2']}")
     return out, texts
 
 

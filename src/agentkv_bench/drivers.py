@@ -1,26 +1,44 @@
 """The client side: agents as closed loops of streamed requests, timed per request.
 
-The same code drives every configuration. An agent speaks one API (:data:`ROUTES`): Anthropic
-Messages (``POST /v1/messages``, Claude Code), OpenAI Responses (``POST /v1/responses``, Codex) or
-Chat Completions (``POST /v1/chat/completions``). TTFT is submit → the first delta of content
-(text or a tool call's input): agentkv sends ``message_start`` / ``response.created`` at once and
-llama-server only when it starts generating, so the first content delta is the comparable moment.
+The same code drives every configuration, through the official SDKs (:class:`Clients`). An agent
+speaks one API (:data:`ROUTES`): Anthropic Messages (``POST /v1/messages``, Claude Code, with the
+``anthropic`` SDK), OpenAI Responses (``POST /v1/responses``, Codex) or Chat Completions
+(``POST /v1/chat/completions``), both with the ``openai`` SDK. A captured body is sent as it is:
+the fields an SDK method names are passed to it, the rest as ``extra_body``, and the agent's
+headers (agentkv's ``X-Agent-Id`` / ``X-Agent-Priority``, a client's own) as ``extra_headers``.
+
+TTFT is submit → the SDK's first streamed event of content (text or a tool call's input): agentkv
+sends ``message_start`` / ``response.created`` at once and llama-server only when it starts
+generating, so the first content delta is the comparable moment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import anthropic
 import anyio
 import attrs
-import httpx
+import openai
 
 from agentkv_bench.workload import Agent, Workload
 
-__all__ = ["ROUTES", "Clock", "RequestResult", "StreamEvent", "drive", "one_request", "read_event"]
+__all__ = [
+    "ROUTES",
+    "Clients",
+    "Clock",
+    "RequestResult",
+    "StreamEvent",
+    "drive",
+    "one_request",
+    "open_stream",
+    "read_event",
+    "sdk_clients",
+]
 
 #: A small stagger between agents that start together makes the arrival order the same in every
 #: configuration.
@@ -91,8 +109,6 @@ def _messages_event(event: dict[str, Any]) -> StreamEvent:
         return StreamEvent(content=True, text=text if isinstance(text, str) else "")
     if kind == "message_delta":
         return StreamEvent(output_tokens=int(event.get("usage", {}).get("output_tokens", 0) or 0))
-    if kind == "error":
-        return StreamEvent(error=json.dumps(event.get("error")))
     return StreamEvent()
 
 
@@ -113,8 +129,6 @@ def _responses_event(event: dict[str, Any]) -> StreamEvent:
 
 
 def _chat_event(event: dict[str, Any]) -> StreamEvent:
-    if "error" in event:
-        return StreamEvent(error=json.dumps(event["error"]))
     usage = event.get("usage")
     tokens = int(usage.get("completion_tokens", 0) or 0) if isinstance(usage, dict) else None
     for choice in event.get("choices") or ():
@@ -134,48 +148,140 @@ _READERS: dict[str, Callable[[dict[str, Any]], StreamEvent]] = {
 }
 
 
-def read_event(api: str, data: str) -> StreamEvent:
-    """One SSE ``data:`` payload of ``api``'s stream (``[DONE]`` ends a Chat stream: nothing)."""
-    data = data.strip()
-    if not data or data == "[DONE]":
-        return StreamEvent()
-    event = json.loads(data)
-    return _READERS[api](event) if isinstance(event, dict) else StreamEvent()
+def read_event(api: str, event: Mapping[str, Any]) -> StreamEvent:
+    """What one streamed event of ``api`` says (the SDK's event, as a dict). An ``error`` event
+    of a Messages or Chat stream is not one: the SDKs raise it (:func:`one_request`)."""
+    return _READERS[api](dict(event))
+
+
+@attrs.frozen
+class Clients:
+    """The official SDK clients of one configuration: Anthropic's for Messages, OpenAI's for
+    Responses and Chat Completions. They never retry: a failed request is a result."""
+
+    anthropic: anthropic.AsyncAnthropic
+    openai: openai.AsyncOpenAI
+
+
+@contextlib.asynccontextmanager
+async def sdk_clients(
+    url: str, *, connections: int = 16, request_timeout: float = 3600.0, keep_alive: bool = False
+) -> AsyncIterator[Clients]:
+    """Both SDKs' clients for the server at ``url``, at most ``connections`` open at once, a
+    request's limit ``request_timeout`` seconds.
+
+    No keep-alive by default: llama-server closes idle connections after a few seconds, and a
+    request sent on one it is closing fails; a fresh loopback connection per request costs ~1 ms.
+    """
+    keep = connections if keep_alive else 0
+    # Each SDK's own HTTP library's Limits (the type of its default limits).
+    a_limits = type(anthropic.DEFAULT_CONNECTION_LIMITS)(
+        max_connections=connections, max_keepalive_connections=keep
+    )
+    o_limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
+        max_connections=connections, max_keepalive_connections=keep
+    )
+    async with (
+        anthropic.AsyncAnthropic(
+            base_url=url,
+            api_key="bench",
+            max_retries=0,
+            timeout=anthropic.Timeout(request_timeout, connect=10.0),
+            http_client=anthropic.DefaultAsyncHttpxClient(limits=a_limits),
+        ) as messages,
+        openai.AsyncOpenAI(
+            base_url=url + "/v1",
+            api_key="bench",
+            max_retries=0,
+            timeout=openai.Timeout(request_timeout, connect=10.0),
+            http_client=openai.DefaultAsyncHttpxClient(limits=o_limits),
+        ) as other,
+    ):
+        yield Clients(messages, other)
+
+
+#: The body fields each API's SDK method takes by name; the rest go as ``extra_body``.
+_NAMED = {
+    "messages": ("model", "max_tokens", "messages", "stream"),
+    "responses": ("stream",),
+    "chat": ("model", "messages", "stream"),
+}
+
+
+async def open_stream(
+    clients: Clients, api: str, body: Mapping[str, Any], headers: Mapping[str, str]
+) -> anthropic.AsyncStream[Any] | openai.AsyncStream[Any]:
+    """The SDK's stream of ``api`` for ``body``, sent as it is (see the module)."""
+    rest = {k: v for k, v in body.items() if k not in _NAMED[api]}
+    if api == "messages":
+        return await clients.anthropic.messages.create(
+            model=body["model"],
+            max_tokens=body["max_tokens"],
+            messages=body["messages"],
+            stream=True,
+            extra_headers=dict(headers),
+            extra_body=rest,
+        )
+    if api == "responses":
+        return await clients.openai.responses.create(
+            stream=True, extra_headers=dict(headers), extra_body=rest
+        )
+    return await clients.openai.chat.completions.create(
+        # A Chat body agentkv's translator wrote names no model: none is sent.
+        model=body.get("model", openai.NOT_GIVEN),
+        messages=body["messages"],
+        stream=True,
+        extra_headers=dict(headers),
+        extra_body=rest,
+    )
+
+
+def _error_text(body: object) -> str:
+    """An error body as a report shows it: Anthropic's ``{"type": "error", "error": {...}}``
+    as its inner object, anything else as it is."""
+    if isinstance(body, Mapping) and body.get("type") == "error" and "error" in body:
+        return json.dumps(body["error"])
+    return json.dumps(body)
 
 
 async def one_request(
-    http: httpx.AsyncClient,
-    url: str,
-    body: dict[str, Any],
-    headers: dict[str, str],
+    clients: Clients,
+    body: Mapping[str, Any],
+    headers: Mapping[str, str],
     clock: Callable[[], float],
     *,
     api: str = "messages",
 ) -> _Reply:
-    """Stream one request to ``api``'s route (:data:`ROUTES`) and time it."""
+    """Stream one request of ``api`` (:data:`ROUTES`) and time it. Any failure is recorded in
+    the reply, not raised: one broken request must not lose the whole run."""
     submitted = clock()
     first: float | None = None
     output = 0
     error: str | None = None
     text: list[str] = []
-    route = url + ROUTES[api]
-    async with http.stream("POST", route, json=body, headers=headers) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return _Reply(
-                submitted, None, clock(), 0, f"HTTP {response.status_code}: {response.text}", ""
-            )
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            event = read_event(api, line[5:])
-            if event.content and first is None:
-                first = clock()
-            text.append(event.text)
-            if event.output_tokens is not None:
-                output = event.output_tokens
-            if event.error is not None:
-                error = event.error
+    read = _READERS[api]
+    try:
+        async with await open_stream(clients, api, body, headers) as stream:
+            async for item in stream:
+                event = read(item.to_dict())
+                if event.content and first is None:
+                    first = clock()
+                text.append(event.text)
+                if event.output_tokens is not None:
+                    output = event.output_tokens
+                if event.error is not None:
+                    error = event.error
+    except (anthropic.APIStatusError, openai.APIStatusError) as exc:
+        if exc.status_code != 200:
+            reason = f"HTTP {exc.status_code}: {exc.response.text}"
+            return _Reply(submitted, None, clock(), 0, reason, "")
+        error = _error_text(exc.body)  # an error event in the stream (the SDK raises it)
+    except (anthropic.APIConnectionError, openai.APIConnectionError) as exc:
+        return _Reply(submitted, None, clock(), 0, repr(exc), "")
+    except openai.APIError as exc:
+        error = _error_text(exc.body)  # an error object in a Chat stream (the SDK raises it)
+    except Exception as exc:  # a stream cut midway: the error of the SDK's HTTP library
+        return _Reply(submitted, None, clock(), 0, repr(exc), "")
     return _Reply(submitted, first, clock(), output, error, "".join(text))
 
 
@@ -198,22 +304,13 @@ async def drive(
     clock = clock or Clock()
     results: list[RequestResult] = []
     began = clock()
-    # No keep-alive: llama-server closes idle connections after a few seconds, and a request
-    # sent on one it is closing fails; a fresh loopback connection per request costs ~1 ms.
-    limits = httpx.Limits(max_connections=len(workload.agents) + 2, max_keepalive_connections=0)
-    timeout = httpx.Timeout(3600.0, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+    async with sdk_clients(url, connections=len(workload.agents) + 2) as clients:
 
         async def run_agent(index: int, agent: Agent) -> None:
             await anyio.sleep(agent.start + STAGGER * index)
             headers = _headers(agent)
             for turn, body in enumerate(agent.requests):
-                try:
-                    reply = await one_request(http, url, body, headers, clock, api=agent.api)
-                except httpx.HTTPError as exc:
-                    # Recorded, not raised: one broken request must not lose the whole run.
-                    now = clock()
-                    reply = _Reply(now, None, now, 0, repr(exc), "")
+                reply = await one_request(clients, body, headers, clock, api=agent.api)
                 results.append(
                     RequestResult(
                         agent=agent.name,

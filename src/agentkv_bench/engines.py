@@ -3,8 +3,10 @@
 - ``plain``: llama-server with its own defaults (``-m -np -c --metrics``), driven through its own
   ``/v1/messages``;
 - ``tuned``: the same plus :data:`TUNED_ARGS`;
-- ``agentkv``: agentkv's own launch of llama-server (``EngineConfig``/``LlamaServerProcess``) and
-  its Starlette app, served by uvicorn on loopback.
+- ``agentkv``: agentkv as ``agentkv-server`` builds it, :func:`agentkv.runtime.assemble.assemble`
+  with the defaults (only the binary, model, slots, context per slot and store directory are
+  given) but pre-emption off unless a scenario asks for it (:data:`NO_PREEMPTION`), and its
+  Starlette app, served by uvicorn on loopback.
 
 Every configuration is a fresh llama-server process, so every in-memory cache starts cold; a
 prefix store directory (agentkv's only) is the one thing that may outlive a restart.
@@ -21,15 +23,15 @@ import anyio
 import attrs
 import uvicorn
 
-from agentkv import LlamaSlotClient
-from agentkv.runtime.build import build_digest
+from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, free_port
+from agentkv.runtime.engine import LlamaServerProcess, free_port
 from agentkv.runtime.lifecycle import Runtime
 from agentkv_server.app import create_app
 
 __all__ = [
     "LABELS",
+    "NO_PREEMPTION",
     "TUNED_ARGS",
     "Engine",
     "EngineSetup",
@@ -44,6 +46,13 @@ __all__ = [
 #: chosen. -sps 0: no similarity-based slot choice (it thrashes with many agents); --cache-ram:
 #: keep evicted prompts in host RAM and restore them (explicitly sized; the default is 8 GiB).
 TUNED_ARGS: tuple[str, ...] = ("-sps", "0", "--cache-ram", "4096")
+
+#: The one default of agentkv's that its configurations change, unless a scenario gives its own
+#: settings (``priority``'s ``agentkv-preempt`` and ``subagents`` run agentkv's defaults):
+#: pre-emption off (the default is ``--preempt-from 1``). A suspended request is sent to
+#: llama-server again when it resumes, so with pre-emption llama-server counts more prompt tokens
+#: than the workload's prompts hold, and the configurations would not be sent the same.
+NO_PREEMPTION = RuntimeConfig(preempt_from=None)
 
 LABELS = {
     "plain": "llama-server (defaults)",
@@ -69,13 +78,15 @@ class EngineSetup:
 @attrs.frozen
 class Engine:
     """A running configuration: ``url`` takes ``/v1/messages``; ``engine_url`` is llama-server
-    (for ``/metrics``). ``runtime`` is agentkv's, when it is in front."""
+    (for ``/metrics``), ``engine_key`` its API key (agentkv launches it with one; None: none).
+    ``runtime`` is agentkv's, when it is in front."""
 
     name: str
     url: str
     engine_url: str
     flags: str
     runtime: Runtime | None = None
+    engine_key: str | None = None
 
 
 def llama_server_args(setup: EngineSetup, name: str) -> list[str]:
@@ -103,11 +114,12 @@ async def raw_llama_server(
 
 @contextlib.asynccontextmanager
 async def serve_app(app: Any) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn on a free loopback port, in this event loop."""
+    """Serve an ASGI 3 app with uvicorn on a free loopback port, in this event loop."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", interface="asgi3"
     )
+    server = uvicorn.Server(config)
     async with anyio.create_task_group() as tg:
         tg.start_soon(server.serve)
         # uvicorn exposes readiness only as a flag.
@@ -119,58 +131,41 @@ async def serve_app(app: Any) -> AsyncIterator[str]:
             server.should_exit = True
 
 
-def _compat(setup: EngineSetup) -> str:
-    """What the prefix store's entries are bound to (same model file, build and context)."""
-    model = setup.model.stat()
-    return (
-        f"model={setup.model.name}:{model.st_size}:{model.st_mtime_ns}|"
-        f"build={build_digest(setup.binary)}|ctx={setup.ctx}|kv=f16"
-    )
-
-
 @contextlib.asynccontextmanager
 async def agentkv_engine(
     setup: EngineSetup,
     *,
     store_dir: Path | None,
-    preempt_from: int | None = None,
+    config: RuntimeConfig = NO_PREEMPTION,
     name: str = "agentkv",
-    agent_tree: bool = True,
 ) -> AsyncIterator[Engine]:
-    """agentkv's own launch of llama-server plus its gateway. ``store_dir`` is the prefix store
-    (llama-server's ``--slot-save-path``); None runs without one. ``agent_tree`` False: a
-    sub-agent is its session's agent (``--no-agent-tree``)."""
-    config = EngineConfig(
+    """agentkv as ``agentkv-server`` builds it: :func:`assemble` with the defaults, given only
+    the binary, model, slots, context per slot and ``store_dir`` (the prefix store; None runs
+    without one, ``--no-store``), and its app in front. ``config``: the runtime settings, which
+    name every default they change (``RuntimeConfig()``: agentkv's defaults)."""
+    settings = EngineSettings(
+        llama_server=str(setup.binary),
         model=setup.model,
         slots=setup.slots,
         ctx_per_slot=setup.ctx,
-        port=0,
-        slot_save_dir=store_dir,
+        store_dir=store_dir,
+        store=store_dir is not None,
     )
-    # No engine key: the benchmark reads /metrics and tokenizes on the engine directly.
-    process = LlamaServerProcess(config, binary=setup.binary, log_dir=setup.log_dir, api_key=None)
-    async with process as engine:
-        client = LlamaSlotClient(engine.base_url)
-        try:
-            runtime_config = RuntimeConfig(
-                n_slots=setup.slots,
-                ctx_per_slot=config.effective_ctx_per_slot,
-                store_dir=store_dir,
-                preempt_from=preempt_from,
-                agent_tree=agent_tree,
-                # As Claude Code is run here (API_TIMEOUT_MS=1800000): a cold prefill takes minutes.
-                client_timeout=1800.0,
+    async with assemble(settings, config) as built:
+        runtime = built.runtime
+        async with serve_app(create_app(runtime)) as url:
+            yield Engine(
+                name, url, built.engine.base_url, _flags(runtime), runtime, built.engine.api_key
             )
-            compat = await anyio.to_thread.run_sync(_compat, setup)
-            runtime = Runtime(client, runtime_config, store_compat=compat)
-            async with serve_app(create_app(runtime)) as url:
-                flags = f"agentkv (store {'on' if store_dir else 'off'}"
-                flags += f", preempt-from {preempt_from}" if preempt_from is not None else ""
-                flags += ")" if agent_tree else ", no agent tree)"
-                yield Engine(name, url, engine.base_url, flags, runtime)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await client.aclose()
+
+
+def _flags(runtime: Runtime) -> str:
+    """What the report says of an agentkv configuration: its store and pre-emption, and the
+    agent tree when it is off."""
+    config = runtime.config
+    preempt = "off" if config.preempt_from is None else config.preempt_from
+    flags = f"agentkv (store {'on' if config.store_dir else 'off'}, preempt-from {preempt}"
+    return flags + (")" if config.agent_tree else ", no agent tree)")
 
 
 @contextlib.asynccontextmanager
@@ -179,14 +174,12 @@ async def start(
     name: str,
     *,
     store_dir: Path | None = None,
-    preempt_from: int | None = None,
-    agent_tree: bool = True,
+    config: RuntimeConfig = NO_PREEMPTION,
 ) -> AsyncIterator[Engine]:
-    """Start configuration ``name`` (``plain``, ``tuned``, or ``agentkv``-anything)."""
+    """Start configuration ``name`` (``plain``, ``tuned``, or ``agentkv``-anything, whose
+    ``config`` changes agentkv's defaults; see :func:`agentkv_engine`)."""
     if name.startswith("agentkv"):
-        async with agentkv_engine(
-            setup, store_dir=store_dir, preempt_from=preempt_from, name=name, agent_tree=agent_tree
-        ) as engine:
+        async with agentkv_engine(setup, store_dir=store_dir, config=config, name=name) as engine:
             yield engine
         return
     if name not in ("plain", "tuned"):

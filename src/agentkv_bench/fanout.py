@@ -119,9 +119,14 @@ class FanoutProxy:
 
     upstream: str
     engine_url: str
+    #: llama-server's API key (None: it has none).
+    engine_key: str | None = None
     origin: float = attrs.field(factory=time.monotonic)
     exchanges: list[Exchange] = attrs.field(factory=list)
     scripted: int = 0
+
+    async def _counters(self, http: httpx.AsyncClient) -> dict[str, float]:
+        return await read_counters(http, self.engine_url, self.engine_key)
 
     def _now(self) -> float:
         return round(time.monotonic() - self.origin, 3)
@@ -160,7 +165,7 @@ class FanoutProxy:
                     agent_call(call, what, task, background=False) for call, what, task in CALLS
                 ]
                 return Response(scripted_sse(blocks), media_type="text/event-stream")
-            before = await read_counters(http, self.engine_url) if kind == "continuation" else None
+            before = await self._counters(http) if kind == "continuation" else None
             upstream = http.build_request(
                 request.method,
                 self.upstream + request.url.path,
@@ -184,7 +189,7 @@ class FanoutProxy:
                     await response.aclose()
                     record.ended = self._now()
                     if before is not None:
-                        counters = difference(await read_counters(http, self.engine_url), before)
+                        counters = difference(await self._counters(http), before)
                         record.computed = int(counters["prompt_computed"])
                         record.cached = int(counters["prompt_cached"])
 
@@ -205,8 +210,8 @@ async def _one(
     async with start(setup, _START[name], store_dir=store_dir) as engine:
         timeout = httpx.Timeout(spec.timeout, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout) as http:
-            before = await read_counters(http, engine.engine_url)
-            proxy = FanoutProxy(engine.url, engine.engine_url)
+            before = await read_counters(http, engine.engine_url, engine.engine_key)
+            proxy = FanoutProxy(engine.url, engine.engine_url, engine.engine_key)
             async with serve_app(proxy.app(http)) as url:
                 env = _env(url, home, "coordinator", 0, setup.ctx)
                 proxy.origin = started = time.monotonic()
@@ -221,7 +226,9 @@ async def _one(
                 except TimeoutError:
                     rc, out, err = None, "", "timed out"
                 wall = time.monotonic() - started
-            counters = difference(await read_counters(http, engine.engine_url), before)
+            counters = difference(
+                await read_counters(http, engine.engine_url, engine.engine_key), before
+            )
         tree = None
         if engine.runtime is not None:
             tree = unstructure(engine.runtime.snapshot().tree)

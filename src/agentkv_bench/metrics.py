@@ -21,7 +21,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from agentkv import LlamaSlotClient, MessagesTranslator
 from agentkv_bench.workload import Workload, minimum_prefill
 
-__all__ = ["COUNTERS", "Counters", "PrefillYardstick", "parse_counters", "read_counters"]
+__all__ = [
+    "COUNTERS",
+    "Counters",
+    "PrefillYardstick",
+    "engine_headers",
+    "parse_counters",
+    "read_counters",
+]
 
 #: The report's name for each llama-server counter (sample names as llama-server writes them).
 COUNTERS = {
@@ -44,8 +51,16 @@ def parse_counters(text: str, names: Mapping[str, str] = COUNTERS) -> Counters:
     return {key: samples.get(name, 0.0) for key, name in names.items()}
 
 
-async def read_counters(http: httpx.AsyncClient, engine_url: str) -> Counters:
-    response = await http.get(engine_url + "/metrics", timeout=30)
+def engine_headers(api_key: str | None) -> dict[str, str]:
+    """What a request to llama-server carries: its API key, when it has one."""
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def read_counters(
+    http: httpx.AsyncClient, engine_url: str, api_key: str | None = None
+) -> Counters:
+    """llama-server's counters now (``api_key``: its key, when it has one)."""
+    response = await http.get(engine_url + "/metrics", headers=engine_headers(api_key), timeout=30)
     response.raise_for_status()
     return parse_counters(response.text)
 
@@ -76,28 +91,34 @@ class PrefillYardstick:
 
 
 async def token_sequences(
-    engine_url: str, bodies: Iterable[Mapping[str, Any]], *, session_layout: bool = True
+    engine_url: str,
+    bodies: Iterable[Mapping[str, Any]],
+    *,
+    session_layout: bool = True,
+    api_key: str | None = None,
 ) -> list[list[int]]:
     """Token ids of each request's prompt, as the engine templates and tokenizes it after
     agentkv's translation. ``session_layout=False`` renders the messages in the order the client
     sent them, as llama-server's own ``/v1/messages`` does."""
     translator = MessagesTranslator(session_layout=session_layout)
     sequences = []
-    async with LlamaSlotClient(engine_url) as client:
+    async with LlamaSlotClient(engine_url, api_key=api_key) as client:
         for body in bodies:
             sequences.append(await client.prompt_tokens(translator.translate(body).body))
     return sequences
 
 
-async def yardsticks(engine_url: str, workloads: Sequence[Workload]) -> dict[str, PrefillYardstick]:
+async def yardsticks(
+    engine_url: str, workloads: Sequence[Workload], *, api_key: str | None = None
+) -> dict[str, PrefillYardstick]:
     """The yardstick of ``workloads`` (all their requests), in both layouts: ``"client"`` (as
     sent; llama-server's own route) and ``"agentkv"`` (agentkv's session layout)."""
     bodies = [body for w in workloads for _, _, body in w.canonical_order()]
     return {
-        "client": PrefillYardstick.of(
-            await token_sequences(engine_url, bodies, session_layout=False)
-        ),
-        "agentkv": PrefillYardstick.of(
-            await token_sequences(engine_url, bodies, session_layout=True)
-        ),
+        layout: PrefillYardstick.of(
+            await token_sequences(
+                engine_url, bodies, session_layout=layout == "agentkv", api_key=api_key
+            )
+        )
+        for layout in ("client", "agentkv")
     }

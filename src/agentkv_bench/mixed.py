@@ -51,7 +51,7 @@ from agentkv_bench.codex_workload import (
     shrink_codex,
 )
 from agentkv_bench.drivers import RequestResult
-from agentkv_bench.engines import start
+from agentkv_bench.engines import Engine, start
 from agentkv_bench.metrics import PrefillYardstick, yardsticks
 from agentkv_bench.report import (
     fmt,
@@ -379,12 +379,14 @@ def _per_api(
 
 
 async def _api_minimums(
-    engine_url: str, view: Workload, apis: Mapping[str, str], layout: str
+    engine: Engine, view: Workload, apis: Mapping[str, str], layout: str
 ) -> dict[str, int]:
     out = {}
     for api in sorted(set(apis.values())):
         agents = tuple(a for a in view.agents if apis[a.name] == api)
-        sticks = await yardsticks(engine_url, [attrs.evolve(view, agents=agents)])
+        sticks = await yardsticks(
+            engine.engine_url, [attrs.evolve(view, agents=agents)], api_key=engine.engine_key
+        )
         out[api] = sticks[layout].minimum
     return out
 
@@ -410,9 +412,9 @@ async def run_mixed(
         layout = "client" if name == "direct" else "agentkv"
         async with start(bench.setup, engine_name, store_dir=store) as engine:
             if not sticks:
-                sticks = await yardsticks(engine.engine_url, [view])
+                sticks = await yardsticks(engine.engine_url, [view], api_key=engine.engine_key)
                 for key in ("client", "agentkv"):
-                    api_minimum[key] = await _api_minimums(engine.engine_url, view, apis, key)
+                    api_minimum[key] = await _api_minimums(engine, view, apis, key)
             log = None
             if engine.runtime is not None:
                 log = TicketLog(engine.runtime, _identities(workload), apis)

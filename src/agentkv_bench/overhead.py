@@ -7,35 +7,31 @@ prompt each time, which the engine is asked about), as wall time and as this pro
 (tracemalloc, once the finished requests are no longer kept for a client's retry) and per
 request that just ended (kept ``retry_grace``).
 
-The fake engine writes varied words: a reply that repeats one piece is a degenerate loop, which
-agentkv's repetition guard cuts short, and the relay would then not be measured.
+The fake engine (:class:`~agentkv_bench.fake_engine.FakeLlama`, the tests' own) streams one
+word per chunk, varied: a reply that repeats one piece is a degenerate loop, which agentkv's
+repetition guard cuts short, and the relay would then not be measured.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import random
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
-import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
-from agentkv import LlamaSlotClient
+from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
-from agentkv.runtime.lifecycle import Runtime
+from agentkv_bench.drivers import Clients, open_stream, sdk_clients
 from agentkv_bench.engines import serve_app
+from agentkv_bench.fake_engine import FakeLlama
 from agentkv_bench.report import percentile, rounded
 from agentkv_server.app import create_app
 
-__all__ = ["fake_llama", "gateway_overhead"]
+__all__ = ["gateway_overhead"]
 
 _WORDS = (
     "the", "slot", "holds", "a", "prefix", "of", "tokens", "so", "next", "request", "this",
@@ -46,72 +42,22 @@ _WORDS = (
 _RETRY_GRACE = 0.2
 
 
-def _pieces(n: int, seed: int = 0) -> list[bytes]:
-    """``n`` SSE chunks of one word each, in a seeded random order (never a periodic text)."""
+def _words(n: int, seed: int = 0) -> tuple[str, ...]:
+    """``n`` pieces of one word each, in a seeded random order (never a periodic text)."""
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        piece = {
-            "choices": [
-                {"index": 0, "delta": {"content": rng.choice(_WORDS) + " "}, "finish_reason": None}
-            ]
-        }
-        out.append(b"data: " + json.dumps(piece).encode() + b"\n\n")
-    return out
-
-
-def fake_llama(chunks_per_reply: Callable[[], int]) -> Starlette:
-    """A fake llama-server that answers at once: /health, templating, tokenizing, and streamed
-    chat completions of ``chunks_per_reply()`` chunks."""
-    pieces = _pieces(8192)
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def chat(request: Request) -> Response:
-        body = await request.json()
-        n = chunks_per_reply()
-
-        async def stream() -> AsyncIterator[bytes]:
-            for i in range(n):
-                yield pieces[i % len(pieces)]
-            final = {
-                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                "timings": {"cache_n": 0, "prompt_n": len(body["messages"]), "predicted_n": n},
-            }
-            yield b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
-    async def apply_template(request: Request) -> Response:
-        body = await request.json()
-        return JSONResponse({"prompt": json.dumps(body["messages"])})
-
-    async def tokenize(request: Request) -> Response:
-        content = (await request.json())["content"]
-        return JSONResponse({"tokens": [ord(c) for c in content[:: max(1, len(content) // 64)]]})
-
-    return Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/apply-template", apply_template, methods=["POST"]),
-            Route("/tokenize", tokenize, methods=["POST"]),
-        ]
-    )
+    return tuple(rng.choice(_WORDS) + " " for _ in range(n))
 
 
 async def _timed_stream(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]
+    clients: Clients, api: str, body: dict[str, Any], headers: dict[str, str]
 ) -> tuple[float, float, int]:
-    """Wall seconds and CPU seconds (this process) to the end of one streamed response, and its
-    number of SSE data lines."""
+    """Wall seconds and CPU seconds (this process) to the end of one streamed response (through
+    the SDK of ``api``), and the number of SSE events the SDK read."""
     start, cpu = time.perf_counter(), time.process_time()
     events = 0
-    async with http.stream("POST", url, json=body, headers=headers) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            events += line.startswith("data:")
+    async with await open_stream(clients, api, body, headers) as stream:
+        async for _ in stream:
+            events += 1
     return time.perf_counter() - start, time.process_time() - cpu, events
 
 
@@ -137,8 +83,9 @@ async def gateway_overhead(
     idle_agents: int = 300,
 ) -> dict[str, Any]:
     """What agentkv adds on top of an engine that answers instantly (all in this process)."""
-    chunks = {"n": 4}
-    fake = fake_llama(lambda: chunks["n"])
+    words = _words(max(stream_chunks, 4))
+    # Nothing kept per request: the fake runs in the process whose memory is measured.
+    fake = FakeLlama(reply=words[:4], record=False, slots=2)
     message = {
         "model": "bench",
         "max_tokens": 16,
@@ -146,17 +93,22 @@ async def gateway_overhead(
         "messages": [{"role": "user", "content": "ping"}],
     }
     chat = {"messages": [{"role": "user", "content": "ping"}], "max_tokens": 16, "stream": True}
-    async with serve_app(fake) as fake_url:
-        client = LlamaSlotClient(fake_url)
-        config = RuntimeConfig(n_slots=2, retry_grace=_RETRY_GRACE)
-        app = create_app(Runtime(client, config))
-        async with serve_app(app) as gw_url, httpx.AsyncClient(timeout=60) as http:
+    latency = {"x-agent-id": "latency"}
+    async with serve_app(fake.asgi) as fake_url:
+        # agentkv as `agentkv-server --upstream URL` builds it; the one default changed is how
+        # long a finished request is kept for a retry (the memory figure waits that long).
+        settings = EngineSettings(upstream=(fake_url,), slots=2)
+        built = assemble(settings, RuntimeConfig(retry_grace=_RETRY_GRACE))
+        async with (
+            built as assembly,
+            serve_app(create_app(assembly.runtime)) as gw_url,
+            sdk_clients(fake_url, keep_alive=True, request_timeout=60) as engine,
+            sdk_clients(gw_url, keep_alive=True, request_timeout=60) as gateway,
+        ):
             direct, via, direct_cpu, via_cpu = [], [], [], []
             for i in range(requests + 20):
-                d, dc, _ = await _timed_stream(http, fake_url + "/v1/chat/completions", chat, {})
-                v, vc, _ = await _timed_stream(
-                    http, gw_url + "/v1/messages", message, {"x-agent-id": "latency"}
-                )
+                d, dc, _ = await _timed_stream(engine, "chat", chat, {})
+                v, vc, _ = await _timed_stream(gateway, "messages", message, latency)
                 if i >= 20:  # the first ones warm up connections and code paths
                     direct.append(d)
                     via.append(v)
@@ -165,36 +117,23 @@ async def gateway_overhead(
             # The same with a new prompt each time: nothing of the engine's answers is kept.
             fresh, fresh_direct = [], []
             for i in range(requests // 2):
-                fresh_direct.append(
-                    (await _timed_stream(http, fake_url + "/v1/chat/completions", chat, {}))[0]
-                )
+                fresh_direct.append((await _timed_stream(engine, "chat", chat, {}))[0])
                 new_prompt = {**message, "messages": [{"role": "user", "content": f"ping {i}"}]}
-                fresh.append(
-                    (
-                        await _timed_stream(
-                            http, gw_url + "/v1/messages", new_prompt, {"x-agent-id": "latency"}
-                        )
-                    )[0]
-                )
-            chunks["n"] = stream_chunks
+                fresh.append((await _timed_stream(gateway, "messages", new_prompt, latency))[0])
+            fake.reply = words[:stream_chunks]
             d_runs, v_runs = [], []
             for _ in range(stream_rounds):  # alternated; the median of each is reported
-                d_runs.append(
-                    await _timed_stream(http, fake_url + "/v1/chat/completions", chat, {})
-                )
+                d_runs.append(await _timed_stream(engine, "chat", chat, {}))
                 v_runs.append(
-                    await _timed_stream(
-                        http, gw_url + "/v1/messages", message, {"x-agent-id": "stream"}
-                    )
+                    await _timed_stream(gateway, "messages", message, {"x-agent-id": "stream"})
                 )
             d_stream, _, d_events = _median_run(d_runs)
             v_stream, v_stream_cpu, v_events = _median_run(v_runs)
-            chunks["n"] = 1
-            runtime = app.state.runtime
+            fake.reply = words[:1]
+            runtime = assembly.runtime
             stream_record = runtime.records()[-1]
-            memory = await _idle_memory(http, gw_url, message, idle_agents)
+            memory = await _idle_memory(gateway, message, idle_agents)
             known = len(runtime.snapshot().agents)
-        await client.aclose()
 
     return {
         "requests": requests,
@@ -226,19 +165,17 @@ async def gateway_overhead(
     }
 
 
-async def _idle_memory(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], agents: int
-) -> dict[str, int]:
+async def _idle_memory(clients: Clients, body: dict[str, Any], agents: int) -> dict[str, int]:
     """Bytes kept per agent that made one request: just after it (the finished request is still
     kept for a retry) and once it is idle (after ``retry_grace``)."""
     gc.collect()
     tracemalloc.start()
     try:
-        await _agents_requests(http, url, body, 0, 50)
+        await _agents_requests(clients, body, 0, 50)
         await anyio.sleep(2 * _RETRY_GRACE)
         gc.collect()
         base = tracemalloc.get_traced_memory()[0]
-        await _agents_requests(http, url, body, 50, 50 + agents)
+        await _agents_requests(clients, body, 50, 50 + agents)
         gc.collect()
         recent = tracemalloc.get_traced_memory()[0]
         await anyio.sleep(2 * _RETRY_GRACE)
@@ -252,8 +189,6 @@ async def _idle_memory(
     }
 
 
-async def _agents_requests(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], first: int, stop: int
-) -> None:
+async def _agents_requests(clients: Clients, body: dict[str, Any], first: int, stop: int) -> None:
     for i in range(first, stop):
-        await _timed_stream(http, url + "/v1/messages", body, {"x-agent-id": f"idle-{i}"})
+        await _timed_stream(clients, "messages", body, {"x-agent-id": f"idle-{i}"})

@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 import httpx
 
+from agentkv.runtime.config import RuntimeConfig
 from agentkv.snapshot import RuntimeSnapshot, StoreSnapshot, unstructure
 from agentkv_bench.claude_workload import (
     ClaudeSpec,
@@ -29,7 +30,7 @@ from agentkv_bench.claude_workload import (
     new_agent_workload,
 )
 from agentkv_bench.drivers import Clock, RequestResult, drive
-from agentkv_bench.engines import Engine, EngineSetup, start
+from agentkv_bench.engines import NO_PREEMPTION, Engine, EngineSetup, start
 from agentkv_bench.metrics import (
     PrefillYardstick,
     difference,
@@ -76,12 +77,12 @@ async def measure(engine: Engine, phases: Sequence[tuple[str, Workload]]) -> Mea
     clock = Clock()
     results: list[RequestResult] = []
     async with httpx.AsyncClient() as http:
-        before = await read_counters(http, engine.engine_url)
+        before = await read_counters(http, engine.engine_url, engine.engine_key)
         for phase, workload in phases:
             _, got = await drive(engine.url, workload, clock=clock, phase=phase)
             results.extend(got)
         wall = clock()
-        after = await read_counters(http, engine.engine_url)
+        after = await read_counters(http, engine.engine_url, engine.engine_key)
     snapshot = engine.runtime.snapshot() if engine.runtime is not None else None
     return Measured(wall, results, difference(after, before), snapshot)
 
@@ -148,7 +149,8 @@ async def run_agents(
         async with start(bench.setup, name, store_dir=_store(bench, name, fresh=True)) as engine:
             if yardstick is None:
                 bodies = [body for _, _, body in workload.canonical_order()]
-                yardstick = PrefillYardstick.of(await token_sequences(engine.engine_url, bodies))
+                tokens = await token_sequences(engine.engine_url, bodies, api_key=engine.engine_key)
+                yardstick = PrefillYardstick.of(tokens)
             bench.say(f"{name}: running {workload.n_requests} requests")
             run = await measure(engine, [("", workload)])
         reports.append(
@@ -272,7 +274,7 @@ async def run_claude(bench: Bench, spec: ClaudeSpec, configs: Sequence[str]) -> 
         bench.say(f"claude/{name}: starting")
         async with start(bench.setup, name, store_dir=_store(bench, name, fresh=True)) as engine:
             if not sticks:
-                sticks = await yardsticks(engine.engine_url, [workload])
+                sticks = await yardsticks(engine.engine_url, [workload], api_key=engine.engine_key)
             bench.say(f"claude/{name}: {workload.n_requests} requests from {spec.agents} agents")
             run = await measure(engine, [("", workload)])
         layout = _layout(name)
@@ -371,8 +373,8 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
     assert store is not None
     bench.say("restart: agentkv with a store, first life")
     async with start(bench.setup, "agentkv", store_dir=store) as engine:
-        sticks = await yardsticks(engine.engine_url, [warm])
-        newcomer_tokens, own = await _own_tokens(engine.engine_url, warm, newcomer)
+        sticks = await yardsticks(engine.engine_url, [warm], api_key=engine.engine_key)
+        newcomer_tokens, own = await _own_tokens(engine, warm, newcomer)
         first = await measure(engine, [("first life", warm)])
     bench.say("restart: agentkv restarted on the same store")
     async with start(bench.setup, "agentkv", store_dir=store) as engine:
@@ -407,11 +409,12 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
     return report
 
 
-async def _own_tokens(engine_url: str, warm: Workload, newcomer: Workload) -> tuple[int, int]:
+async def _own_tokens(engine: Engine, warm: Workload, newcomer: Workload) -> tuple[int, int]:
     """The newcomer's prompt tokens, and those of them that no earlier prompt holds (agentkv's
     layout)."""
-    earlier = await token_sequences(engine_url, [b for _, _, b in warm.canonical_order()])
-    (mine,) = await token_sequences(engine_url, [b for _, _, b in newcomer.canonical_order()])
+    url, key = engine.engine_url, engine.engine_key
+    earlier = await token_sequences(url, [b for _, _, b in warm.canonical_order()], api_key=key)
+    (mine,) = await token_sequences(url, [b for _, _, b in newcomer.canonical_order()], api_key=key)
     return len(mine), len(mine) - max((shared_prefix_len(mine, e) for e in earlier), default=0)
 
 
@@ -453,7 +456,9 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
     for name in configs:
         alone = name == "alone"
         engine_name = "agentkv" if alone else name
-        preempt = 1 if name == "agentkv-preempt" else None
+        # "agentkv-preempt" is agentkv's defaults (preempt-from 1); "agentkv", as everywhere
+        # else, has pre-emption off.
+        config = RuntimeConfig() if name == "agentkv-preempt" else NO_PREEMPTION
         phases = [("warmup", warmup)]
         for i, rnd in enumerate(rounds):
             agents = tuple(a for a in rnd.agents if a.priority == 0) if alone else rnd.agents
@@ -462,9 +467,11 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
             phases.append((f"round {i}", attrs.evolve(rnd, agents=agents)))
         bench.say(f"priority/{name}: starting")
         store = _store(bench, engine_name, fresh=True, tag=name)
-        async with start(bench.setup, engine_name, store_dir=store, preempt_from=preempt) as engine:
+        async with start(bench.setup, engine_name, store_dir=store, config=config) as engine:
             if not sticks:
-                sticks = await yardsticks(engine.engine_url, [warmup, *rounds])
+                sticks = await yardsticks(
+                    engine.engine_url, [warmup, *rounds], api_key=engine.engine_key
+                )
             run = await measure(engine, phases)
         stick = None if alone else sticks[_layout(engine_name)]
         measured = [r for r in run.results if r.phase != "warmup"]

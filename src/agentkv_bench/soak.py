@@ -295,6 +295,7 @@ async def _stream_request(
     headers: Mapping[str, str],
     cut_events: int | None,
 ) -> Exchange:
+    # Raw SSE: the verdict checks event names against their data, which the SDK does not expose.
     events: list[tuple[str, str]] = []
     status: int | None = None
     try:

@@ -43,7 +43,7 @@ from agentkv.reply import BlockClosed, BlockOpened, Delta, Ended, ReplyEvent, St
 from agentkv.snapshot import RuntimeSnapshot, unstructure
 from agentkv.tokens import common_prefix
 from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
-from agentkv_bench.drivers import Clock, RequestResult, one_request
+from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sdk_clients
 from agentkv_bench.metrics import PrefillYardstick, difference, read_counters, token_sequences
 
 __all__ = [
@@ -312,28 +312,19 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
 # -- running it ------------------------------------------------------------------------------
 
 
-async def _send(
-    http: httpx.AsyncClient, url: str, step: Step, clock: Clock, results: list[RequestResult]
-) -> None:
-    try:
-        reply = await one_request(http, url, step.body, step.headers, clock)
-        submitted, first, done = reply.submitted, reply.first, reply.done
-        output, error, text = reply.output_tokens, reply.error, reply.text
-    except httpx.HTTPError as exc:
-        submitted = first = done = clock()
-        first = None
-        output, error, text = 0, repr(exc), ""
+async def _send(clients: Clients, step: Step, clock: Clock, results: list[RequestResult]) -> None:
+    reply = await one_request(clients, step.body, step.headers, clock)
     results.append(
         RequestResult(
             agent=step.name,
             priority=int(step.headers.get("x-agent-priority", "1")),
             turn=0,
-            submitted=round(submitted, 4),
-            ttft=None if first is None else round(first - submitted, 4),
-            done=round(done, 4),
-            output_tokens=output,
-            error=error,
-            text=text[:200],
+            submitted=round(reply.submitted, 4),
+            ttft=None if reply.first is None else round(reply.first - reply.submitted, 4),
+            done=round(reply.done, 4),
+            output_tokens=reply.output_tokens,
+            error=reply.error,
+            text=reply.text[:200],
         )
     )
 
@@ -341,48 +332,53 @@ async def _send(
 async def play(url: str, workload: SubagentsWorkload, clock: Clock) -> list[RequestResult]:
     """The fan-out against ``url``, timed as Claude Code would send it."""
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=16, max_keepalive_connections=0)
-    timeout = httpx.Timeout(3600.0, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
-        await _send(http, url, workload.first, clock, results)
+    async with sdk_clients(url) as clients:
+        await _send(clients, workload.first, clock, results)
 
         async def coordinator() -> None:
-            await _send(http, url, workload.next_turn, clock, results)
+            await _send(clients, workload.next_turn, clock, results)
             # Its (scripted) reply starts the foreground sub-agent, which it waits for.
-            await _send(http, url, workload.foreground, clock, results)
-            await _send(http, url, workload.continuation, clock, results)
+            await _send(clients, workload.foreground, clock, results)
+            await _send(clients, workload.continuation, clock, results)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(coordinator)
             await anyio.sleep(0.05)
             for step in (*workload.background, workload.other):
-                tg.start_soon(_send, http, url, step, clock, results)
+                tg.start_soon(_send, clients, step, clock, results)
     return results
 
 
 async def measure_fan_out(
-    url: str, engine_url: str, workload: SubagentsWorkload, *, only: Step | None = None
+    url: str,
+    engine_url: str,
+    workload: SubagentsWorkload,
+    *,
+    only: Step | None = None,
+    engine_key: str | None = None,
 ) -> tuple[float, list[RequestResult], dict[str, float]]:
     """Play the fan-out (or one request alone) and count llama-server's prefill."""
     clock = Clock()
     async with httpx.AsyncClient() as http:
-        before = await read_counters(http, engine_url)
+        before = await read_counters(http, engine_url, engine_key)
         if only is None:
             results = await play(url, workload, clock)
         else:
             results = []
-            async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=10.0)) as client:
-                await _send(client, url, only, clock, results)
+            async with sdk_clients(url) as clients:
+                await _send(clients, only, clock, results)
         wall = clock()
-        after = await read_counters(http, engine_url)
+        after = await read_counters(http, engine_url, engine_key)
     return wall, results, difference(after, before)
 
 
-async def fan_out_facts(engine_url: str, workload: SubagentsWorkload) -> dict[str, Any]:
+async def fan_out_facts(
+    engine_url: str, workload: SubagentsWorkload, *, engine_key: str | None = None
+) -> dict[str, Any]:
     """Token facts of the workload as the engine tokenizes it: the minimum prefill (agentkv's
     layout), the sub-agents' shared head and the continuation's own new tokens."""
     steps = workload.order()
-    tokens = await token_sequences(engine_url, [step.body for step in steps])
+    tokens = await token_sequences(engine_url, [step.body for step in steps], api_key=engine_key)
     by_name = dict(zip([step.name for step in steps], tokens, strict=True))
     subs = [by_name[s.name] for s in (*workload.background, workload.foreground)]
     head = min(common_prefix(subs[0], other) for other in subs[1:])
@@ -440,6 +436,7 @@ async def run_subagents(
 
     ``bench`` is a :class:`agentkv_bench.scenarios.Bench`.
     """
+    from agentkv.runtime.config import RuntimeConfig
     from agentkv_bench.engines import start
     from agentkv_bench.report import summarize, write_report
     from agentkv_bench.scenarios import _machine, _store
@@ -455,18 +452,17 @@ async def run_subagents(
             store = _store(bench, "agentkv", fresh=name == "agentkv", tag="subagents")
         else:
             store = _store(bench, engine_name, fresh=True, tag=f"subagents-{name}")
-        async with start(
-            bench.setup,
-            engine_name,
-            store_dir=store,
-            preempt_from=1,
-            agent_tree=name != "agentkv-notree",
-        ) as engine:
+        # agentkv's defaults, pre-emption on (preempt-from 1); "agentkv-notree" changes one:
+        # the agent tree off (--no-agent-tree).
+        config = RuntimeConfig(agent_tree=False) if name == "agentkv-notree" else RuntimeConfig()
+        async with start(bench.setup, engine_name, store_dir=store, config=config) as engine:
             if facts is None:
-                facts = await fan_out_facts(engine.engine_url, workload)
+                facts = await fan_out_facts(
+                    engine.engine_url, workload, engine_key=engine.engine_key
+                )
             only = workload.foreground if name == "alone" else None
             wall, results, counters = await measure_fan_out(
-                engine.url, engine.engine_url, workload, only=only
+                engine.url, engine.engine_url, workload, only=only, engine_key=engine.engine_key
             )
             snapshot = engine.runtime.snapshot() if engine.runtime is not None else None
         summary = summarize(name, wall, results, counters, None, {"flags": engine.flags})
