@@ -11,14 +11,17 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import httpx
 import pytest
 
 from agentkv.reply import Delta
+from agentkv.runtime.admission import Prepared
 from agentkv.runtime.broadcast import Emitted
 from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Exchange, Runtime
+from agentkv.runtime.prepared import Preparations
 from agentkv.translate import MessagesTranslator
 from tests.fakes import FakeLlama, render, tokenize, wait_for
 from tests.test_claude_code_compaction import FIRST_LINE, exchanges
@@ -253,3 +256,94 @@ async def test_a_preparation_still_queued_is_promoted_to_its_clients_priority() 
         await busy.message()
         assert runtime.preparations.stats().joined == 1
         assert compactions_generated(fake) == 1
+
+
+# -- the bounds, with stand-in exchanges ------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Record:
+    output_tokens: int = 0
+    generated: int = 0
+
+
+@attrs.define(eq=False)
+class _Stub:
+    """An exchange as Preparations sees it."""
+
+    prepared: Prepared
+    record: _Record = attrs.field(factory=_Record)
+    done: bool = False
+    joinable: bool = True
+    gave_way: bool = False
+    emitted: tuple[Any, ...] = ()
+    cancelled: bool = False
+    claimed: int | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def claim(self, priority: int) -> None:
+        self.claimed = priority
+
+
+def _preparations(now: list[float], **kwargs: Any) -> Preparations[_Stub]:
+    async def prepare(body: Any, agent: str, priority: int) -> Prepared:
+        return Prepared(agent=agent, priority=priority, engine=None, tokens=(), key=body["key"])  # type: ignore[arg-type]
+
+    return Preparations(
+        prepare=prepare,
+        start=lambda prepared: _Stub(prepared),
+        later=lambda *args: True,
+        window=32768,
+        clock=lambda: now[0],
+        **kwargs,
+    )
+
+
+async def _queue(preparations: Preparations[_Stub], agent: str, key: str) -> _Stub:
+    token = object()
+    preparations._pending[agent] = token
+    await preparations._prepare(agent, {"key": key}, token)
+    (stub,) = (s for s in preparations.running() if s.prepared.agent == agent)
+    return stub
+
+
+def _request(agent: str, key: str) -> Prepared:
+    return Prepared(agent=agent, priority=1, engine=None, tokens=(), key=key)  # type: ignore[arg-type]
+
+
+async def test_a_prepared_reply_waits_a_bounded_time_one_per_agent() -> None:
+    now = [0.0]
+    preparations = _preparations(now, wait=60.0, max_waiting=2)
+    first = await _queue(preparations, "a", "k1")
+    newer = await _queue(preparations, "a", "k2")  # one per agent: the older one goes
+    assert first.cancelled and preparations.stats().missed["replaced"] == 1
+    await _queue(preparations, "b", "k3")
+    oldest_b = preparations.running()[-1]
+    await _queue(preparations, "c", "k4")  # at most two agents: the oldest ("a") goes
+    assert newer.cancelled and preparations.stats().missed["expired"] == 1
+    assert preparations.stats().waiting == 2
+    now[0] = 61.0  # past the wait: every one goes
+    assert preparations.stats().waiting == 0
+    assert oldest_b.cancelled and preparations.stats().missed["expired"] == 3
+    # a stopped one's tokens count when it ends
+    oldest_b.record.generated = 7
+    oldest_b.done = True
+    preparations.ended(oldest_b, ok=False, running=True)  # type: ignore[arg-type]
+    assert preparations.stats().wasted_tokens == 7
+    assert preparations.claim(_request("c", "k4")) is None  # gone
+
+
+async def test_the_agents_next_request_decides() -> None:
+    now = [0.0]
+    preparations = _preparations(now)
+    stub = await _queue(preparations, "a", "k1")
+    assert preparations.claim(_request("b", "k1")) is None  # another agent's: nothing
+    assert preparations.claim(_request("a", "k1")) is stub and stub.claimed == 1
+    assert preparations.stats().joined == 1  # it was still running
+    stub = await _queue(preparations, "a", "k2")
+    assert preparations.claim(_request("a", "other"), retry=True) is None  # a retry joins its own
+    assert not stub.cancelled
+    assert preparations.claim(_request("a", "other")) is None
+    assert stub.cancelled and preparations.stats().missed["not_compaction"] == 1
