@@ -314,7 +314,7 @@ def _queue(snapshot: RuntimeSnapshot) -> Iterator[Metric]:
     )
     yield _gauge(
         "agentkv_background_queue_depth",
-        "Background work (compactions) waiting for an idle slot",
+        "Background work (compactions, prepared compactions) waiting for an idle slot",
         len(snapshot.background),
     )
     yield _gauge(
