@@ -9,7 +9,8 @@ Two kinds of series:
   prompts that left the cache (when a record says where);
 - **read at scrape time** from the runtime's state by a collector: slots by state, tokens each
   slot holds, queue depth and longest wait, checkpoints, slot placements by source, the prefix
-  store, compactions, the engine's measured speeds and engine restarts.
+  store, compactions, prepared compactions (prepared, served, joined, missed by reason, tokens
+  wasted), the engine's measured speeds and engine restarts.
 
 Each app gets its own :class:`~prometheus_client.CollectorRegistry`, so several apps (tests, or
 more than one engine in a process) never collide. No series is labelled by agent: agent ids are
@@ -30,6 +31,7 @@ from agentkv.agents import AgentView
 from agentkv.exceptions import AgentKVError
 from agentkv.prompts import PromptStats
 from agentkv.runtime.lifecycle import Runtime
+from agentkv.runtime.prepared import PreparedStats
 from agentkv.runtime.record import RequestRecord
 from agentkv.snapshot import (
     CompactionRow,
@@ -233,6 +235,7 @@ class _RuntimeCollector(Collector):
         if store is not None:
             yield from _store(store)
         yield from _compactions(snapshot.compactions)
+        yield from _prepared(runtime.preparations.stats())
         yield from _tree(snapshot.tree)
         costs = runtime.costs
         yield _gauge(
@@ -311,7 +314,7 @@ def _queue(snapshot: RuntimeSnapshot) -> Iterator[Metric]:
     )
     yield _gauge(
         "agentkv_background_queue_depth",
-        "Background work (compactions) waiting for an idle slot",
+        "Background work (compactions, prepared compactions) waiting for an idle slot",
         len(snapshot.background),
     )
     yield _gauge(
@@ -405,4 +408,42 @@ def _compactions(rows: Sequence[CompactionRow | PendingCompactionRow]) -> Iterat
         "agentkv_compaction_saved_tokens",
         "Prompt tokens the compactions in force save on every request",
         sum(row.saved_tokens for row in done),
+    )
+
+
+def _prepared(stats: PreparedStats) -> Iterator[Metric]:
+    yield _counter(
+        "agentkv_prepared_compactions",
+        "Claude Code compaction requests predicted and prepared in idle time",
+        stats.prepared,
+    )
+    yield _counter(
+        "agentkv_prepared_compactions_served",
+        "Prepared compactions whose request came as predicted after they had finished: served "
+        "whole",
+        stats.served,
+    )
+    yield _counter(
+        "agentkv_prepared_compactions_joined",
+        "Prepared compactions whose request came as predicted while they still ran: joined",
+        stats.joined,
+    )
+    missed = CounterMetricFamily(
+        "agentkv_prepared_compactions_missed",
+        "Prepared compactions never served, by reason (not_compaction: the agent's next request "
+        "was none; differs: another compaction request; expired, gave_way, failed, replaced)",
+        labels=["reason"],
+    )
+    for reason, count in stats.missed.items():
+        missed.add_metric([reason], count)
+    yield missed
+    yield _counter(
+        "agentkv_prepared_compaction_wasted_tokens",
+        "Tokens generated for prepared compactions that were never served (in idle time)",
+        stats.wasted_tokens,
+    )
+    yield _gauge(
+        "agentkv_prepared_compactions_waiting",
+        "Prepared compactions waiting for their agent's request now",
+        stats.waiting,
     )

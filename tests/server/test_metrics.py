@@ -353,3 +353,27 @@ async def test_speculative_decoding_is_counted_drafted_and_accepted(serve: Any) 
     assert (record.draft_tokens, record.draft_accepted) == (40, 31)
     assert "drafts=31/40" in request_line(record)
     assert request_fields(record)["draft_accepted"] == 31
+
+
+async def test_prepared_compactions_are_counted(serve: Any) -> None:
+    """Claude Code's turn past its compaction point, then its compaction request (as captured):
+    prepared, then served; another session's compaction request that differs is a miss."""
+    from tests.runtime.test_prepared import compaction, engine, turn, window
+
+    http = await serve(engine(), n_slots=1, ctx_per_slot=window())
+    preparations = http.runtime.preparations  # type: ignore[attr-defined]
+    changed = compaction()
+    changed["messages"][-1]["content"] += "!"
+    for session, second in (("one", compaction()), ("two", changed)):
+        headers = {"x-claude-code-session-id": session}
+        assert (await http.post("/v1/messages", json=turn(), headers=headers)).status_code == 200
+        await wait_for(lambda: preparations.stats().waiting == 1)
+        assert (await http.post("/v1/messages", json=second, headers=headers)).status_code == 200
+    samples = await scrape(http)
+    assert value(samples, "agentkv_prepared_compactions_total") == 2
+    served = value(samples, "agentkv_prepared_compactions_served_total")
+    assert served + value(samples, "agentkv_prepared_compactions_joined_total") == 1
+    assert value(samples, "agentkv_prepared_compactions_missed_total", reason="differs") == 1
+    assert value(samples, "agentkv_prepared_compactions_missed_total", reason="expired") == 0
+    assert value(samples, "agentkv_prepared_compaction_wasted_tokens_total") > 0
+    assert value(samples, "agentkv_prepared_compactions_waiting") == 0

@@ -42,17 +42,34 @@ class Prepared:
     tokens: Tokens = attrs.field(repr=lambda t: f"<{len(t)} tokens>")
     #: Where the shareable head of the prompt ends (the stem's tokens), when it was measured.
     boundary: int | None = None
-    #: Identifies a client's retry of the same request.
+    #: Identifies a client's retry of the same request (:func:`request_key`).
     key: str = ""
+    #: The Messages body as the client sent it (a forecast of its next request reads it).
+    body: Mapping[str, Any] | None = attrs.field(default=None, repr=False, eq=False)
 
 
-def request_key(agent: str, body: Mapping[str, Any]) -> str:
-    """Two requests with this key are the same request: a client retried it."""
-    stable = {k: v for k, v in body.items() if k != "stream"}
+def request_key(agent: str, engine: EngineRequest) -> str:
+    """Two requests with this key are the same request: a client's retry, or the compaction
+    request a prepared reply answers.
+
+    It is read from the engine request the body translates to, before it is fitted to the slot:
+    what the engine never sees (``cache_control`` marks, a lone text block written as a string,
+    Claude Code's billing line, ``metadata``, ``stream``) does not make two requests differ, and
+    anything the engine sees does. The model and the names of the tools the reply may call are
+    added, since the reply's events name them.
+    """
+    stable = {k: v for k, v in engine.body.items() if k not in _UNKEYED}
+    stable["model"] = engine.model
+    stable["tool_names"] = list(engine.tool_names)
     # Sorted keys, ASCII escapes: as canonical as canonical_json, at half the cost on a body
     # with non-ASCII text (every Claude Code request has some). The key never leaves memory.
     text = json.dumps(stable, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256((agent + "\n" + text).encode()).hexdigest()[:32]
+
+
+#: Engine body fields that follow from ``stream``: a streamed request and its non-streamed retry
+#: are one request.
+_UNKEYED = frozenset({"stream", "stream_options"})
 
 
 @attrs.define(eq=False)
@@ -71,7 +88,7 @@ class Admission:
         """Validate and fit a Messages request; raises a 4xx :class:`AgentKVError` (a prompt
         that cannot fit gets ``prompt is too long``)."""
         engine = await self.translate(body)
-        return await self._fit(agent, priority, engine, request_key(agent, body))
+        return await self._fit(agent, priority, engine, request_key(agent, engine), body)
 
     async def translate(self, body: Mapping[str, Any]) -> EngineRequest:
         """Translate for this engine: one that cannot see images gets notes or a 400 for them."""
@@ -108,7 +125,14 @@ class Admission:
         engine = await self.translate(body)
         return len(await self.client.prompt_tokens(engine.body))
 
-    async def _fit(self, agent: str, priority: int, engine: EngineRequest, key: str) -> Prepared:
+    async def _fit(
+        self,
+        agent: str,
+        priority: int,
+        engine: EngineRequest,
+        key: str,
+        source: Mapping[str, Any] | None = None,
+    ) -> Prepared:
         config, compactor = self.config, self.compactor
         rewrite, fingerprinter = compactor.store.rewrite, compactor.fingerprinter
         body = engine.body
@@ -143,7 +167,13 @@ class Admission:
         boundary = None if compacted else await self._boundary(engine, tokens)
         engine = attrs.evolve(engine, body=body)
         return Prepared(
-            agent=agent, priority=priority, engine=engine, tokens=tokens, boundary=boundary, key=key
+            agent=agent,
+            priority=priority,
+            engine=engine,
+            tokens=tokens,
+            boundary=boundary,
+            key=key,
+            body=source,
         )
 
     async def _boundary(self, engine: EngineRequest, tokens: Tokens) -> int | None:

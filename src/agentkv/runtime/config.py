@@ -190,6 +190,22 @@ class RuntimeConfig:
         metavar="N",
     )
 
+    prepare_compaction: bool = setting(
+        True,
+        "when a Claude Code agent's last reply put it past its compaction point, generate the "
+        "compaction request it will send next in idle time, and serve it when the request comes "
+        "exactly as predicted",
+        flag="--no-prepare-compaction",
+        group="long contexts",
+    )
+    prepared_wait: float = setting(
+        1800.0,
+        "seconds a prepared compaction reply waits for its agent's request before it is dropped",
+        group="long contexts",
+        metavar="SECONDS",
+        validator=_ge(0),
+    )
+
     # -- the prefix store -------------------------------------------------------------------------
     store_dir: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
         None,

@@ -113,6 +113,11 @@ class _Held:
     own: int = attrs.field(default=attrs.Factory(lambda self: self.ticket.priority, True))
     #: Suspends the request (it saves its progress and gives the slot up); None: not now.
     suspend: Callable[[], None] | None = None
+    #: Granted from the background lane, and not claimed since (:meth:`Dispatcher.promote`): it
+    #: gives its slot to any foreground ticket that finds none free.
+    background: bool = False
+    #: Stops a background request that cannot be suspended (its work is lost).
+    give_up: Callable[[], None] | None = None
     decoding: bool = False
     suspending: bool = False
 
@@ -201,8 +206,10 @@ class Dispatcher:
         """Queue a ticket (QueueFullError at the cap); dispatch at once if a slot is free.
 
         A ``background`` ticket gets a slot only when no foreground ticket is waiting, whatever
-        its score: compaction must never delay an agent's request. A request that gave its slot
-        up to a more urgent one comes back with its original ``arrival``, keeping its aging credit.
+        its score, and a request holding a slot it got that way gives it up to a foreground ticket
+        that finds none free (:meth:`declare_running`): background work never delays an agent's
+        request. A request that gave its slot up to a more urgent one comes back with its
+        original ``arrival``, keeping its aging credit.
         """
         ticket = Ticket(
             id=next(self._ids),
@@ -220,21 +227,44 @@ class Dispatcher:
         self._dispatch()
         if not background and waiter.lease is None and waiter.blocked_on is None:
             self._preempt_for(ticket)
+            self._give_way_to(ticket)
         return ticket
 
-    def requeue(self, ticket: Ticket) -> Ticket:
-        """Queue a suspended request's ticket again: same agent, priority, tokens and head, and
-        its original arrival (it keeps its aging credit)."""
+    def requeue(
+        self, ticket: Ticket, *, priority: int | None = None, background: bool = False
+    ) -> Ticket:
+        """Queue a suspended request's ticket again: same agent, tokens and head, its priority
+        (or ``priority``) and its lane, and its original arrival (it keeps its aging credit)."""
         return self.submit(
-            ticket.agent, ticket.priority, ticket.tokens, head=ticket.head, arrival=ticket.arrival
+            ticket.agent,
+            ticket.priority if priority is None else priority,
+            ticket.tokens,
+            head=ticket.head,
+            arrival=ticket.arrival,
+            background=background,
         )
 
     def promote(self, ticket: Ticket, priority: int) -> None:
-        """A queued background ticket becomes foreground work of ``priority`` (same arrival)."""
-        if self._background.cancel(ticket.id) is None:
-            return  # not waiting in the background lane (dispatched, or already foreground)
-        self._scheduler.submit(attrs.evolve(ticket, priority=priority), ticket.arrival)
+        """Background work becomes foreground work of ``priority``: queued in the background
+        lane, its ticket moves to the foreground queue (same arrival); holding a slot, it keeps
+        it from now on and runs at least that urgent."""
+        queued = self._background.cancel(ticket.id)
+        if queued is None:
+            for held in self._held.values():
+                if held.ticket.id == ticket.id and held.background:
+                    held.background, held.give_up = False, None
+                    held.own = min(held.own, priority)
+                    held.priority = min(held.priority, priority)
+            return  # dispatched (or already foreground)
+        promoted = attrs.evolve(queued, priority=priority)
+        waiter = self._waiters.get(ticket.id)
+        if waiter is not None:
+            waiter.ticket = promoted
+        self._scheduler.submit(promoted, promoted.arrival)
         self._dispatch()
+        if waiter is not None and waiter.lease is None and waiter.blocked_on is None:
+            self._preempt_for(promoted)
+            self._give_way_to(promoted)
 
     def reprioritise(self, agent: str, priority: int) -> None:
         """Queued foreground tickets of ``agent`` take ``priority`` (each keeps its arrival, so
@@ -336,22 +366,75 @@ class Dispatcher:
     # -- running requests and pre-emption -----------------------------------------------------
 
     def declare_running(
-        self, lease: Lease, priority: int, suspend: Callable[[], None] | None = None
+        self,
+        lease: Lease,
+        priority: int,
+        suspend: Callable[[], None] | None = None,
+        give_up: Callable[[], None] | None = None,
     ) -> None:
         """Declare a leased request; ``suspend`` lets a more urgent request take its slot.
 
         An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
-        are computing prompts on other slots, so that it has the engine to itself.
+        are computing prompts on other slots, so that it has the engine to itself. Background
+        work (granted from the background lane) gives its slot to any foreground ticket that
+        finds none free: suspended when it can be, else stopped by ``give_up``.
         """
         running = self._held.get(lease.id)
         if running is None:
             return  # already ended (the watchdog reclaimed it)
         running.declared, running.own, running.suspend = True, priority, suspend
         running.priority = priority
+        if running.background:
+            running.give_up = give_up
+            # A foreground ticket may have come between the grant and now.
+            for ticket in self._waiting_foreground():
+                self._give_way_to(ticket)
         if running.checkpoint is not None:
             running.priority = min(priority, self._waiting_urgency(running.checkpoint))
         if running.priority == 0:
             self._quiet_for(running)
+
+    def _waiting_foreground(self) -> list[Ticket]:
+        """Foreground tickets that wait for a slot (not for a checkpoint), in queue order."""
+        waiting = []
+        for ticket, _ in self._scheduler.queued(self.clock()):
+            waiter = self._waiters.get(ticket.id)
+            if waiter is not None and waiter.lease is None and waiter.blocked_on is None:
+                waiting.append(ticket)
+        return waiting
+
+    def _give_way_to(self, ticket: Ticket) -> None:
+        """A foreground ``ticket`` found no free slot: background work holding one gives it up
+        (the latest started; suspended if it can be, else stopped), and the slot goes to
+        ``ticket``. One slot per ticket."""
+        if self._slots.free:
+            return
+        if any(held.reserved_for == ticket.id for held in self._held.values()):
+            return  # a slot is already being freed for it
+        candidates = [
+            held
+            for held in self._declared()
+            if held.background
+            and not held.suspending
+            and (held.suspend is not None or held.give_up is not None)
+        ]
+        if not candidates:
+            return
+        victim = max(candidates, key=lambda held: held.lease.acquired_at)
+        victim.reserved_for = ticket.id
+        reason = f"ticket {ticket.id} (agent {ticket.agent}) needs a slot"
+        if victim.suspend is not None:
+            self._suspend(victim, reason)
+            return
+        assert victim.give_up is not None
+        victim.suspending = True
+        log.info(
+            "stopping background lease %d (agent %s): %s",
+            victim.lease.id,
+            victim.lease.agent,
+            reason,
+        )
+        victim.give_up()
 
     def _quiet_for(self, urgent: _Held) -> None:
         """An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
@@ -542,6 +625,7 @@ class Dispatcher:
         for waiter in released:
             if waiter.lease is None and waiter.ticket.id in self._waiters:
                 self._preempt_for(waiter.ticket)
+                self._give_way_to(waiter.ticket)
 
     def best_source(self, tokens: Tokens) -> tuple[str, int, tuple[tuple[str, str], ...]] | None:
         """What cached sequence shares the most with ``tokens``: a description, the shared
@@ -775,13 +859,21 @@ class Dispatcher:
         if not self._grant(waiter, ticket, self.clock()):
             self._scheduler.submit(ticket, ticket.arrival)
 
-    def _grant(self, waiter: _Waiter, ticket: Ticket, now: float) -> bool:
+    def _grant(
+        self, waiter: _Waiter, ticket: Ticket, now: float, *, background: bool = False
+    ) -> bool:
         """Lease ``ticket`` the slot placement chooses; False when no slot is free."""
         placement = self._place(ticket)
         if placement is None:
             return False
         lease = self._slots.acquire(placement, now, agent=ticket.agent, tokens=ticket.tokens)
-        held = _Held(lease, ticket, next(self._dispatched), pinned=self._pin_entry(lease))
+        held = _Held(
+            lease,
+            ticket,
+            next(self._dispatched),
+            pinned=self._pin_entry(lease),
+            background=background,
+        )
         self._held[lease.id] = held
         waiter.lease = lease
         self._quiet_since.pop((ticket.agent, ticket.arrival), None)
@@ -822,7 +914,8 @@ class Dispatcher:
             if self._first_token_due(ticket):
                 queue.submit(ticket, ticket.arrival)  # its turn comes with that first token
                 return
-            if not self._grant(waiter, ticket, now):  # cannot happen while free > 0
+            background = queue is self._background
+            if not self._grant(waiter, ticket, now, background=background):  # free > 0: granted
                 queue.submit(ticket, ticket.arrival)
                 return
 

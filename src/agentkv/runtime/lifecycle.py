@@ -41,6 +41,7 @@ from agentkv.agents import AgentPlace
 from agentkv.costs import CostModel
 from agentkv.exceptions import AgentKVError, EngineUnavailableError
 from agentkv.fingerprint import PrefixFingerprinter
+from agentkv.reply import ReplyEvent
 from agentkv.runtime.admission import Admission, Prepared
 from agentkv.runtime.broadcast import Broadcast, Emitted, Event, Failed, KeepAlive
 from agentkv.runtime.compactor import Compactor
@@ -49,6 +50,7 @@ from agentkv.runtime.contents import SlotContents
 from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.joinable import Joinable
 from agentkv.runtime.prefetch import Prefetcher
+from agentkv.runtime.prepared import Preparations
 from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, RequestStatus
 from agentkv.runtime.relay import Relay
 from agentkv.runtime.seam import Engine
@@ -86,6 +88,11 @@ class Exchange:
     assembler: SSEAssembler
     record: RequestRecord
     started: float
+    #: Background work (a prepared compaction nobody has asked for yet): queued in the
+    #: background lane, it gives its slot up to any agent's request (:meth:`claim` ends that).
+    background: bool = attrs.field(default=False, kw_only=True)
+    #: The urgency it runs at: its request's, or the client's that claimed it.
+    priority: int = attrs.field(init=False)
     #: The replayable events and the clients following them.
     broadcast: Broadcast = attrs.field(init=False)
     #: The engine calls of the reply.
@@ -97,10 +104,13 @@ class Exchange:
     _suspended: list[str] = attrs.field(factory=list)
     #: The exact tokens a reply suspended mid-way left in its slot (prompt and reply so far).
     _resume_from: Tokens | None = None
+    #: As background work, it was stopped to give its slot to an agent's request.
+    _gave_way: bool = False
 
     def __attrs_post_init__(self) -> None:
         runtime = self.runtime
         config = runtime.config
+        self.priority = self.prepared.priority
         self.broadcast = Broadcast(
             self._abandoned, config.retry_grace, config.ping_interval, runtime.later, runtime.clock
         )
@@ -128,6 +138,16 @@ class Exchange:
         return self.broadcast.failure
 
     @property
+    def gave_way(self) -> bool:
+        """It was background work, stopped to give its slot to an agent's request."""
+        return self._gave_way
+
+    @property
+    def emitted(self) -> tuple[ReplyEvent, ...]:
+        """The reply's events emitted so far."""
+        return tuple(self.broadcast.emitted)
+
+    @property
     def joinable(self) -> bool:
         """A retry of this request may take it over: nobody receives it, it has not failed."""
         return self.broadcast.unclaimed and not self._scope.cancel_called
@@ -146,6 +166,21 @@ class Exchange:
         """Stop the request now (the engine stops generating; the lease is released)."""
         self._scope.cancel()
 
+    def claim(self, priority: int) -> None:
+        """A client asked for exactly this request, prepared as background work: from now on it
+        is that client's request, at its ``priority`` (queued, it leaves the background lane;
+        on a slot, it no longer gives the slot up to others)."""
+        if not self.background:
+            return
+        self.background = False
+        self.priority = priority
+        if not self.done:
+            self.runtime.dispatcher.promote(self.ticket, priority)
+
+    def _give_way(self) -> None:
+        self._gave_way = True
+        self.cancel()
+
     def _abandoned(self) -> None:
         log.info("client of agent %s is gone; stopping its request", self.prepared.agent)
         self.cancel()
@@ -163,7 +198,11 @@ class Exchange:
             if self._scope.cancelled_caught:
                 self.record.advance(RequestStatus.CANCELLED)
                 # Only a client that is still listening (agentkv is stopping) reads this.
-                failure = EngineUnavailableError("the request was cancelled: agentkv is stopping")
+                failure = EngineUnavailableError(
+                    "the prepared request gave its slot to an agent's request"
+                    if self._gave_way
+                    else "the request was cancelled: agentkv is stopping"
+                )
         except AgentKVError as exc:
             log.warning("request of agent %s failed: %s", self.prepared.agent, exc.message)
             failure = exc
@@ -189,7 +228,9 @@ class Exchange:
                 return
             # Suspended for a more urgent request: queue again, keeping the original arrival.
             self.record.advance(RequestStatus.SUSPENDED)  # counts the suspension
-            ticket = self.ticket = runtime.dispatcher.requeue(ticket)
+            ticket = self.ticket = runtime.dispatcher.requeue(
+                ticket, priority=self.priority, background=self.background
+            )
 
     async def _on_slot(self, lease: Lease) -> bool:
         """Use the leased slot; True when the request is finished, False when suspended."""
@@ -203,7 +244,8 @@ class Exchange:
         try:
             with anyio.CancelScope() as suspension:
                 suspend = suspension.cancel if runtime.contents.enabled else None
-                dispatcher.declare_running(lease, self.prepared.priority, suspend)
+                give_up = self._give_way if self.background else None
+                dispatcher.declare_running(lease, self.priority, suspend, give_up)
                 holds = await self._use_slot(lease)
             if not suspension.cancelled_caught:
                 sections = self.prepared.engine.sections
@@ -290,6 +332,8 @@ class Runtime:
     _tg: anyio.abc.TaskGroup | None = attrs.field(init=False, default=None)
     #: The exchanges a client's retry may join (running, or finished within retry_grace).
     joinable: Joinable[Exchange] = attrs.field(init=False)
+    #: Claude Code's compactions prepared in idle time, waiting for their requests.
+    preparations: Preparations[Exchange] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         config = self.config
@@ -329,6 +373,17 @@ class Runtime:
         )
         self.admission = Admission(
             config, self.client, self.translator, self.compactor, self.dispatcher, self.contents
+        )
+        self.preparations = Preparations(
+            prepare=lambda body, agent, priority: self.prepare(
+                body, agent=agent, priority=priority
+            ),
+            start=self._submit_background,
+            later=self.later,
+            window=config.ctx_per_slot,
+            enabled=config.prepare_compaction,
+            wait=config.prepared_wait,
+            clock=self.clock,
         )
 
     @property
@@ -376,6 +431,15 @@ class Runtime:
         if self._tg is None:
             raise RuntimeError("the runtime is not running (use `async with Runtime(...)`)")
         existing = self.joinable.get(prepared.key)
+        retry = existing is not None and existing.joinable
+        claimed = self.preparations.claim(prepared, retry=retry)
+        if claimed is not None:
+            # The client's own retry of it joins it from now on, as for any request.
+            if claimed.done:
+                self.joinable.ended(prepared.key, claimed, keep=True)
+            else:
+                self.joinable.add(prepared.key, claimed)
+            return claimed
         if existing is not None and existing.joinable:
             existing.record.attach()
             log.info(
@@ -393,7 +457,21 @@ class Runtime:
             self.dispatcher.withdraw(ticket)  # nothing will ever wait for it
             raise
 
-    def _start(self, prepared: Prepared, ticket: Ticket) -> Exchange:
+    def _submit_background(self, prepared: Prepared) -> Exchange:
+        """Queue ``prepared`` as background work (a prepared compaction): it waits in the
+        background lane and gives its slot up to any agent's request, until a client claims it
+        (:class:`~agentkv.runtime.prepared.Preparations` holds it until then, not
+        :attr:`joinable`)."""
+        ticket = self.dispatcher.submit(
+            prepared.agent, prepared.priority, prepared.tokens, background=True
+        )
+        try:
+            return self._start(prepared, ticket, background=True)
+        except BaseException:
+            self.dispatcher.withdraw(ticket)
+            raise
+
+    def _start(self, prepared: Prepared, ticket: Ticket, *, background: bool = False) -> Exchange:
         assert self._tg is not None
         assembler = self.admission.assembler(prepared)
         record = RequestRecord(
@@ -402,9 +480,12 @@ class Runtime:
             ticket=ticket.id,
             prompt_tokens=len(prepared.tokens),
         )
-        exchange = Exchange(self, prepared, ticket, assembler, record, started=ticket.arrival)
+        exchange = Exchange(
+            self, prepared, ticket, assembler, record, started=ticket.arrival, background=background
+        )
         self.tree.label(record)
-        self.joinable.add(prepared.key, exchange)
+        if not background:
+            self.joinable.add(prepared.key, exchange)
         self._tg.start_soon(self._drive, exchange)
         return exchange
 
@@ -422,7 +503,9 @@ class Runtime:
         self.tree.relabel([record])
         self.history.add(record)
         keep = self._tg is not None and exchange.failure is None
-        self.joinable.ended(exchange.prepared.key, exchange, keep=keep)
+        if not exchange.background:  # a claimed one, or any other
+            self.joinable.ended(exchange.prepared.key, exchange, keep=keep)
+        self.preparations.ended(exchange, ok=ok, running=running)
 
     def later(self, work: Callable[..., Any], *args: Any) -> bool:
         """Run ``work(*args)`` in the background; False (dropped) when the runtime is stopping."""
@@ -439,7 +522,7 @@ class Runtime:
         """The records of the requests queued or running now."""
         now = self.clock()
         records = []
-        for exchange in self.joinable:
+        for exchange in [*self.joinable, *self.preparations.running()]:
             if not exchange.done:
                 exchange.record.running_for(now - exchange.started)
                 records.append(exchange.record)

@@ -1,0 +1,177 @@
+"""The forecast of Claude Code's compaction request (agentkv.forecast), on the captured requests of
+tests/fixtures/claude_code_compaction: it predicts exactly what Claude Code sent, as the request
+key reads it, and nothing where Claude Code's next request cannot be known."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from agentkv.forecast import (
+    CompactionForecast,
+    compaction_point,
+    context_tokens,
+    is_claude_code,
+    shipped_instruction,
+)
+from agentkv.runtime.admission import request_key
+from agentkv.translate import MessagesTranslator
+from tests.test_claude_code_compaction import (
+    FIRST_LINE,
+    RETRY_PARAGRAPH,
+    exchanges,
+    instruction,
+    kinds,
+)
+
+#: CLAUDE_CODE_MAX_CONTEXT_TOKENS in the captures (agentkv's ctx-per-slot).
+WINDOW = 32768
+
+
+def key(body: dict[str, Any], agent: str = "a") -> str:
+    return request_key(agent, MessagesTranslator().translate(body))
+
+
+def reply(exchange: dict[str, Any]) -> dict[str, Any]:
+    """The stub's reply as agentkv's ``reply_message`` gives it (no cache fields: they were 0)."""
+    return copy.deepcopy(exchange["answer"]["message"])
+
+
+def start_of_turn() -> list[tuple[str, int]]:
+    """Every compaction captured at the start of a turn: (scenario, index of the compaction)."""
+    found = []
+    for name in ("turns", "turns_again", "thinking", "retry", "long"):
+        for index, kind in enumerate(kinds(name)):
+            previous = kinds(name)[index - 1] if index else None
+            if kind == "compaction" and previous == "turn":
+                answered = exchanges(name)[index - 1]["answer"]["message"]
+                if answered["stop_reason"] == "end_turn":
+                    found.append((name, index))
+    return found
+
+
+def test_the_shipped_instruction_is_the_captured_one() -> None:
+    text = shipped_instruction()
+    assert text == instruction(exchanges("turns")[2]["body"])
+    assert len(text) == 6912 and text.startswith(FIRST_LINE + "\n")
+    assert CompactionForecast().first_line == FIRST_LINE
+
+
+@pytest.mark.parametrize(("name", "index"), start_of_turn())
+def test_predicts_the_captured_compaction_request(name: str, index: int) -> None:
+    """The previous request, the stub's reply and the instruction: the same request key as the
+    compaction request Claude Code sent (the moved cache_control mark, a text block written back
+    as a string: nothing the engine sees differs)."""
+    ex = exchanges(name)
+    previous, compaction = ex[index - 1], ex[index]
+    forecast = CompactionForecast()
+    predicted = forecast.predict(previous["body"], reply(previous), WINDOW)
+    assert predicted is not None
+    assert predicted != compaction["body"]  # the raw bodies differ (the mark moved)
+    if name == "retry":  # its first compaction request; the second one carries the retry text
+        assert key(predicted) == key(ex[2]["body"])
+        assert key(predicted) != key(ex[3]["body"])
+    else:
+        assert key(predicted) == key(compaction["body"])
+    assert forecast.is_compaction(predicted) and forecast.is_compaction(compaction["body"])
+
+
+def test_the_start_of_turn_captures_are_all_found() -> None:
+    assert start_of_turn() == [
+        ("turns", 2),
+        ("turns", 4),
+        ("turns_again", 2),
+        ("thinking", 2),
+        ("retry", 2),
+        ("long", 8),
+    ]
+
+
+def test_a_one_byte_change_is_another_request() -> None:
+    ex = exchanges("turns")
+    predicted = CompactionForecast().predict(ex[1]["body"], reply(ex[1]), WINDOW)
+    assert predicted is not None
+    changed = copy.deepcopy(ex[2]["body"])
+    changed["messages"][-1]["content"] += " "
+    assert key(changed) != key(predicted)
+    other_reply = copy.deepcopy(ex[2]["body"])
+    other_reply["messages"][-2]["content"][0]["text"] = "betA"
+    assert key(other_reply) != key(predicted)
+    assert key(ex[2]["body"], agent="b") != key(predicted)  # another agent's request
+
+
+def test_the_key_ignores_what_the_engine_never_sees() -> None:
+    """A retry that is not streamed, another billing line, metadata: one request; the model is
+    part of it."""
+    body = exchanges("turns")[2]["body"]
+    same = {**copy.deepcopy(body), "stream": False, "metadata": {"user_id": "x"}}
+    same["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.328.zzz;"
+    assert key(same) == key(body)
+    assert key({**body, "model": "other"}) != key(body)
+
+
+def test_no_prediction_after_the_first_reply() -> None:
+    """The first request holds no assistant message: Claude Code never compacts after it."""
+    ex = exchanges("turns")
+    assert kinds("turns")[1] == "turn"  # what followed the first reply
+    assert CompactionForecast().predict(ex[0]["body"], reply(ex[0]), WINDOW) is None
+
+
+@pytest.mark.parametrize(("name", "index"), [("tool_call", 1), ("tool_call", 3), ("long", 5)])
+def test_no_prediction_after_a_tool_call(name: str, index: int) -> None:
+    """A reply that calls a tool: the compaction (if any) carries the tool's result."""
+    ex = exchanges(name)
+    assert ex[index]["answer"]["message"]["stop_reason"] == "tool_use"
+    assert CompactionForecast().predict(ex[index]["body"], reply(ex[index]), WINDOW) is None
+
+
+def test_no_prediction_below_the_point() -> None:
+    ex = exchanges("baseline")  # every reply reported 1,000 input tokens: no compaction came
+    assert kinds("baseline") == ["turn", "turn", "turn"]
+    forecast = CompactionForecast()
+    assert forecast.predict(ex[1]["body"], reply(ex[1]), WINDOW) is None
+    high = exchanges("turns")[1]
+    assert forecast.predict(high["body"], reply(high), WINDOW) is not None
+    assert forecast.predict(high["body"], reply(high), WINDOW + 100) is None
+    assert compaction_point(WINDOW, 4096) == 15672
+    assert context_tokens(reply(high)["usage"]) == 15670
+
+
+def test_no_prediction_for_another_client_or_a_compaction() -> None:
+    ex = exchanges("turns")
+    previous = copy.deepcopy(ex[1]["body"])
+    previous["system"] = [{"type": "text", "text": "You are a helpful assistant."}]
+    assert not is_claude_code(previous)
+    assert CompactionForecast().predict(previous, reply(ex[1]), WINDOW) is None
+    # the compaction request's own reply leads to no second compaction
+    assert is_claude_code(ex[2]["body"])
+    assert CompactionForecast().predict(ex[2]["body"], reply(ex[2]), WINDOW) is None
+    # a reply cut at max_tokens is not the end of a turn
+    cut = {**reply(ex[1]), "stop_reason": "max_tokens"}
+    assert CompactionForecast().predict(ex[1]["body"], cut, WINDOW) is None
+
+
+def test_learns_a_new_instruction_from_its_first_compaction() -> None:
+    """A new client version: its compaction request is recognised by the first line, and its
+    instruction is used from then on; a retry's longer text teaches nothing."""
+    ex = exchanges("turns")
+    newer = FIRST_LINE + "\n\nSummarise it all, version two."
+    compaction = copy.deepcopy(ex[2]["body"])
+    compaction["messages"][-1]["content"] = newer
+    forecast = CompactionForecast()
+    assert forecast.is_compaction(compaction)
+    learned = forecast.learn(compaction)
+    assert learned.instruction == newer
+    predicted = learned.predict(ex[1]["body"], reply(ex[1]), WINDOW)
+    assert predicted is not None and key(predicted) == key(compaction)
+    # the retry (the known text and a paragraph) and an ordinary turn teach nothing
+    retry = copy.deepcopy(ex[2]["body"])
+    retry["messages"][-1]["content"] += RETRY_PARAGRAPH
+    assert forecast.learn(retry) is forecast
+    assert forecast.learn(ex[1]["body"]) is forecast
+    # between tool calls ([tool_result, text]) the instruction is not the whole message
+    between = exchanges("tool_call")[4]["body"]
+    assert forecast.is_compaction(between)
+    assert forecast.learn(between) is forecast
