@@ -28,7 +28,7 @@ import attrs
 import httpx
 
 from agentkv.snapshot import unstructure
-from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
+from agentkv_bench.engines import NO_PREEMPTION, EngineSetup, agentkv_engine, raw_llama_server
 from agentkv_bench.metrics import difference, read_counters
 from agentkv_bench.report import fmt, render_table, write_report
 from agentkv_bench.scenarios import Bench
@@ -181,7 +181,9 @@ async def run_real_cli(
                         name, url, url, None, claude, project, home, spec, setup, first_word
                     )
             else:
-                async with agentkv_engine(setup, store_dir=store, name=name) as engine:
+                async with agentkv_engine(
+                    setup, store_dir=store, config=NO_PREEMPTION, name=name
+                ) as engine:
                     report = await _measure(
                         name,
                         engine.url,

@@ -5,8 +5,9 @@
 - ``tuned``: the same plus :data:`TUNED_ARGS`;
 - ``agentkv``: agentkv as ``agentkv-server`` builds it, :func:`agentkv.runtime.assemble.assemble`
   with the defaults (only the binary, model, slots, context per slot and store directory are
-  given) but pre-emption off unless a scenario asks for it (:data:`NO_PREEMPTION`), and its
-  Starlette app, served by uvicorn on loopback.
+  given) but pre-emption off unless a scenario asks for it (:data:`NO_PREEMPTION`), and, for
+  clients replayed by the harness, no prepared compaction (:data:`REPLAYED`); its Starlette app,
+  served by uvicorn on loopback.
 
 Every configuration is a fresh llama-server process, so every in-memory cache starts cold; a
 prefix store directory (agentkv's only) is the one thing that may outlive a restart.
@@ -32,6 +33,7 @@ from agentkv_server.app import create_app
 __all__ = [
     "LABELS",
     "NO_PREEMPTION",
+    "REPLAYED",
     "TUNED_ARGS",
     "Engine",
     "EngineSetup",
@@ -53,6 +55,12 @@ TUNED_ARGS: tuple[str, ...] = ("-sps", "0", "--cache-ram", "4096")
 #: llama-server again when it resumes, so with pre-emption llama-server counts more prompt tokens
 #: than the workload's prompts hold, and the configurations would not be sent the same.
 NO_PREEMPTION = RuntimeConfig(preempt_from=None)
+#: What the configurations whose clients the harness replays change besides: no prepared
+#: compaction (the default is on). A replayed Claude Code request never comes back as the
+#: compaction a real Claude Code would send next, so every preparation would be a miss: background
+#: work the real client would not cause, and one more ticket in the queue. The scenarios with the
+#: real CLI (``real-cli``, ``real-cli-fanout``) keep it on.
+REPLAYED = RuntimeConfig(preempt_from=None, prepare_compaction=False)
 
 LABELS = {
     "plain": "llama-server (defaults)",
@@ -136,7 +144,7 @@ async def agentkv_engine(
     setup: EngineSetup,
     *,
     store_dir: Path | None,
-    config: RuntimeConfig = NO_PREEMPTION,
+    config: RuntimeConfig = REPLAYED,
     name: str = "agentkv",
 ) -> AsyncIterator[Engine]:
     """agentkv as ``agentkv-server`` builds it: :func:`assemble` with the defaults, given only
@@ -174,7 +182,7 @@ async def start(
     name: str,
     *,
     store_dir: Path | None = None,
-    config: RuntimeConfig = NO_PREEMPTION,
+    config: RuntimeConfig = REPLAYED,
 ) -> AsyncIterator[Engine]:
     """Start configuration ``name`` (``plain``, ``tuned``, or ``agentkv``-anything, whose
     ``config`` changes agentkv's defaults; see :func:`agentkv_engine`)."""

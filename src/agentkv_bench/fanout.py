@@ -36,7 +36,7 @@ import httpx
 
 from agentkv.snapshot import unstructure
 from agentkv_bench.claude import _env, make_project
-from agentkv_bench.engines import serve_app, start
+from agentkv_bench.engines import NO_PREEMPTION, serve_app, start
 from agentkv_bench.metrics import difference, read_counters
 from agentkv_bench.report import fmt, render_table, write_report
 from agentkv_bench.scenarios import Bench
@@ -207,7 +207,7 @@ async def _one(
     store_dir = store if name == "agentkv" else None
     if store_dir is not None and store_dir.exists():
         shutil.rmtree(store_dir)
-    async with start(setup, _START[name], store_dir=store_dir) as engine:
+    async with start(setup, _START[name], store_dir=store_dir, config=NO_PREEMPTION) as engine:
         timeout = httpx.Timeout(spec.timeout, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout) as http:
             before = await read_counters(http, engine.engine_url, engine.engine_key)

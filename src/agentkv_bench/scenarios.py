@@ -30,7 +30,7 @@ from agentkv_bench.claude_workload import (
     new_agent_workload,
 )
 from agentkv_bench.drivers import Clock, RequestResult, drive
-from agentkv_bench.engines import NO_PREEMPTION, Engine, EngineSetup, start
+from agentkv_bench.engines import REPLAYED, Engine, EngineSetup, start
 from agentkv_bench.metrics import (
     PrefillYardstick,
     difference,
@@ -458,7 +458,7 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
         engine_name = "agentkv" if alone else name
         # "agentkv-preempt" is agentkv's defaults (preempt-from 1); "agentkv", as everywhere
         # else, has pre-emption off.
-        config = RuntimeConfig() if name == "agentkv-preempt" else NO_PREEMPTION
+        config = RuntimeConfig() if name == "agentkv-preempt" else REPLAYED
         phases = [("warmup", warmup)]
         for i, rnd in enumerate(rounds):
             agents = tuple(a for a in rnd.agents if a.priority == 0) if alone else rnd.agents
