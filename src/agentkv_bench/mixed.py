@@ -257,9 +257,8 @@ class TicketTimes:
     arrival: float
     dispatch: float
     seq: int | None
+    #: Prompt tokens the engine computed for it, a head computed on its own first included.
     computed: int = 0
-    #: A shared head this request computed and saved on its own first (tokens).
-    checkpoint: int = 0
     cached: int = 0
     prompt_tokens: int = 0
     status: str = "ok"
@@ -292,7 +291,6 @@ class TicketLog:
                 dispatch=arrival + record.queued_s,
                 seq=record.dispatch_seq,
                 computed=record.computed_tokens,
-                checkpoint=record.checkpoint_tokens or 0,
                 cached=record.cached_tokens,
                 prompt_tokens=record.prompt_tokens,
                 status=record.outcome,
@@ -432,9 +430,7 @@ async def run_mixed(
         if log is not None and config is not None:
             summary["tickets"] = [attrs.asdict(t) for t in log.tickets]
             for api, row in summary["per_api"].items():
-                row["prefill_computed"] = sum(
-                    t.computed + t.checkpoint for t in log.tickets if t.api == api
-                )
+                row["prefill_computed"] = sum(t.computed for t in log.tickets if t.api == api)
             summary["starvation"] = starvation(
                 log.tickets, aging=config.aging, tie_window=config.tie_window
             )

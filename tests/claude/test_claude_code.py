@@ -58,8 +58,8 @@ class FirstAnswer:
 
     @property
     def computed(self) -> int:
-        """Prompt tokens the engine computed for it, a checkpointed head included."""
-        return int(self.record.get("checkpoint_tokens") or 0) + int(self.record["computed_tokens"])
+        """Prompt tokens the engine computed for it, a head computed on its own first included."""
+        return int(self.record["computed_tokens"])
 
 
 def first_answer(

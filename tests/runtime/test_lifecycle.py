@@ -69,6 +69,10 @@ async def test_agents_starting_together_compute_the_shared_head_once(tmp_path: P
         head = records["agent0"].checkpoint_tokens
         assert head is not None and head > 1000
         assert [records[a].checkpoint_tokens for a in ("agent1", "agent2")] == [None, None]
+        # The head it computed on its own first counts as computed by it, not as found cached.
+        first = records["agent0"]
+        assert first.cached_tokens == 0
+        assert first.computed_tokens == first.prompt_tokens
         assert {records[a].source for a in ("agent1", "agent2")} <= {"store", "slot"}
         # The engine computed the head once, plus each agent's own few tokens.
         prompt = records["agent0"].prompt_tokens

@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import anyio
 import attrs
@@ -226,10 +226,15 @@ class SlotContents:
         return False
 
     async def checkpoint(
-        self, lease: Lease, checkpoint: Checkpoint, sections: tuple[tuple[str, str], ...]
+        self,
+        lease: Lease,
+        checkpoint: Checkpoint,
+        sections: tuple[tuple[str, str], ...],
+        computed: Callable[[Mapping[str, Any]], object] | None = None,
     ) -> StoreEntry | None:
         """Compute the shareable head alone and save it, so that other agents restore it; the
-        entry saved, or None.
+        entry saved, or None. ``computed`` is told the engine's ``timings`` of the head's
+        computation (the request it belongs to counts those tokens as its own).
 
         Requests waiting for the head are let go when it is saved. When the save failed the slot
         still holds the head: they keep waiting until this request gives the slot back, and then
@@ -246,7 +251,10 @@ class SlotContents:
                     done = prompt_done(chunk)
                     if done is not None:
                         dispatcher.checkpoint_progress(checkpoint, done)
-                    self.costs.observe_timings(chunk.get("timings"))
+                    timings = chunk.get("timings")
+                    self.costs.observe_timings(timings)
+                    if isinstance(timings, Mapping) and "prompt_n" in timings and computed:
+                        computed(timings)
             for _ in range(2):  # a save that failed is tried once more: others wait for it
                 store = self.store
                 if store is None:

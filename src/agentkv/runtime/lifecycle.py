@@ -269,7 +269,9 @@ class Exchange:
             record.restored_nothing()
         checkpoint = runtime.dispatcher.checkpoint_of(lease)
         if checkpoint is not None:
-            entry = await contents.checkpoint(lease, checkpoint, self.prepared.engine.sections)
+            entry = await contents.checkpoint(
+                lease, checkpoint, self.prepared.engine.sections, record.head_computed
+            )
             if entry is not None:
                 record.checkpointed(entry.n_tokens)
         return await self._reply(lease)

@@ -118,7 +118,7 @@ class RequestRecord:
     draft_accepted: int = 0
     #: The engine's own time decoding the reply (``predicted_ms``), in seconds.
     decode_s: float = 0.0
-    #: A shareable head computed and saved on its own first (tokens), if any.
+    #: A shareable head computed on its own first, to be saved for others (tokens), if any.
     checkpoint_tokens: int | None = None
     #: The slot's previous content was saved before it was overwritten.
     parked: bool = False
@@ -191,6 +191,15 @@ class RequestRecord:
         """A shareable head of ``tokens`` was computed and saved on its own first."""
         self.checkpoint_tokens = tokens
 
+    def head_computed(self, timings: Mapping[str, Any]) -> None:
+        """The prompt's shareable head was computed on its own first, with ``timings``: what
+        that call computed, this request computed, and what it found cached is what this request
+        found cached."""
+        cached, computed = int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0))
+        self.checkpoint_tokens = cached + computed
+        self.computed_tokens += computed
+        self.cached_tokens = cached
+
     def retry(self) -> None:
         """The reply tried a tool call that could not be recovered: it is asked for again."""
         self.retried = True
@@ -217,7 +226,8 @@ class RequestRecord:
         Returns the tokens that call found cached (``cache_n``)."""
         cached = int(timings.get("cache_n", 0))
         self.computed_tokens += int(timings.get("prompt_n", 0))
-        self.cached_tokens = max(self.cached_tokens, cached)
+        if self.checkpoint_tokens is None:  # else the head this request computed is in it
+            self.cached_tokens = max(self.cached_tokens, cached)
         self.draft_tokens += int(timings.get("draft_n", 0) or 0)
         self.draft_accepted += int(timings.get("draft_n_accepted", 0) or 0)
         self.decode_s += float(timings.get("predicted_ms", 0.0) or 0.0) / 1000
