@@ -15,9 +15,12 @@ from agentkv.forecast import (
     context_tokens,
     is_claude_code,
     shipped_instruction,
+    shipped_retry_paragraph,
+    summary_text,
 )
 from agentkv.runtime.admission import request_key
 from agentkv.translate import MessagesTranslator
+from tests.fakes import render
 from tests.test_claude_code_compaction import (
     FIRST_LINE,
     RETRY_PARAGRAPH,
@@ -175,3 +178,103 @@ def test_learns_a_new_instruction_from_its_first_compaction() -> None:
     between = exchanges("tool_call")[4]["body"]
     assert forecast.is_compaction(between)
     assert forecast.learn(between) is forecast
+
+
+def test_predicts_the_captured_retry() -> None:
+    """The compaction's reply had no <summary>: the retry Claude Code sent next is predicted from
+    the compaction request and that reply (the same request key); a reply with its summary, the
+    retry itself and an ordinary turn predict none."""
+    ex = exchanges("retry")
+    assert kinds("retry")[2:4] == ["compaction", "compaction"]
+    forecast = CompactionForecast()
+    predicted = forecast.predict_retry(ex[2]["body"], reply(ex[2]))
+    assert predicted is not None
+    assert key(predicted) == key(ex[3]["body"])
+    assert key(predicted) != key(ex[2]["body"])
+    assert forecast.predict_retry(ex[3]["body"], reply(ex[3])) is None  # never retried twice
+    summarised = exchanges("turns")[2]
+    assert forecast.predict_retry(summarised["body"], reply(summarised)) is None
+    assert forecast.predict_retry(ex[1]["body"], reply(ex[1])) is None
+    cut = {**reply(ex[2]), "stop_reason": "max_tokens"}
+    assert forecast.predict_retry(ex[2]["body"], cut) is None
+    # between tool calls the instruction is not the whole message: not predicted
+    between = exchanges("tool_call")[4]
+    assert forecast.predict_retry(between["body"], reply(ex[2])) is None
+
+
+def test_the_shipped_retry_paragraph_is_the_captured_one() -> None:
+    assert shipped_retry_paragraph() == RETRY_PARAGRAPH
+    assert CompactionForecast().retry_paragraph == RETRY_PARAGRAPH
+
+
+def after_compaction() -> list[tuple[str, int]]:
+    """Every captured start-of-turn compaction (or its retry) answered with a summary and followed
+    by a turn: (scenario, index of the compaction)."""
+    found = []
+    for name in ("turns", "turns_again", "thinking", "retry", "long"):
+        ex = exchanges(name)
+        for index, kind in enumerate(kinds(name)[:-1]):
+            body = ex[index]["body"]
+            if (
+                kind == "compaction"
+                and kinds(name)[index + 1] == "turn"
+                and isinstance(body["messages"][-1]["content"], str)  # not between tool calls
+            ):
+                found.append((name, index))
+    return found
+
+
+def stem(body: dict[str, Any]) -> str:
+    """What the engine computes of a request before its user's words, as the fake renders it."""
+    stem_body = MessagesTranslator().translate(body).stem_body
+    assert stem_body is not None
+    return render(stem_body)
+
+
+#: The configuration directory in the captures (the HOME was written ``<home>``).
+CONFIG_DIR = "<home>/.claude"
+
+
+@pytest.mark.parametrize(("name", "index"), after_compaction())
+def test_predicts_the_conversation_after_a_compaction(name: str, index: int) -> None:
+    """From the compaction request and its reply: everything the turn after it computes before
+    its user's words, exactly as Claude Code sent it (git status, summary, transcript, date, kept
+    message, attribution, the session note) — or, where the conversation read a file (which
+    comes back as a reminder), up to that reminder."""
+    ex = exchanges(name)
+    compaction, after = ex[index], ex[index + 1]
+    forecast = CompactionForecast(config_dir=CONFIG_DIR)
+    predicted = forecast.predict_after(compaction["body"], reply(compaction))
+    assert predicted is not None
+    got, want = stem(predicted), stem(after["body"])
+    if name == "long":  # README.md was read: Claude Code attaches it again
+        shared = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
+        assert "<system-reminder>\nCalled the Read tool" in want[shared - 20 : shared + 40]
+        assert "Summary:\n1. Primary Request" in want[:shared]
+    else:
+        assert got == want
+
+
+def test_after_compaction_needs_the_summary_and_the_transcript_directory() -> None:
+    ex = exchanges("retry")
+    # the first reply had no summary: nothing follows it but the retry
+    assert (
+        CompactionForecast(config_dir=CONFIG_DIR).predict_after(ex[2]["body"], reply(ex[2])) is None
+    )
+    # where the transcripts are is not known yet: learnt from a request after a compaction
+    forecast = CompactionForecast()
+    assert forecast.predict_after(ex[3]["body"], reply(ex[3])) is None
+    learned = forecast.learn(ex[4]["body"])
+    assert learned.config_dir == CONFIG_DIR
+    predicted = learned.predict_after(ex[3]["body"], reply(ex[3]))
+    assert predicted is not None and stem(predicted) == stem(ex[4]["body"])
+    # not after a turn, nor after a compaction between tool calls
+    assert learned.predict_after(ex[1]["body"], reply(ex[1])) is None
+    between = exchanges("tool_call")[4]
+    assert learned.predict_after(between["body"], reply(ex[3])) is None
+
+
+def test_the_summary_as_claude_code_writes_it_back() -> None:
+    said = "<analysis>\nThinking.\n</analysis>\n\n<summary>\n1. One.\n\n\n\n2. Two.\n</summary>\n"
+    assert summary_text(said) == "Summary:\n1. One.\n\n2. Two."
+    assert summary_text("no tags\n\n\nat all") == "no tags\n\nat all"

@@ -9,6 +9,17 @@ moves, which the engine never sees. Never after the first reply of a session, an
 between tool calls (the reply ended in ``tool_use``) carries the tool's result, so it cannot be
 known before the tool has run: only a reply that ended its turn leads to a prediction.
 
+When the compaction's reply has no ``<summary>``, Claude Code asks once more: the same request
+with a paragraph added to the instruction (as Claude Code 2.1.328 words it); that retry is
+predicted from the compaction request and its reply.
+
+When the reply has its summary, the request that follows it is known up to the user's next words
+(:meth:`CompactionForecast.predict_after`): the git status reminder and the summary in Claude
+Code's words, the date, the last assistant message kept verbatim, the attribution reminder, then
+the session's note of deferred tools, agent types and skills, which the session layout puts before
+the words. Files the conversation read come back as reminders too; those are not predicted, so such
+a prediction holds up to the kept message.
+
 :class:`CompactionForecast` recognises Claude Code's requests and its compaction requests, learns
 a new client version's instruction from the first start-of-turn compaction it sees, and predicts
 the compaction body. Pure: values in, values out (the shipped instruction is package data, read
@@ -19,6 +30,8 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,7 +47,10 @@ __all__ = [
     "compaction_point",
     "context_tokens",
     "is_claude_code",
+    "reaches_point",
     "shipped_instruction",
+    "shipped_retry_paragraph",
+    "summary_text",
 ]
 
 #: Tokens Claude Code keeps free below its reply's reserve (the "autocompact buffer").
@@ -59,6 +75,58 @@ def shipped_instruction() -> str:
         .read_text(encoding="utf-8")
     )
     return text.removesuffix("\n")
+
+
+@functools.cache
+def shipped_retry_paragraph() -> str:
+    """What Claude Code 2.1.328 adds to the instruction when it asks again after a reply without
+    ``<summary>`` (two newlines, then 394 characters), as shipped."""
+    text = (
+        importlib.resources.files("agentkv")
+        .joinpath("data", "claude_code_compaction_retry.txt")
+        .read_text(encoding="utf-8")
+    )
+    return "\n\n" + text.removesuffix("\n")
+
+
+@functools.cache
+def _after_template() -> str:
+    """The summary message that opens the conversation after a compaction (Claude Code 2.1.328),
+    with ``{tools}``, ``{summary}`` and ``{transcript}`` to fill."""
+    text = (
+        importlib.resources.files("agentkv")
+        .joinpath("data", "claude_code_after_compaction.txt")
+        .read_text(encoding="utf-8")
+    )
+    return text.removesuffix("\n")
+
+
+#: What the request after a compaction opens its summary message with.
+AFTER_OPENING = "This session is being continued from a previous conversation that ran out"
+_TRANSCRIPT = re.compile(r"read the full transcript at: (.+)/projects/[^/\n]+/[^/\n]+\.jsonl\n")
+_DATE = re.compile(r"Today's date is (\d{4}-\d\d-\d\d)\.")
+_ENVIRONMENT = "# Environment\n"
+_ENVIRONMENT_NOTE = re.compile(
+    r"(# Environment\n.*?\nYou are powered by the model [^\n]*)\n\n(.*?)\n\nToday's date is [^\n]*",
+    flags=re.S,
+)
+_DEFERRED = "The following deferred tools are now available"
+_ATTRIBUTION = "<system-reminder>\nAttribution"
+_GIT_STATUS = "<system-reminder>\nAs you answer the user's questions"
+#: The user's next words in a predicted request (they are not known; the session layout puts
+#: everything else of that turn before them).
+NEXT_WORDS = "…"
+
+
+def summary_text(reply: str) -> str:
+    """The summary as Claude Code puts it into the next conversation: the ``<analysis>`` dropped,
+    ``<summary>…</summary>`` written ``Summary:`` and its trimmed text, runs of blank lines made
+    one."""
+    text = re.sub(r"<analysis>[\s\S]*?</analysis>", "", reply, count=1)
+    found = re.search(r"<summary>([\s\S]*?)</summary>", text)
+    if found is not None:
+        text = text.replace(found.group(0), "Summary:\n" + found.group(1).strip(), 1)
+    return re.sub(r"\n\n+", "\n\n", text).strip()
 
 
 def _system_texts(system: Any) -> list[str]:
@@ -130,6 +198,15 @@ def compaction_point(window: int, max_tokens: int) -> int:
     return window - min(max_tokens, MAX_RESERVED_OUTPUT) - CLAUDE_CODE_BUFFER
 
 
+def reaches_point(body: Mapping[str, Any], context: int, window: int) -> bool:
+    """A reply to ``body`` that leaves Claude Code's context at ``context`` tokens is followed by
+    a compaction (within :data:`ESTIMATE_SLACK` of the point, or past it)."""
+    max_tokens = body.get("max_tokens")
+    if not isinstance(max_tokens, int):
+        return False
+    return context + ESTIMATE_SLACK >= compaction_point(window, max_tokens)
+
+
 @attrs.frozen
 class CompactionForecast:
     """What Claude Code's next request is, when it is a compaction that can be known now.
@@ -140,6 +217,11 @@ class CompactionForecast:
     """
 
     instruction: str = attrs.field(factory=shipped_instruction)
+    #: What a retry adds to the instruction (after a reply without ``<summary>``).
+    retry_paragraph: str = attrs.field(factory=shipped_retry_paragraph)
+    #: Claude Code's configuration directory (``~/.claude``), where it keeps the transcripts the
+    #: summary message names: the client's machine's, learnt from its first such message.
+    config_dir: str | None = None
 
     @property
     def first_line(self) -> str:
@@ -161,11 +243,137 @@ class CompactionForecast:
         known one teaches it. A retry's instruction (the known one and a paragraph more) or one
         with added instructions extends the known one and teaches nothing."""
         if not self.is_compaction(body):
-            return self
+            return self._learn_config_dir(body)
         text = _whole_text(_messages(body)[-1].get("content"))
         if text is None or text.startswith(self.instruction):
             return self
         return attrs.evolve(self, instruction=text)
+
+    def _learn_config_dir(self, body: Mapping[str, Any]) -> CompactionForecast:
+        """A request after a compaction names its transcript: the directory it is in."""
+        messages = _messages(body)
+        if not messages:
+            return self
+        for text in _block_texts(messages[0].get("content")):
+            if text.startswith(AFTER_OPENING):
+                found = _TRANSCRIPT.search(text)
+                if found is not None and found.group(1) != self.config_dir:
+                    return attrs.evolve(self, config_dir=found.group(1))
+        return self
+
+    def predict_retry(
+        self, body: Mapping[str, Any], reply: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """The retry Claude Code sends when ``reply``, the whole reply to the compaction request
+        ``body``, ended its turn without ``<summary>``: the same request with the retry paragraph
+        added to the instruction. None for any other request or reply (a retry is not retried,
+        and a compaction with added instructions is not predicted)."""
+        messages = _messages(body)
+        if (
+            not is_claude_code(body)
+            or not self.is_compaction(body)
+            or len(messages) != len(body.get("messages") or ())
+            or _whole_text(messages[-1].get("content")) != self.instruction
+            or reply.get("stop_reason") != "end_turn"
+        ):
+            return None
+        content = reply.get("content")
+        if not isinstance(content, list):
+            return None
+        said = "".join(
+            str(block.get("text") or "")
+            for block in content
+            if isinstance(block, Mapping) and block.get("type") == "text"
+        )
+        if "<summary>" in said:
+            return None
+        ask = {"role": "user", "content": self.instruction + self.retry_paragraph}
+        return {**body, "messages": [*body["messages"][:-1], ask]}
+
+    def predict_after(
+        self, body: Mapping[str, Any], reply: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """The request Claude Code sends after the start-of-turn compaction ``body`` (or its
+        retry) was answered with ``reply``, its user's words :data:`NEXT_WORDS`; None when it
+        cannot be known (no summary, no known configuration directory, a conversation laid out
+        otherwise than Claude Code 2.1.328's)."""
+        messages = _messages(body)
+        if (
+            self.config_dir is None
+            or not is_claude_code(body)
+            or not self.is_compaction(body)
+            or len(messages) != len(body.get("messages") or ())
+            or _whole_text(messages[-1].get("content"))
+            not in (self.instruction, self.instruction + self.retry_paragraph)
+            or reply.get("stop_reason") != "end_turn"
+        ):
+            return None
+        said = "".join(_block_texts(reply.get("content"), kinds=("text",)))
+        kept = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
+        first = _block_texts(messages[0].get("content"))
+        note = _note_after(messages)
+        transcript = self._transcript(body, messages)
+        if (
+            "<summary>" not in said
+            or kept is None
+            or not first
+            or not first[0].startswith(_GIT_STATUS)
+            or note is None
+            or transcript is None
+        ):
+            return None
+        git_status = first[0] if first[0].endswith("\n") else first[0] + "\n"
+        tools = sorted(
+            {
+                str(block.get("name"))
+                for m in messages
+                if m.get("role") == "assistant"
+                for block in _blocks(m.get("content"))
+                if block.get("type") == "tool_use"
+            }
+        )
+        opening = (
+            _after_template()
+            .replace("{tools}", ",".join(tools))
+            .replace("{transcript}", transcript)
+            .replace("{summary}", summary_text(said))
+        )
+        texts = [
+            t for m in messages if m.get("role") == "user" for t in _block_texts(m.get("content"))
+        ]
+        attribution = next((t for t in reversed(texts) if t.startswith(_ATTRIBUTION)), None)
+        last = [*([attribution] if attribution is not None else []), NEXT_WORDS]
+        date, deferred = note
+        after = [
+            {"role": "user", "content": [_text(git_status), _text(opening)]},
+            {"role": "system", "content": f"Today's date is {date}."},
+            dict(kept),
+            {"role": "user", "content": [_text(t) for t in last]},
+            {"role": "system", "content": [_text(deferred)]},
+        ]
+        return {**body, "messages": after}
+
+    def _transcript(
+        self, body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]]
+    ) -> str | None:
+        """Where Claude Code keeps this session's transcript: its configuration directory, the
+        project (the working directory, every character but a letter or digit a ``-``), the
+        session id."""
+        metadata = body.get("metadata")
+        user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+        try:
+            session = json.loads(user_id)["session_id"] if isinstance(user_id, str) else None
+        except (ValueError, KeyError, TypeError):
+            session = None
+        notes = [
+            t for m in messages if m.get("role") == "system" for t in _block_texts(m.get("content"))
+        ]
+        found = (re.search(r"Primary working directory: ([^\n]+)", t) for t in reversed(notes))
+        project = next((f.group(1) for f in found if f is not None), None)
+        if not isinstance(session, str) or project is None or self.config_dir is None:
+            return None
+        slug = re.sub(r"[^A-Za-z0-9]", "-", project)
+        return f"{self.config_dir}/projects/{slug}/{session}.jsonl"
 
     def predict(
         self, body: Mapping[str, Any], reply: Mapping[str, Any], window: int
@@ -185,11 +393,8 @@ class CompactionForecast:
             or reply.get("stop_reason") != "end_turn"
         ):
             return None
-        max_tokens = body.get("max_tokens")
         usage = reply.get("usage")
-        if not isinstance(max_tokens, int) or not isinstance(usage, Mapping):
-            return None
-        if context_tokens(usage) + ESTIMATE_SLACK < compaction_point(window, max_tokens):
+        if not isinstance(usage, Mapping) or not reaches_point(body, context_tokens(usage), window):
             return None
         content = reply.get("content")
         if not isinstance(content, list) or not content:
@@ -197,3 +402,45 @@ class CompactionForecast:
         said = {"role": "assistant", "content": [dict(block) for block in content]}
         ask = {"role": "user", "content": self.instruction}
         return {**body, "messages": [*body["messages"], said, ask]}
+
+
+def _text(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _blocks(content: Any) -> list[Mapping[str, Any]]:
+    if isinstance(content, str):
+        return [_text(content)]
+    if isinstance(content, Sequence):
+        return [b for b in content if isinstance(b, Mapping)]
+    return []
+
+
+def _block_texts(content: Any, kinds: tuple[str, ...] = ("text",)) -> list[str]:
+    return [
+        b["text"]
+        for b in _blocks(content)
+        if b.get("type") in kinds and isinstance(b.get("text"), str)
+    ]
+
+
+def _note_after(messages: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """The date, and the session note that follows the user's words after a compaction: after
+    an earlier compaction, the note as it came then; else the session's environment note with
+    its environment section moved to the end and its date taken out."""
+    notes = [
+        t for m in messages if m.get("role") == "system" for t in _block_texts(m.get("content"))
+    ]
+    dates = [d for t in notes for d in _DATE.findall(t)]
+    if not dates:
+        return None
+    deferred = next((t for t in reversed(notes) if t.startswith(_DEFERRED)), None)
+    if deferred is not None:
+        return dates[-1], deferred
+    environment = next((t for t in notes if t.startswith(_ENVIRONMENT)), None)
+    if environment is None:
+        return None
+    found = _ENVIRONMENT_NOTE.fullmatch(environment)
+    if found is None:
+        return None
+    return dates[-1], found.group(2) + "\n\n" + found.group(1)

@@ -414,7 +414,7 @@ def _compactions(rows: Sequence[CompactionRow | PendingCompactionRow]) -> Iterat
 def _prepared(stats: PreparedStats) -> Iterator[Metric]:
     yield _counter(
         "agentkv_prepared_compactions",
-        "Claude Code compaction requests predicted and prepared in idle time",
+        "Claude Code compaction requests (and their retries) predicted and prepared in idle time",
         stats.prepared,
     )
     yield _counter(
@@ -444,6 +444,12 @@ def _prepared(stats: PreparedStats) -> Iterator[Metric]:
     )
     yield _gauge(
         "agentkv_prepared_compactions_waiting",
-        "Prepared compactions waiting for their agent's request now",
+        "Prepared compactions (and retries) waiting for their agent's request now",
         stats.waiting,
+    )
+    yield _counter(
+        "agentkv_prepared_heads",
+        "Conversations after a prepared compaction computed in idle time, up to the user's next "
+        "words",
+        stats.heads,
     )

@@ -24,7 +24,7 @@ from agentkv.runtime.lifecycle import Exchange, Runtime
 from agentkv.runtime.prepared import Preparations
 from agentkv.translate import MessagesTranslator
 from tests.fakes import FakeLlama, render, tokenize, wait_for
-from tests.test_claude_code_compaction import FIRST_LINE, exchanges
+from tests.test_claude_code_compaction import FIRST_LINE, RETRY_PARAGRAPH, exchanges
 
 pytestmark = pytest.mark.anyio
 
@@ -258,6 +258,95 @@ async def test_a_preparation_still_queued_is_promoted_to_its_clients_priority() 
         assert compactions_generated(fake) == 1
 
 
+async def test_a_compaction_without_summary_has_its_retry_prepared_behind_it() -> None:
+    """The prepared compaction's reply has no <summary>: Claude Code's retry (the instruction and
+    its paragraph) is prepared too, in idle time, and the agent's next two requests are both
+    served from what was prepared; the engine generated each once."""
+
+    def answer(body: dict[str, Any]) -> str:
+        last = str(body["messages"][-1].get("content"))
+        if not last.startswith(FIRST_LINE):
+            return "beta"
+        return SUMMARY if last.endswith(RETRY_PARAGRAPH) else "<analysis>\nWords.\n</analysis>"
+
+    fake = FakeLlama(script=[answer] * 20)
+    async with running(fake) as runtime:
+        await (await send(runtime, turn())).message()
+        await wait_for(lambda: runtime.preparations.stats().prepared == 2)
+        await wait_for(lambda: compactions_generated(fake) == 2 and not runtime.running())
+        assert runtime.preparations.stats().waiting == 2
+        first = await send(runtime, compaction())
+        assert first.done and "<summary>" not in text(await first.message())
+        retry = compaction()
+        retry["messages"][-1]["content"] += RETRY_PARAGRAPH
+        second = await send(runtime, retry)
+        assert second.done and text(await second.message()) == SUMMARY
+        stats = runtime.preparations.stats()
+        assert (stats.prepared, stats.served, stats.waiting) == (2, 2, 0)
+        assert sum(stats.missed.values()) == 0
+        assert compactions_generated(fake) == 2
+        # a reply with its summary predicts no retry
+        await anyio.sleep(0.05)
+        assert runtime.preparations.stats().prepared == 2
+
+
+async def test_a_live_compaction_without_summary_has_its_retry_prepared() -> None:
+    """Preparation missed the compaction (it was asked for at once): its reply has no summary,
+    so the retry is prepared as soon as the reply ends, and the client's retry takes it."""
+
+    def answer(body: dict[str, Any]) -> str:
+        last = str(body["messages"][-1].get("content"))
+        if not last.startswith(FIRST_LINE):
+            return "beta"
+        return SUMMARY if last.endswith(RETRY_PARAGRAPH) else "<analysis>\nWords.\n</analysis>"
+
+    fake = FakeLlama(script=[answer] * 20)
+    async with running(fake, prepare_compaction=True) as runtime:
+        # The compaction straight away, as another agent's first: nothing was prepared for it.
+        live = await send(runtime, compaction(), agent="other")
+        assert "<summary>" not in text(await live.message())
+        await wait_for(lambda: runtime.preparations.stats().prepared == 1)
+        retry = compaction()
+        retry["messages"][-1]["content"] += RETRY_PARAGRAPH
+        served = await send(runtime, retry, agent="other")
+        assert text(await served.message()) == SUMMARY
+        stats = runtime.preparations.stats()
+        assert stats.served + stats.joined == 1 and sum(stats.missed.values()) == 0
+        assert compactions_generated(fake) == 2
+
+
+async def test_the_conversation_after_a_prepared_compaction_is_computed_in_idle_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The prepared compaction's reply has its summary: the conversation Claude Code starts after
+    it is computed in idle time too, up to the user's next words, so that the turn after the
+    compaction (as Claude Code sent it in the capture) computes only those words."""
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", "<home>/.claude")  # as the captures write it
+    captured = exchanges("turns")[2]["answer"]["message"]["content"][0]["text"]
+
+    def answer(body: dict[str, Any]) -> str:
+        last = str(body["messages"][-1].get("content"))
+        return captured if last.startswith(FIRST_LINE) else "beta"
+
+    fake = FakeLlama(script=[answer] * 20)
+    async with running(fake) as runtime:
+        await (await send(runtime, turn())).message()
+        await wait_for(lambda: runtime.preparations.stats().heads == 1)
+        # the turn, the prepared compaction, the conversation after it: all three ended
+        await wait_for(lambda: len(runtime.records()) == 3)
+        assert runtime.records()[-1].priority == 3 and runtime.records()[-1].status == "ok"
+        served = await send(runtime, compaction())
+        assert served.done and text(await served.message()) == captured
+        after = copy.deepcopy(exchanges("turns")[3]["body"])
+        before = fake.computed
+        await (await send(runtime, after)).message()
+        record = runtime.records()[-1]
+        words = len(tokenize("Reply with the single word: gamma"))
+        assert fake.computed - before == record.computed_tokens
+        assert record.computed_tokens <= words + 8, record  # its words and the reply's opening
+        assert record.prompt_tokens > 20 * words
+
+
 # -- the bounds, with stand-in exchanges ------------------------------------------------------
 
 
@@ -304,7 +393,7 @@ def _preparations(now: list[float], **kwargs: Any) -> Preparations[_Stub]:
 async def _queue(preparations: Preparations[_Stub], agent: str, key: str) -> _Stub:
     token = object()
     preparations._pending[agent] = token
-    await preparations._prepare(agent, {"key": key}, token)
+    await preparations._prepare(agent, {"key": key}, token, "compaction request", None)
     (stub,) = (s for s in preparations.running() if s.prepared.agent == agent)
     return stub
 

@@ -377,3 +377,5 @@ async def test_prepared_compactions_are_counted(serve: Any) -> None:
     assert value(samples, "agentkv_prepared_compactions_missed_total", reason="expired") == 0
     assert value(samples, "agentkv_prepared_compaction_wasted_tokens_total") > 0
     assert value(samples, "agentkv_prepared_compactions_waiting") == 0
+    # the conversation after a prepared summary is computed once its reply is done, if it waits
+    assert value(samples, "agentkv_prepared_heads_total") == preparations.stats().heads

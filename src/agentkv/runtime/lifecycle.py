@@ -50,7 +50,7 @@ from agentkv.runtime.contents import SlotContents
 from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.joinable import Joinable
 from agentkv.runtime.prefetch import Prefetcher
-from agentkv.runtime.prepared import Preparations
+from agentkv.runtime.prepared import Preparations, claude_config_dir
 from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, RequestStatus
 from agentkv.runtime.relay import Relay
 from agentkv.runtime.seam import Engine
@@ -386,6 +386,7 @@ class Runtime:
             enabled=config.prepare_compaction,
             wait=config.prepared_wait,
             clock=self.clock,
+            config_dir=claude_config_dir(),
         )
 
     @property
@@ -459,13 +460,18 @@ class Runtime:
             self.dispatcher.withdraw(ticket)  # nothing will ever wait for it
             raise
 
-    def _submit_background(self, prepared: Prepared) -> Exchange:
+    def _submit_background(self, prepared: Prepared, *, head: bool = False) -> Exchange:
         """Queue ``prepared`` as background work (a prepared compaction): it waits in the
         background lane and gives its slot up to any agent's request, until a client claims it
         (:class:`~agentkv.runtime.prepared.Preparations` holds it until then, not
-        :attr:`joinable`)."""
+        :attr:`joinable`). ``head``: its shareable head is computed and saved first, as for a
+        long uncached head of an agent's request."""
         ticket = self.dispatcher.submit(
-            prepared.agent, prepared.priority, prepared.tokens, background=True
+            prepared.agent,
+            prepared.priority,
+            prepared.tokens,
+            head=prepared.boundary if head else None,
+            background=True,
         )
         try:
             return self._start(prepared, ticket, background=True)

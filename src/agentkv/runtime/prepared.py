@@ -13,14 +13,23 @@ finds none free). Each agent's next request decides:
   generated are counted as wasted (``not_compaction``: the agent sent no compaction; ``differs``:
   a compaction request, not the predicted one).
 
-A prepared reply waits for its client ``wait`` seconds at most, one per agent, ``max_agents`` at
-once (the oldest dropped first). :class:`Preparations` owns all of it; the runtime tells it when
-a request is submitted and when an exchange ends.
+When a compaction's reply (prepared or not) ends without ``<summary>``, Claude Code's retry is
+known too, and is prepared the same way; a prepared compaction's retry waits behind it, so that
+the agent's next two requests are served in turn. When a prepared reply has its summary, the
+conversation that follows the compaction is known up to the user's next words
+(:meth:`~agentkv.forecast.CompactionForecast.predict_after`): that prompt is computed in idle time
+too (generating one token, its head saved to the prefix store as any long shared head is), so
+that the turn after the compaction computes only its own words.
+
+Prepared replies wait for their client ``wait`` seconds at most, one chain per agent,
+``max_waiting`` agents at once (the oldest dropped first). :class:`Preparations` owns all of it;
+the runtime tells it when a request is submitted and when an exchange ends.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -31,11 +40,17 @@ from cachetools import TTLCache
 
 from agentkv.anthropic_sse import reply_message
 from agentkv.exceptions import AgentKVError
-from agentkv.forecast import CompactionForecast, is_claude_code
-from agentkv.reply import ReplyEvent
+from agentkv.forecast import CompactionForecast, is_claude_code, reaches_point
+from agentkv.reply import Ended, ReplyEvent
 from agentkv.runtime.admission import Prepared
 
-__all__ = ["MISS_REASONS", "PREPARED_PRIORITY", "Preparations", "PreparedStats"]
+__all__ = [
+    "MISS_REASONS",
+    "PREPARED_PRIORITY",
+    "Preparations",
+    "PreparedStats",
+    "claude_config_dir",
+]
 
 log = logging.getLogger("agentkv.prepared")
 
@@ -47,6 +62,13 @@ PREPARED_PRIORITY = 3
 MISS_REASONS = ("not_compaction", "differs", "expired", "gave_way", "failed", "replaced")
 #: Agents with a prepared reply waiting at once, at most.
 MAX_WAITING = 64
+
+
+def claude_config_dir() -> str:
+    """Where Claude Code on this machine keeps its transcripts: ``$CLAUDE_CONFIG_DIR``, else
+    ``~/.claude`` (a client on another machine or account teaches its own with its first request
+    after a compaction)."""
+    return os.environ.get("CLAUDE_CONFIG_DIR") or os.path.join(os.path.expanduser("~"), ".claude")
 
 
 class _Record(Protocol):
@@ -97,11 +119,14 @@ class PreparedStats:
     wasted_tokens: int = 0
     #: Prepared replies waiting for their client now.
     waiting: int = 0
+    #: Conversations after a compaction computed in idle time (up to the user's next words).
+    heads: int = 0
 
 
-class _Waiting(TTLCache[str, E]):
-    """The prepared exchanges by agent: dropped after ``ttl`` seconds or when ``maxsize`` newer
-    ones came, each drop told to ``dropped`` (cachetools drops them silently otherwise)."""
+class _Waiting(TTLCache[str, tuple[E, ...]]):
+    """The prepared exchanges by agent, in the order the agent is expected to send their
+    requests: dropped after ``ttl`` seconds or when ``maxsize`` newer agents came, each drop told
+    to ``dropped`` (cachetools drops them silently otherwise)."""
 
     def __init__(
         self,
@@ -113,16 +138,18 @@ class _Waiting(TTLCache[str, E]):
         super().__init__(maxsize=maxsize, ttl=ttl, timer=timer)
         self._dropped = dropped
 
-    def expire(self, time: float | None = None) -> list[tuple[str, E]]:
+    def expire(self, time: float | None = None) -> list[tuple[str, tuple[E, ...]]]:
         expired = list(super().expire(time))
-        for _, exchange in expired:
-            self._dropped(exchange, "expired")
+        for _, chain in expired:
+            for exchange in chain:
+                self._dropped(exchange, "expired")
         return expired
 
-    def popitem(self) -> tuple[str, E]:
-        agent, exchange = super().popitem()
-        self._dropped(exchange, "expired")
-        return agent, exchange
+    def popitem(self) -> tuple[str, tuple[E, ...]]:
+        agent, chain = super().popitem()
+        for exchange in chain:
+            self._dropped(exchange, "expired")
+        return agent, chain
 
 
 @attrs.define(eq=False)
@@ -130,20 +157,23 @@ class Preparations(Generic[E]):
     """The prepared compactions of one runtime: what is waiting, for whom, and what came of it.
 
     ``prepare`` validates and fits a body (the runtime's :meth:`prepare`), ``start`` queues a
-    prepared request as background work and returns its exchange, ``later`` runs work in the
-    runtime's task group. ``window`` is Claude Code's context window (the slot's context);
-    without it nothing is predicted.
+    prepared request as background work and returns its exchange (``head=True``: its shareable
+    head computed and saved first), ``later`` runs work in the runtime's task group. ``window``
+    is Claude Code's context window (the slot's context); without it nothing is predicted.
+    ``config_dir`` is where Claude Code keeps its transcripts on this machine (``~/.claude``),
+    until a client's own request names another.
     """
 
     prepare: Callable[[Mapping[str, Any], str, int], Awaitable[Prepared]]
-    start: Callable[[Prepared], E]
+    start: Callable[..., E]
     later: Callable[..., bool]
     window: int | None
     enabled: bool = True
+    config_dir: str | None = None
     wait: float = 1800.0
     clock: Callable[[], float] = time.monotonic
     max_waiting: int = MAX_WAITING
-    _forecast: CompactionForecast = attrs.field(init=False, factory=CompactionForecast)
+    _forecast: CompactionForecast = attrs.field(init=False)
     _waiting: _Waiting[E] = attrs.field(init=False)
     #: Agents whose preparation is being fitted (before its exchange exists): a token each.
     _pending: dict[str, object] = attrs.field(init=False, factory=dict)
@@ -154,6 +184,13 @@ class Preparations(Generic[E]):
     _joined: int = attrs.field(init=False, default=0)
     _missed: Counter[str] = attrs.field(init=False, factory=Counter)
     _wasted: int = attrs.field(init=False, default=0)
+    #: Conversations after a compaction being computed, by agent (stopped on a miss).
+    _heads: dict[str, E] = attrs.field(init=False, factory=dict)
+    _heads_started: int = attrs.field(init=False, default=0)
+
+    @_forecast.default
+    def _forecast_default(self) -> CompactionForecast:
+        return CompactionForecast(config_dir=self.config_dir)
 
     @_waiting.default
     def _cache(self) -> _Waiting[E]:
@@ -175,13 +212,17 @@ class Preparations(Generic[E]):
         agent = prepared.agent
         self._pending.pop(agent, None)  # it came before its preparation was queued
         self._waiting.expire()
-        exchange = self._waiting.get(agent)
-        if exchange is None:
+        chain = self._waiting.get(agent)
+        if not chain:
             return None
+        exchange = chain[0]
         if exchange.prepared.key == prepared.key:
             if not exchange.joinable:
                 return None  # being stopped (it gave its slot up): its end counts it
-            del self._waiting[agent]
+            if len(chain) > 1:
+                self._waiting[agent] = chain[1:]
+            else:
+                del self._waiting[agent]
             served = exchange.done
             exchange.claim(prepared.priority)
             if served:
@@ -198,7 +239,11 @@ class Preparations(Generic[E]):
             return None
         compaction = body is not None and self._forecast.is_compaction(body)
         del self._waiting[agent]
-        self._drop(exchange, "differs" if compaction else "not_compaction")
+        head = self._heads.pop(agent, None)
+        if head is not None and not head.done:
+            head.cancel()  # the conversation it computes will not come
+        for missed in chain:
+            self._drop(missed, "differs" if compaction else "not_compaction")
         return None
 
     def ended(self, exchange: E, *, ok: bool, running: bool) -> None:
@@ -209,34 +254,64 @@ class Preparations(Generic[E]):
             self._wasted += _generated(exchange)
             return
         agent = exchange.prepared.agent
-        if self._waiting.get(agent) is exchange:
+        chain = self._waiting.get(agent, ())
+        if exchange in chain:
             if not ok:  # it gave its slot up, or failed: it will never be served
-                del self._waiting[agent]
+                rest = tuple(e for e in chain if e is not exchange)
+                if rest:
+                    self._waiting[agent] = rest
+                else:
+                    del self._waiting[agent]
                 self._drop(exchange, "gave_way" if exchange.gave_way else "failed")
+            elif running and self.active:
+                self._predict(exchange, after=exchange)  # its retry waits behind it
             return
         if ok and running and self.active:
             self._predict(exchange)
 
     # -- preparing --------------------------------------------------------------------------------
 
-    def _predict(self, exchange: E) -> None:
+    def _predict(self, exchange: E, after: E | None = None) -> None:
+        """Prepare what ``exchange``'s reply makes known: the compaction after a turn, the retry
+        after a compaction without a summary (queued behind ``after`` when it still waits)."""
         body, window = exchange.prepared.body, self.window
         if body is None or window is None or not is_claude_code(body):
+            return
+        forecast = self._forecast
+        compaction = forecast.is_compaction(body)
+        # Most replies lead to nothing: read the end before assembling the whole reply.
+        ended = next((e for e in reversed(exchange.emitted) if isinstance(e, Ended)), None)
+        if ended is None or ended.stop_reason != "end_turn":
+            return
+        usage = ended.usage
+        context = usage.input_tokens + usage.cache_read_tokens + usage.output_tokens
+        if not compaction and not reaches_point(body, context, window):
             return
         try:
             reply = reply_message(exchange.emitted)
         except AgentKVError:
             return
-        predicted = self._forecast.predict(body, reply, window)
+        if compaction:
+            predicted, what = forecast.predict_retry(body, reply), "compaction retry"
+            if predicted is None and after is not None:
+                head = forecast.predict_after(body, reply)
+                if head is not None:
+                    self.later(self._compute_head, exchange.prepared.agent, head)
+                return
+        else:
+            predicted = None if after is not None else forecast.predict(body, reply, window)
+            what = "compaction request"
         if predicted is None:
             return
         agent = exchange.prepared.agent
         token = object()
         self._pending[agent] = token
-        if not self.later(self._prepare, agent, predicted, token):
+        if not self.later(self._prepare, agent, predicted, token, what, after):
             self._pending.pop(agent, None)
 
-    async def _prepare(self, agent: str, body: Mapping[str, Any], token: object) -> None:
+    async def _prepare(
+        self, agent: str, body: Mapping[str, Any], token: object, what: str, after: E | None
+    ) -> None:
         # A task of the runtime's own: whatever goes wrong here must not stop the runtime.
         try:
             prepared = await self.prepare(body, agent, PREPARED_PRIORITY)
@@ -253,16 +328,47 @@ class Preparations(Generic[E]):
             if self._pending.get(agent) is token:
                 del self._pending[agent]
         self._waiting.expire()
-        previous = self._waiting.pop(agent, None)
-        if previous is not None:
-            self._drop(previous, "replaced")
-        self._waiting[agent] = exchange
+        chain = self._waiting.pop(agent, ())
+        if after is not None and after in chain:
+            chain = (*chain, exchange)  # served after the one it follows
+        else:
+            for previous in chain:
+                self._drop(previous, "replaced")
+            chain = (exchange,)
+        self._waiting[agent] = chain
         self._prepared += 1
         log.info(
-            "agent %s passed its compaction point: its compaction request (%d tokens) is prepared "
-            "in idle time",
+            "agent %s: its next %s (%d tokens) is prepared in idle time",
             agent,
+            what,
             len(prepared.tokens),
+        )
+
+    async def _compute_head(self, agent: str, body: Mapping[str, Any]) -> None:
+        """Compute the conversation that follows ``agent``'s prepared compaction, up to the
+        user's next words, in idle time (one token generated, never served)."""
+        running = self._heads.get(agent)
+        if running is not None and not running.done:
+            return  # one at a time per agent
+        try:
+            prepared = await self.prepare({**body, "max_tokens": 1}, agent, PREPARED_PRIORITY)
+            self._heads[agent] = self.start(prepared, head=True)
+        except AgentKVError as exc:
+            log.info(
+                "agent %s: the conversation after its compaction is not computed: %s",
+                agent,
+                exc.message,
+            )
+            return
+        except Exception:
+            log.exception("agent %s: computing the conversation after its compaction failed", agent)
+            return
+        self._heads_started += 1
+        log.info(
+            "agent %s: the conversation after its compaction (%d tokens before the user's next "
+            "words) is computed in idle time",
+            agent,
+            prepared.boundary or len(prepared.tokens),
         )
 
     def _drop(self, exchange: E, reason: str) -> None:
@@ -281,7 +387,7 @@ class Preparations(Generic[E]):
     def running(self) -> list[E]:
         """The prepared exchanges that have not ended."""
         self._waiting.expire()
-        return [exchange for exchange in self._waiting.values() if not exchange.done]
+        return [e for chain in self._waiting.values() for e in chain if not e.done]
 
     def stats(self) -> PreparedStats:
         self._waiting.expire()
@@ -291,5 +397,6 @@ class Preparations(Generic[E]):
             joined=self._joined,
             missed={reason: self._missed[reason] for reason in MISS_REASONS},
             wasted_tokens=self._wasted,
-            waiting=len(self._waiting),
+            waiting=sum(len(chain) for chain in self._waiting.values()),
+            heads=self._heads_started,
         )
