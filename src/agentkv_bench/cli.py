@@ -47,6 +47,7 @@ SCENARIOS = (
     "overhead",
     "soak",
     "decode",
+    "compaction",
 )
 _CONFIGS = {
     "agents": ("plain", "tuned", "agentkv"),
@@ -56,6 +57,7 @@ _CONFIGS = {
     "mixed": ("direct", "agentkv"),
     "real-cli": ("llama-server", "agentkv", "agentkv-warm"),
     "real-cli-fanout": ("llama-server", "agentkv"),
+    "compaction": ("llama-server", "agentkv-noprep", "agentkv"),
 }
 #: Context per slot: the synthetic prompts are short; Claude Code's first request is ~11.8K.
 _CTX = {"agents": 4096}
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the real Claude Code CLI; real-cli-fanout: the real CLI's coordinator starting two "
         "sub-agents (its first reply scripted); overhead: the gateway against a fake engine; "
         "decode: replies decoded at Claude Code's depth, speculative decoding on and off; "
+        "compaction: a real Claude Code session that compacts twice, with think time; "
         "soak: many clients, dropped requests and an engine kill against agentkv-server "
         "(default agents)",
     )
@@ -105,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--runs", type=int, help="real-cli-fanout: runs (default 3; quick 1)")
     size.add_argument(
         "--delay", type=float, help="priority: seconds from the sub-agents' start to P0's arrival"
+    )
+    size.add_argument(
+        "--think",
+        type=float,
+        help="compaction: seconds of think time before each compaction turn (default 150)",
     )
     size.add_argument("--clients", type=int, help="soak: concurrent clients (default 16; quick 4)")
     size.add_argument("--requests", type=int, help="soak: requests per client (default 3; quick 2)")
@@ -134,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of configurations (agents, claude: plain,tuned,agentkv; priority: "
         "alone,plain,tuned,agentkv,agentkv-preempt; subagents: alone,plain,agentkv-notree,agentkv,"
         "agentkv-warm; mixed: direct,agentkv; real-cli: llama-server,agentkv,agentkv-warm; "
-        "real-cli-fanout: llama-server,agentkv)",
+        "real-cli-fanout: llama-server,agentkv; compaction: llama-server,agentkv-noprep,agentkv)",
     )
     parser.add_argument(
         "--tuned-args",
@@ -272,6 +280,18 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
         report = await run_mixed(bench, mixed_spec, _configs(args, scenario))
         return report, mixed_table(report)
     from agentkv_bench.claude import CliSpec, find_claude, real_cli_table, run_real_cli
+
+    if scenario == "compaction":
+        from agentkv_bench.compaction import CompactionSpec, compaction_table, run_compaction
+
+        compaction_spec = _evolve(CompactionSpec(), think=args.think)
+        report = await run_compaction(
+            bench,
+            compaction_spec,
+            claude=find_claude(args.claude_bin),
+            configs=_configs(args, scenario),
+        )
+        return report, compaction_table(report)
 
     if scenario == "real-cli-fanout":
         from agentkv_bench.fanout import FanoutSpec, fanout_table, run_fanout

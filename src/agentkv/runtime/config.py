@@ -205,6 +205,12 @@ class RuntimeConfig:
         metavar="SECONDS",
         validator=_ge(0),
     )
+    claude_config_dir: str | None = setting(
+        None,
+        "where Claude Code keeps its transcripts, which its conversation after a compaction "
+        "names (unset: $CLAUDE_CONFIG_DIR, else ~/.claude, until a client's request names another)",
+        flag=False,
+    )
 
     # -- the prefix store -------------------------------------------------------------------------
     store_dir: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default

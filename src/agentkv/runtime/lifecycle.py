@@ -386,7 +386,7 @@ class Runtime:
             enabled=config.prepare_compaction,
             wait=config.prepared_wait,
             clock=self.clock,
-            config_dir=claude_config_dir(),
+            config_dir=config.claude_config_dir or claude_config_dir(),
         )
 
     @property

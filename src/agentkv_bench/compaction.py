@@ -1,0 +1,301 @@
+"""Claude Code's own compaction: one real ``claude -p`` session that crosses its compaction point
+twice, with a stated think time before each compaction turn, against each configuration.
+
+The session, in one fresh git project per configuration (``--continue`` after the first turn):
+
+1. about 6,600 tokens of notes, then "Reply with the single word: alpha";
+2. "… beta": the context is now past Claude Code's compaction point (it never compacts after a
+   session's first reply);
+3. think time, then "… gamma": the turn begins with Claude Code's compaction (its request, a
+   retry when the reply had no ``<summary>``, then the turn on the compacted conversation);
+4. about 4,000 tokens of notes more, then "… delta": past the point again;
+5. think time, then "… epsilon": the second compaction.
+
+Configurations, one after another, each from nothing (a new project, home and store):
+
+- ``llama-server``: llama-server alone, Claude Code on its own ``/v1/messages``;
+- ``agentkv-noprep``: agentkv with prepared compaction off (``prepare_compaction=False``);
+- ``agentkv``: agentkv on its defaults.
+
+Every configuration gets the same think time. ``--think 0`` shows what is left when there is no
+idle time to hide the work in. What is measured is time, whatever the model writes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+
+from agentkv.runtime.config import RuntimeConfig
+from agentkv_bench.claude import make_project
+from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
+from agentkv_bench.metrics import difference, read_counters
+from agentkv_bench.report import fmt, render_table, write_report
+from agentkv_bench.scenarios import Bench
+
+__all__ = ["CONFIGS", "CompactionSpec", "compaction_table", "run_compaction"]
+
+CONFIGS = ("llama-server", "agentkv-noprep", "agentkv")
+_LABELS = {
+    "llama-server": "llama-server alone",
+    "agentkv-noprep": "agentkv, preparation off",
+    "agentkv": "agentkv",
+}
+#: What agentkv-noprep changes of agentkv's defaults.
+NO_PREPARATION = RuntimeConfig(prepare_compaction=False)
+#: Claude Code's ``-p`` output names the query that produced it; a compaction's is "compact".
+_COMPACTED = '"query_source":"compact"'
+_WORDS = [
+    "module",
+    "cache",
+    "slot",
+    "prefix",
+    "agent",
+    "request",
+    "token",
+    "engine",
+    "queue",
+    "summary",
+    "reply",
+    "context",
+    "window",
+    "turn",
+    "file",
+    "test",
+    "build",
+    "review",
+]
+
+
+@attrs.frozen
+class CompactionSpec:
+    #: Seconds between the turn that crosses the point and the compaction turn (the user reading,
+    #: a tool running): the same for every configuration.
+    think: float = 150.0
+    #: Lines of notes in the first turn and in the fourth (about 16 tokens a line).
+    notes: tuple[int, int] = (420, 250)
+    #: Seconds one ``claude -p`` may take (a cold prefill takes minutes on 2 cores).
+    timeout: float = 1800.0
+
+
+def notes(lines: int, seed: int) -> str:
+    """Deterministic filler that Claude Code sends as the user's words."""
+    pick = random.Random(seed)
+    return "\n".join(
+        f"Note {i}: " + " ".join(pick.choice(_WORDS) for _ in range(9)) + "." for i in range(lines)
+    )
+
+
+def turns(spec: CompactionSpec) -> list[tuple[str, str, float]]:
+    """(name, prompt, think time before it) of the session's turns."""
+    first, second = spec.notes
+    return [
+        ("alpha", notes(first, 7) + "\n\nReply with the single word: alpha", 0.0),
+        ("beta", "Reply with the single word: beta", 0.0),
+        ("gamma", "Reply with the single word: gamma", spec.think),
+        ("delta", notes(second, 8) + "\n\nReply with the single word: delta", 0.0),
+        ("epsilon", "Reply with the single word: epsilon", spec.think),
+    ]
+
+
+def _env(base_url: str, home: Path, ctx: int) -> dict[str, str]:
+    """The lines ``agentkv-server`` prints for Claude Code (every configuration gets them)."""
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE"))}
+    return {
+        **keep,
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": "bench",
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(ctx),
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4096",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "API_TIMEOUT_MS": "1800000",
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
+        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
+    }
+
+
+async def _turn(
+    claude: Path, project: Path, env: dict[str, str], prompt: str, first: bool, limit_s: float
+) -> dict[str, Any]:
+    command = [str(claude), "-p", prompt] if first else [str(claude), "-p", "--continue", prompt]
+    started = time.monotonic()
+    try:
+        with anyio.fail_after(limit_s):
+            done = await anyio.run_process(command, cwd=project, env=env, check=False)
+        said = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
+        rc: int | None = done.returncode
+    except TimeoutError:
+        said, rc = "timed out", None
+    return {
+        "seconds": round(time.monotonic() - started, 2),
+        "rc": rc,
+        "compacted": _COMPACTED in said,
+        "answer": said.strip()[-120:],
+    }
+
+
+async def _session(
+    name: str,
+    url: str,
+    engine_url: str,
+    engine_key: str | None,
+    claude: Path,
+    root: Path,
+    spec: CompactionSpec,
+    ctx: int,
+) -> dict[str, Any]:
+    project, home = make_project(root / name)
+    env = _env(url, home, ctx)
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    async with httpx.AsyncClient() as http:
+        for index, (word, prompt, think) in enumerate(turns(spec)):
+            await anyio.sleep(think)
+            before = await read_counters(http, engine_url, engine_key)
+            row = await _turn(claude, project, env, prompt, index == 0, spec.timeout)
+            counters = difference(await read_counters(http, engine_url, engine_key), before)
+            row |= {
+                "word": word,
+                "think_s": think,
+                "prefill_computed": int(counters["prompt_computed"]),
+                "correct": word in row["answer"].lower(),
+            }
+            rows.append(row)
+    wall = time.monotonic() - started
+    return {
+        "name": name,
+        "label": _LABELS.get(name, name),
+        "turns": rows,
+        "wall_s": round(wall, 1),
+        "busy_s": round(sum(r["seconds"] for r in rows), 1),
+        "compactions": sum(1 for r in rows if r["compacted"]),
+        "failed": sum(1 for r in rows if r["rc"] != 0),
+    }
+
+
+async def run_compaction(
+    bench: Bench, spec: CompactionSpec, *, claude: Path, configs: Sequence[str] = CONFIGS
+) -> dict[str, Any]:
+    """The session against each configuration, one after another; ``compaction.{json,txt}``."""
+    setup: EngineSetup = bench.setup
+    root = Path(tempfile.mkdtemp(prefix="agentkv-bench-compaction-"))
+    reports: list[dict[str, Any]] = []
+    started = time.monotonic()
+    try:
+        for name in configs:
+            bench.say(f"compaction/{name}: 5 turns, {spec.think:g} s of think time twice")
+            if name == "llama-server":
+                args = ["-m", str(setup.model), "-np", str(setup.slots)]
+                args += ["-c", str(setup.slots * setup.ctx), "--no-kv-unified", "--metrics"]
+                log = setup.log_dir / "llama-server-compaction.log"
+                async with raw_llama_server(setup.binary, args, log) as url:
+                    report = await _session(name, url, url, None, claude, root, spec, setup.ctx)
+            else:
+                store = bench.out / "stores" / f"compaction-{name}"
+                shutil.rmtree(store, ignore_errors=True)
+                home = root / name / "home"
+                config = NO_PREPARATION if name == "agentkv-noprep" else RuntimeConfig()
+                # The harness's Claude Code has its own home: where its transcripts are.
+                config = attrs.evolve(config, claude_config_dir=str(home / ".claude"))
+                async with agentkv_engine(setup, store_dir=store, config=config, name=name) as e:
+                    report = await _session(
+                        name, e.url, e.engine_url, e.engine_key, claude, root, spec, setup.ctx
+                    )
+                    if e.runtime is not None:
+                        report["prepared"] = attrs.asdict(e.runtime.preparations.stats())
+            reports.append(report)
+            bench.say(f"compaction/{name}: {report['wall_s']} s ({report['busy_s']} s busy)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    base = next((r for r in reports if r["name"] == "llama-server"), None)
+    for report in reports:
+        report["vs_llama_server"] = _ratios(report, base)
+    result = {
+        "scenario": "compaction",
+        "spec": attrs.asdict(spec),
+        "slots": setup.slots,
+        "ctx_per_slot": setup.ctx,
+        "model": setup.model.name,
+        "configs": reports,
+        "total_s": round(time.monotonic() - started, 1),
+    }
+    await write_report(result, compaction_table(result), bench.out, stem="compaction")
+    return result
+
+
+def _ratios(report: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float | None]:
+    """Each turn's time, the busy time and the wall time against llama-server alone's."""
+    if base is None:
+        return {}
+    ratios: dict[str, float | None] = {}
+    for mine, theirs in zip(report["turns"], base["turns"], strict=True):
+        ratios[mine["word"]] = round(mine["seconds"] / theirs["seconds"], 3)
+    for key in ("busy_s", "wall_s"):
+        ratios[key] = round(report[key] / base[key], 3) if base[key] else None
+    return ratios
+
+
+def compaction_table(result: dict[str, Any]) -> str:
+    configs = result["configs"]
+    words = [t["word"] for t in configs[0]["turns"]] if configs else []
+
+    def turn(word: str, key: str, unit: str = "") -> Any:
+        def cell(c: dict[str, Any]) -> str:
+            row = next(t for t in c["turns"] if t["word"] == word)
+            mark = " (compaction)" if key == "seconds" and row["compacted"] else ""
+            return fmt(row[key], unit) + mark
+
+        return cell
+
+    rows: list[tuple[str, Any]] = []
+    for word in words:
+        rows.append((f"turn {word}: seconds", turn(word, "seconds", " s")))
+        rows.append((f"turn {word}: prefill computed", turn(word, "prefill_computed")))
+        rows.append(
+            (
+                f"turn {word} / llama-server alone",
+                lambda c, w=word: fmt(c["vs_llama_server"].get(w), "×"),
+            )
+        )
+    rows += [
+        ("busy time (turns only)", lambda c: fmt(c["busy_s"], " s")),
+        ("busy / llama-server alone", lambda c: fmt(c["vs_llama_server"].get("busy_s"), "×")),
+        ("session wall time", lambda c: fmt(c["wall_s"], " s")),
+        ("wall / llama-server alone", lambda c: fmt(c["vs_llama_server"].get("wall_s"), "×")),
+        ("compactions seen", lambda c: fmt(c["compactions"])),
+        ("turns failed", lambda c: fmt(c["failed"])),
+        ("prepared / served / joined", lambda c: _prepared(c)),
+        ("missed", lambda c: _missed(c)),
+    ]
+    spec = result["spec"]
+    return render_table(configs, rows) + (
+        f"\n\nOne `claude -p` session of {len(words)} turns on {result['slots']} slots of "
+        f"{result['ctx_per_slot']} tokens, {spec['think']:g} s of think time before each "
+        f"compaction turn (the same for every configuration)."
+    )
+
+
+def _prepared(config: dict[str, Any]) -> str:
+    stats = config.get("prepared")
+    if stats is None:
+        return "–"
+    return f"{stats['prepared']} / {stats['served']} / {stats['joined']} ({stats['heads']} heads)"
+
+
+def _missed(config: dict[str, Any]) -> str:
+    stats = config.get("prepared")
+    if stats is None:
+        return "–"
+    missed = {k: v for k, v in stats["missed"].items() if v}
+    return ", ".join(f"{k} {v}" for k, v in missed.items()) or "0"
