@@ -14,7 +14,16 @@ from typing import Any
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "claude_code_compaction"
-SCENARIOS = ("turns", "turns_again", "baseline", "thinking", "retry", "tool_call", "long")
+SCENARIOS = (
+    "turns",
+    "turns_again",
+    "baseline",
+    "thinking",
+    "retry",
+    "retry_twice",
+    "tool_call",
+    "long",
+)
 
 FIRST_LINE = "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools."
 LAST_LINE = (

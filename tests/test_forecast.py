@@ -211,7 +211,7 @@ def after_compaction() -> list[tuple[str, int]]:
     """Every captured start-of-turn compaction (or its retry) answered with a summary and followed
     by a turn: (scenario, index of the compaction)."""
     found = []
-    for name in ("turns", "turns_again", "thinking", "retry", "long"):
+    for name in ("turns", "turns_again", "thinking", "retry", "retry_twice", "long"):
         ex = exchanges(name)
         for index, kind in enumerate(kinds(name)[:-1]):
             body = ex[index]["body"]

@@ -295,8 +295,9 @@ class CompactionForecast:
     ) -> dict[str, Any] | None:
         """The request Claude Code sends after the start-of-turn compaction ``body`` (or its
         retry) was answered with ``reply``, its user's words :data:`NEXT_WORDS`; None when it
-        cannot be known (no summary, no known configuration directory, a conversation laid out
-        otherwise than Claude Code 2.1.328's)."""
+        cannot be known (no known configuration directory, a conversation laid out otherwise
+        than Claude Code 2.1.328's) or does not come next (a first reply without ``<summary>``
+        is asked for again; after the retry Claude Code goes on with whatever it got)."""
         messages = _messages(body)
         if (
             self.config_dir is None
@@ -313,8 +314,9 @@ class CompactionForecast:
         first = _block_texts(messages[0].get("content"))
         note = _note_after(messages)
         transcript = self._transcript(body, messages)
+        retried = _whole_text(messages[-1].get("content")) != self.instruction
         if (
-            "<summary>" not in said
+            ("<summary>" not in said and not retried)  # then the retry comes first
             or kept is None
             or not first
             or not first[0].startswith(_GIT_STATUS)

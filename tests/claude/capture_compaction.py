@@ -313,6 +313,11 @@ SCENARIOS: dict[str, Callable[[], list[Step]]] = {
         *words("alpha", "beta"),
         Step("Reply with the single word: gamma", no_summary=1, replies=[Reply([text("gamma")])]),
     ],
+    # neither compaction reply has a <summary>: what Claude Code does after its retry
+    "retry_twice": lambda: [
+        *words("alpha", "beta"),
+        Step("Reply with the single word: gamma", no_summary=2, replies=[Reply([text("gamma")])]),
+    ],
     # a turn whose tool calls are answered above the point: compaction between tool calls
     "tool_call": lambda: [
         Step(
