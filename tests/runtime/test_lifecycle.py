@@ -73,6 +73,9 @@ async def test_agents_starting_together_compute_the_shared_head_once(tmp_path: P
         first = records["agent0"]
         assert first.cached_tokens == 0
         assert first.computed_tokens == first.prompt_tokens
+        # and its time is in what the computed part cost (the fake: 1 ms a token)
+        assert first.divergence is not None
+        assert first.divergence["seconds"] >= 0.9 * head / 1000
         assert {records[a].source for a in ("agent1", "agent2")} <= {"store", "slot"}
         # The engine computed the head once, plus each agent's own few tokens.
         prompt = records["agent0"].prompt_tokens

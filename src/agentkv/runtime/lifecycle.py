@@ -104,6 +104,8 @@ class Exchange:
     _suspended: list[str] = attrs.field(factory=list)
     #: The exact tokens a reply suspended mid-way left in its slot (prompt and reply so far).
     _resume_from: Tokens | None = None
+    #: Milliseconds the engine spent computing a head of the prompt on its own first.
+    _head_ms: float = 0.0
     #: As background work, it was stopped to give its slot to an agent's request.
     _gave_way: bool = False
 
@@ -249,7 +251,8 @@ class Exchange:
                 holds = await self._use_slot(lease)
             if not suspension.cancelled_caught:
                 sections = self.prepared.engine.sections
-                record.explain(self.relay.prompt_ms / 1000, sections, self._candidate)
+                seconds = (self.relay.prompt_ms + self._head_ms) / 1000
+                record.explain(seconds, sections, self._candidate)
                 return True
             holds, entry = await runtime.contents.save_progress(lease.slot, self.prepared.agent)
             if entry is not None:
@@ -270,11 +273,15 @@ class Exchange:
         checkpoint = runtime.dispatcher.checkpoint_of(lease)
         if checkpoint is not None:
             entry = await contents.checkpoint(
-                lease, checkpoint, self.prepared.engine.sections, record.head_computed
+                lease, checkpoint, self.prepared.engine.sections, self._head_computed
             )
             if entry is not None:
                 record.checkpointed(entry.n_tokens)
         return await self._reply(lease)
+
+    def _head_computed(self, timings: Mapping[str, Any]) -> None:
+        self.record.head_computed(timings)
+        self._head_ms += float(timings.get("prompt_ms", 0.0) or 0.0)
 
     async def _reply(self, lease: Lease) -> Tokens:
         """Stream the reply (the relay), then end it; the slot then holds the prompt (after a
