@@ -252,6 +252,46 @@ async def test_an_overlong_prompt_waits_for_its_agents_background_compaction() -
         assert runtime.compactor.store.latest("other") is None
 
 
+async def test_a_compaction_model_writes_the_summary_without_taking_an_agents_slot() -> None:
+    """With a second engine for summaries, the summary is written there while the agents' only
+    slot is busy; the agents' engine is asked for no summary, only for the compacted
+    conversation's prefill, in idle time; the agent's next turn carries that summary."""
+    fake = FakeLlama(reply="ok " * 40, delay=0.02)  # the hog's reply takes about a second
+    small = FakeLlama(reply="the summary the small model wrote")
+    http = httpx.AsyncClient(transport=fake.transport(), base_url="http://engine")
+    small_http = httpx.AsyncClient(transport=small.transport(), base_url="http://small")
+    client = LlamaSlotClient("http://engine", http=http, connect_retries=0)
+    summarizer = LlamaSlotClient("http://small", http=small_http, connect_retries=0)
+    config = RuntimeConfig(n_slots=1, ctx_per_slot=4000, compact_at=300, compact_keep_messages=2)
+    async with http, small_http, Runtime(client, config, summarizer=summarizer) as runtime:
+        turns: list[dict[str, Any]] = []
+        for i in range(6):
+            turns += [
+                {"role": "user", "content": f"question {i} " + "detail " * 30},
+                {"role": "assistant", "content": f"answer {i} " + "fact " * 30},
+            ]
+        long = {
+            "model": "m",
+            "max_tokens": 8,
+            "messages": [*turns, {"role": "user", "content": "go"}],
+        }
+        await ask(runtime, long, "agent")  # past compact_at: a background compaction starts
+        hog = {"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "hog"}]}
+        busy = runtime.submit(await runtime.prepare(hog, agent="hog", priority=1))
+        # the summary is written on the small engine while the hog holds the only slot
+        await wait_for(lambda: len(small.requests) == 1)
+        assert not busy.done
+        assert "Summarise this conversation" in json.dumps(small.requests[0])
+        await busy.message()
+        await wait_for(lambda: runtime.compactor.store.latest("agent") is not None)
+        asked = json.dumps(fake.requests)
+        assert "Summarise this conversation" not in asked  # the agents' engine wrote none
+        after = {**long, "messages": [*long["messages"], {"role": "user", "content": "on"}]}
+        prepared = await runtime.prepare(after, agent="agent", priority=1)
+        sent = json.dumps(prepared.engine.body["messages"])
+        assert "the summary the small model wrote" in sent and "question 0" not in sent
+
+
 def _tool(name: str, description: str) -> dict[str, Any]:
     return {
         "name": name,

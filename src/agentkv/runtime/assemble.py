@@ -196,6 +196,14 @@ class EngineSettings:
         metavar="PATH",
         group="engine",
     )
+    compaction_model: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
+        None,
+        "a small GGUF model for agentkv's own summaries: a second llama-server (one slot) writes "
+        "them, so that no agent's slot is taken for it; a client's own compaction request still "
+        "goes to --model (default: none, --model writes them in idle time)",
+        metavar="PATH",
+        group="engine",
+    )
     kv_type: str = setting(
         "f16",
         "KV cache element type of the launched llama-server (-ctk/-ctv): f16, q8_0, ... "
@@ -390,15 +398,56 @@ async def assemble(
                 if engine.kv_bytes_per_token
                 else CostModel()
             )
-            runtime = Runtime(client, config, store_compat=engine.compat, costs=costs)
-            yield Assembly(
-                engine,
-                client,
-                runtime,
-                store_note,
-                engine_name=client.engine_name,
-                served_model=client.model if isinstance(client, OpenAIEngineClient) else None,
-            )
+            async with open_summarizer(settings) as summarizer:
+                runtime = Runtime(
+                    client, config, store_compat=engine.compat, costs=costs, summarizer=summarizer
+                )
+                yield Assembly(
+                    engine,
+                    client,
+                    runtime,
+                    store_note,
+                    engine_name=client.engine_name,
+                    served_model=client.model if isinstance(client, OpenAIEngineClient) else None,
+                )
+        finally:
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
+
+
+#: The summarizer's one slot: the transcript of the turns to fold (each message cut to 2,000
+#: characters) and the summary.
+SUMMARIZER_CTX = 16384
+
+
+@asynccontextmanager
+async def open_summarizer(settings: EngineSettings) -> AsyncIterator[LlamaSlotClient | None]:
+    """The second llama-server that writes agentkv's summaries (``--compaction-model``), launched
+    here with one slot and stopped on the way out; None without one."""
+    if settings.compaction_model is None:
+        yield None
+        return
+    from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_server
+    from agentkv.runtime.model import ModelNotFoundError
+
+    if not await anyio.Path(settings.compaction_model).is_file():
+        raise ModelNotFoundError(f"--compaction-model {settings.compaction_model}: no such file")
+    config = EngineConfig(
+        model=settings.compaction_model,
+        slots=1,
+        ctx_per_slot=SUMMARIZER_CTX,
+        gpu_layers=settings.gpu_layers if settings.gpu_layers is not None else 0,
+        port=0,
+        threads=settings.threads,
+    )
+    binary = find_llama_server(settings.llama_server)
+    async with LlamaServerProcess(
+        config, binary=binary, log_name="llama-server-summarizer.log"
+    ) as process:
+        client = LlamaSlotClient(process.base_url, api_key=process.api_key)
+        try:
+            await client.wait_ready(READY_TIMEOUT)
+            yield client
         finally:
             with anyio.CancelScope(shield=True):
                 await client.aclose()

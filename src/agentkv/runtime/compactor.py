@@ -3,6 +3,10 @@
 The planning and rewriting are pure (``agentkv.compaction``); this module does the waiting and
 the engine calls. A background job takes a slot only while no agent request waits (the dispatcher's
 background lane), at priority 3.
+
+With a ``summarizer`` (a second, small engine: ``--compaction-model``), the summary is written
+there, one at a time, without taking any slot of the agents' engine; only the prefill of the
+compacted conversation then takes one, in the background lane as before.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class Compactor:
     dispatcher: Dispatcher
     client: Engine
     fingerprinter: PrefixFingerprinter
+    #: The engine that writes the summaries, when it is not the agents' own.
+    summarizer: Engine | None = None
     keep_recent: int = 6
     summary_tokens: int = 320
     store: CompactionStore = attrs.field(factory=CompactionStore)
@@ -49,6 +55,8 @@ class Compactor:
     _tasks: anyio.abc.TaskGroup | None = None
     #: Per agent, the compaction in flight.
     _inflight: dict[str, _Job] = attrs.field(factory=dict)
+    #: The summarizer writes one summary at a time (it has one slot).
+    _summarizing: anyio.Lock = attrs.field(factory=anyio.Lock)
 
     def attach(self, tasks: anyio.abc.TaskGroup | None) -> None:
         """Where background jobs run (the server's lifespan task group); None stops scheduling."""
@@ -118,7 +126,16 @@ class Compactor:
     ) -> Compaction | None:
         plan = job.plan
         result: Compaction | None = None
+        ask = summary_request(body, plan, max_tokens=self.summary_tokens)
         try:
+            summary: str | None = None
+            if self.summarizer is not None:
+                # Written on the small engine: no slot of the agents' engine is taken for it.
+                async with self._summarizing:
+                    summary = _reply_text(await self.summarizer.chat(ask, slot=None))
+                if not summary:
+                    log.warning("compaction for agent %s produced no summary", agent)
+                    return None
             job.ticket = self.dispatcher.submit(
                 f"{agent} (compaction)", priority, background=background
             )
@@ -128,12 +145,8 @@ class Compactor:
             # An engine that places requests itself runs the summary where the agent's context is.
             hints = EngineHints(agent=agent, priority=priority)
             try:
-                reply = await self.client.chat(
-                    summary_request(body, plan, max_tokens=self.summary_tokens),
-                    slot=lease.slot,
-                    hints=hints,
-                )
-                summary = _reply_text(reply)
+                if summary is None:
+                    summary = _reply_text(await self.client.chat(ask, slot=lease.slot, hints=hints))
                 if not summary:
                     log.warning("compaction for agent %s produced no summary", agent)
                     return None

@@ -329,6 +329,9 @@ class Runtime:
     #: Prices prefill, decode, save and restore; it learns from every reply (the launch may
     #: give it the model's KV bytes per token to start from).
     costs: CostModel = attrs.field(factory=CostModel, kw_only=True)
+    #: A second, small engine that writes agentkv's own summaries (``--compaction-model``);
+    #: None: the agents' engine writes them, on a slot of the background lane.
+    summarizer: Engine | None = attrs.field(default=None, kw_only=True)
     #: The queue and the leases.
     dispatcher: Dispatcher = attrs.field(init=False)
     #: The one writer of slot contents, and the prefix store's owner.
@@ -377,6 +380,7 @@ class Runtime:
             dispatcher=self.dispatcher,
             client=self.client,
             fingerprinter=self.fingerprinter,
+            summarizer=self.summarizer,
             keep_recent=config.compact_keep_messages,
             clock=self.clock,
         )
