@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
-from cachetools import TTLCache
+from cachetools import LRUCache, TTLCache
 
 from agentkv.anthropic_sse import reply_message
 from agentkv.exceptions import AgentKVError
@@ -184,9 +184,14 @@ class Preparations(Generic[E]):
     _joined: int = attrs.field(init=False, default=0)
     _missed: Counter[str] = attrs.field(init=False, factory=Counter)
     _wasted: int = attrs.field(init=False, default=0)
-    #: Conversations after a compaction being computed, by agent (stopped on a miss).
-    _heads: dict[str, E] = attrs.field(init=False, factory=dict)
+    #: Conversations after a compaction being computed, by agent (stopped on a miss), the
+    #: least recent dropped first.
+    _heads: LRUCache[str, E] = attrs.field(init=False)
     _heads_started: int = attrs.field(init=False, default=0)
+
+    @_heads.default
+    def _heads_default(self) -> LRUCache[str, E]:
+        return LRUCache(maxsize=self.max_waiting)
 
     @_forecast.default
     def _forecast_default(self) -> CompactionForecast:
@@ -211,6 +216,9 @@ class Preparations(Generic[E]):
             self._forecast = self._forecast.learn(body)
         agent = prepared.agent
         self._pending.pop(agent, None)  # it came before its preparation was queued
+        head = self._heads.get(agent)
+        if head is not None and head.done:
+            del self._heads[agent]
         self._waiting.expire()
         chain = self._waiting.get(agent)
         if not chain:
