@@ -63,19 +63,24 @@ def test_each_turn_and_the_session_are_compared_with_llama_server_alone() -> Non
             "waiting": 0,
         },
     )
-    mine["vs_llama_server"] = _ratios(mine, base)
-    base["vs_llama_server"] = _ratios(base, base)
+    off = _config("agentkv-noprep", [130, 1, 50, 30, 40], None)
+    for config in (base, off, mine):
+        config["vs_llama-server"] = _ratios(config, base)
+        config["vs_agentkv-noprep"] = _ratios(config, off)
+    assert mine["vs_agentkv-noprep"]["gamma"] == 0.2
+    mine["vs_llama_server"] = mine["vs_llama-server"]
     assert mine["vs_llama_server"]["gamma"] == 0.1
     assert mine["vs_llama_server"]["epsilon"] == 0.2
     assert mine["vs_llama_server"]["busy_s"] == round(191 / 522, 3)
     table = compaction_table(
         {
-            "configs": [base, mine],
+            "configs": [base, off, mine],
             "spec": {"think": 60.0},
             "slots": 2,
             "ctx_per_slot": 32768,
         }
     )
     assert "turn gamma: seconds" in table and "(compaction)" in table
+    assert "turn gamma / preparation off" in table and "0.2×" in table
     assert "3 / 2 / 1 (2 heads)" in table and "expired 1" in table
     assert "60 s of think time" in table
