@@ -84,3 +84,17 @@ def test_each_turn_and_the_session_are_compared_with_llama_server_alone() -> Non
     assert "turn gamma / preparation off" in table and "0.2×" in table
     assert "3 / 2 / 1 (2 heads)" in table and "expired 1" in table
     assert "60 s of think time" in table
+
+
+def test_claude_code_gets_the_printed_lines() -> None:
+    """The model id Claude Code does not know, so that the window it is told applies (with a
+    model id it knows it takes that model's window and never compacts here)."""
+    from pathlib import Path
+
+    from agentkv_bench.compaction import _env
+
+    env = _env("http://127.0.0.1:1", Path("/nonexistent-home"), 32768)
+    assert env["ANTHROPIC_MODEL"] == "agentkv-local"
+    assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "32768"
+    assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "4096"
+    assert env["HOME"] == "/nonexistent-home"

@@ -42,6 +42,7 @@ from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
 from agentkv_bench.metrics import difference, read_counters
 from agentkv_bench.report import fmt, render_table, write_report
 from agentkv_bench.scenarios import Bench
+from agentkv_server.cli import claude_code_env
 
 __all__ = ["CONFIGS", "CompactionSpec", "compaction_table", "run_compaction"]
 
@@ -109,20 +110,15 @@ def turns(spec: CompactionSpec) -> list[tuple[str, str, float]]:
 
 
 def _env(base_url: str, home: Path, ctx: int) -> dict[str, str]:
-    """The lines ``agentkv-server`` prints for Claude Code (every configuration gets them)."""
+    """The lines ``agentkv-server`` prints for Claude Code (every configuration gets them): its
+    model id, which Claude Code does not know, so that the window it is told applies."""
     keep = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE"))}
-    return {
-        **keep,
-        "HOME": str(home),
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": "bench",
-        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(ctx),
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4096",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "API_TIMEOUT_MS": "1800000",
-        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
-        "CLAUDE_CODE_DISABLE_NONSTREAMING_FALLBACK": "1",
-    }
+    printed = {}
+    for line in claude_code_env(base_url, None, ctx_per_slot=ctx).splitlines():
+        if line.startswith("export "):
+            name, _, value = line.removeprefix("export ").partition("=")
+            printed[name] = value.split("  #", 1)[0].strip()
+    return {**keep, **printed, "HOME": str(home)}
 
 
 async def _turn(
