@@ -37,6 +37,7 @@ import attrs
 import httpx
 
 from agentkv.runtime.config import RuntimeConfig
+from agentkv.runtime.record import request_fields
 from agentkv_bench.claude import make_project
 from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
 from agentkv_bench.metrics import difference, read_counters
@@ -210,6 +211,8 @@ async def run_compaction(
                     )
                     if e.runtime is not None:
                         report["prepared"] = attrs.asdict(e.runtime.preparations.stats())
+                        # what each request computed and where it parted from the cache
+                        report["requests"] = [request_fields(r) for r in e.runtime.records()]
             reports.append(report)
             bench.say(f"compaction/{name}: {report['wall_s']} s ({report['busy_s']} s busy)")
     finally:
