@@ -115,6 +115,8 @@ class AgentKVServer:
 
     root: Path
     extra_args: Sequence[str] = ()
+    #: Variables set for the server besides the caller's environment.
+    env: Mapping[str, str] = attrs.field(factory=dict)
     startup_timeout: float = 900.0
     port: int = attrs.field(factory=free_port)
     process: subprocess.Popen[bytes] | None = attrs.field(default=None, init=False)
@@ -148,6 +150,7 @@ class AgentKVServer:
             # Its own process group: stopping it also stops the llama-server it launched.
             self.process = subprocess.Popen(
                 self.command,
+                env={**os.environ, **self.env},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

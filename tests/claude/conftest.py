@@ -34,12 +34,18 @@ def claude_bin() -> Path:
 
 @pytest.fixture(scope="session")
 def agentkv_server(
-    claude_bin: Path, tmp_path_factory: pytest.TempPathFactory
+    claude_bin: Path, claude_home: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[AgentKVServer]:
-    """``agentkv-server`` with its defaults, a free port and a temporary slot directory."""
+    """``agentkv-server`` with its defaults, a free port and a temporary slot directory; Claude
+    Code's configuration directory is the tests' (a user running both as one account has that
+    without saying it)."""
     locate_engine()  # skip (or fail under CI) without llama-server and the default model
     root = tmp_path_factory.mktemp("agentkv-server")
-    server = AgentKVServer(root, extra_args=server_args_from_env())
+    server = AgentKVServer(
+        root,
+        extra_args=server_args_from_env(),
+        env={"CLAUDE_CONFIG_DIR": str(claude_home / ".claude")},
+    )
     with server:
         yield server
 
