@@ -258,18 +258,20 @@ async def test_a_preparation_still_queued_is_promoted_to_its_clients_priority() 
         assert compactions_generated(fake) == 1
 
 
+def summary_on_retry(body: dict[str, Any]) -> str:
+    """A turn answers "beta"; a compaction gets no <summary> the first time, its retry one."""
+    last = str(body["messages"][-1].get("content"))
+    if not last.startswith(FIRST_LINE):
+        return "beta"
+    return SUMMARY if last.endswith(RETRY_PARAGRAPH) else "<analysis>\nWords.\n</analysis>"
+
+
 async def test_a_compaction_without_summary_has_its_retry_prepared_behind_it() -> None:
     """The prepared compaction's reply has no <summary>: Claude Code's retry (the instruction and
     its paragraph) is prepared too, in idle time, and the agent's next two requests are both
     served from what was prepared; the engine generated each once."""
 
-    def answer(body: dict[str, Any]) -> str:
-        last = str(body["messages"][-1].get("content"))
-        if not last.startswith(FIRST_LINE):
-            return "beta"
-        return SUMMARY if last.endswith(RETRY_PARAGRAPH) else "<analysis>\nWords.\n</analysis>"
-
-    fake = FakeLlama(script=[answer] * 20)
+    fake = FakeLlama(script=[summary_on_retry] * 20)
     async with running(fake) as runtime:
         await (await send(runtime, turn())).message()
         await wait_for(lambda: runtime.preparations.stats().prepared == 2)
@@ -294,13 +296,7 @@ async def test_a_live_compaction_without_summary_has_its_retry_prepared() -> Non
     """Preparation missed the compaction (it was asked for at once): its reply has no summary,
     so the retry is prepared as soon as the reply ends, and the client's retry takes it."""
 
-    def answer(body: dict[str, Any]) -> str:
-        last = str(body["messages"][-1].get("content"))
-        if not last.startswith(FIRST_LINE):
-            return "beta"
-        return SUMMARY if last.endswith(RETRY_PARAGRAPH) else "<analysis>\nWords.\n</analysis>"
-
-    fake = FakeLlama(script=[answer] * 20)
+    fake = FakeLlama(script=[summary_on_retry] * 20)
     async with running(fake, prepare_compaction=True) as runtime:
         # The compaction straight away, as another agent's first: nothing was prepared for it.
         live = await send(runtime, compaction(), agent="other")
