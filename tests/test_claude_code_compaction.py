@@ -21,6 +21,8 @@ SCENARIOS = (
     "thinking",
     "retry",
     "retry_twice",
+    "retry_twice_differs",
+    "open_summary",
     "tool_call",
     "long",
 )

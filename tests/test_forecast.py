@@ -13,6 +13,7 @@ from agentkv.forecast import (
     CompactionForecast,
     compaction_point,
     context_tokens,
+    has_summary,
     is_claude_code,
     shipped_instruction,
     shipped_retry_paragraph,
@@ -195,8 +196,12 @@ def test_predicts_the_captured_retry() -> None:
     summarised = exchanges("turns")[2]
     assert forecast.predict_retry(summarised["body"], reply(summarised)) is None
     assert forecast.predict_retry(ex[1]["body"], reply(ex[1])) is None
+    # Claude Code reads the reply however it ended (a reply cut at max_tokens is asked again);
+    # a reply with no text at all has no summary and is not asked again
     cut = {**reply(ex[2]), "stop_reason": "max_tokens"}
-    assert forecast.predict_retry(ex[2]["body"], cut) is None
+    assert forecast.predict_retry(ex[2]["body"], cut) == predicted
+    empty = {**reply(ex[2]), "content": [{"type": "text", "text": "  \n"}]}
+    assert forecast.predict_retry(ex[2]["body"], empty) is None
     # between tool calls the instruction is not the whole message: not predicted
     between = exchanges("tool_call")[4]
     assert forecast.predict_retry(between["body"], reply(ex[2])) is None
@@ -211,7 +216,16 @@ def after_compaction() -> list[tuple[str, int]]:
     """Every captured start-of-turn compaction (or its retry) answered with a summary and followed
     by a turn: (scenario, index of the compaction)."""
     found = []
-    for name in ("turns", "turns_again", "thinking", "retry", "retry_twice", "long"):
+    for name in (
+        "turns",
+        "turns_again",
+        "thinking",
+        "retry",
+        "retry_twice",
+        "retry_twice_differs",
+        "open_summary",
+        "long",
+    ):
         ex = exchanges(name)
         for index, kind in enumerate(kinds(name)[:-1]):
             body = ex[index]["body"]
@@ -244,7 +258,8 @@ def test_predicts_the_conversation_after_a_compaction(name: str, index: int) -> 
     ex = exchanges(name)
     compaction, after = ex[index], ex[index + 1]
     forecast = CompactionForecast(config_dir=CONFIG_DIR)
-    predicted = forecast.predict_after(compaction["body"], reply(compaction))
+    first = reply(ex[index - 1]) if kinds(name)[index - 1] == "compaction" else None
+    predicted = forecast.predict_after(compaction["body"], reply(compaction), first)
     assert predicted is not None
     got, want = stem(predicted), stem(after["body"])
     if name == "long":  # README.md was read: Claude Code attaches it again
@@ -274,7 +289,43 @@ def test_after_compaction_needs_the_summary_and_the_transcript_directory() -> No
     assert learned.predict_after(between["body"], reply(ex[3])) is None
 
 
+def test_after_two_replies_without_a_summary_the_first_is_the_summary() -> None:
+    """Captured (``retry_twice_differs``): neither reply had a summary, and Claude Code went on
+    with the first one; without the first reply nothing is predicted."""
+    ex = exchanges("retry_twice_differs")
+    assert kinds("retry_twice_differs")[2:5] == ["compaction", "compaction", "turn"]
+    forecast = CompactionForecast(config_dir=CONFIG_DIR)
+    assert forecast.predict_after(ex[3]["body"], reply(ex[3])) is None
+    predicted = forecast.predict_after(ex[3]["body"], reply(ex[3]), reply(ex[2]))
+    assert predicted is not None and stem(predicted) == stem(ex[4]["body"])
+    assert "The user asked for single words.\n\nNothing is pending." in stem(ex[4]["body"])
+    assert "The second attempt" not in stem(ex[4]["body"])
+    # a retry answered with its summary goes on with that one, whatever came first
+    retried = exchanges("retry")
+    predicted = forecast.predict_after(retried[3]["body"], reply(retried[3]), reply(ex[2]))
+    assert predicted is not None and stem(predicted) == stem(retried[4]["body"])
+
+
+def test_a_summary_opened_at_a_line_start_is_not_asked_again() -> None:
+    """Captured (``open_summary``): ``<summary>`` at a line's start, never closed, and an
+    unclosed ``<analysis>``: no retry, and the reply goes into the summary message as it is."""
+    ex = exchanges("open_summary")
+    assert kinds("open_summary")[2:4] == ["compaction", "turn"]
+    said = reply(ex[2])["content"][0]["text"]
+    assert has_summary(said) and not has_summary("see <summary> below")
+    assert CompactionForecast().predict_retry(ex[2]["body"], reply(ex[2])) is None
+    assert summary_text(said) == said.strip()
+
+
 def test_the_summary_as_claude_code_writes_it_back() -> None:
     said = "<analysis>\nThinking.\n</analysis>\n\n<summary>\n1. One.\n\n\n\n2. Two.\n</summary>\n"
     assert summary_text(said) == "Summary:\n1. One.\n\n2. Two."
     assert summary_text("no tags\n\n\nat all") == "no tags\n\nat all"
+    # only the first analysis goes; a closing tag before the opening one is no block
+    assert summary_text("</analysis>a<analysis>b</analysis><analysis>c</analysis>") == (
+        "</analysis>a<analysis>c</analysis>"
+    )
+    # Claude Code's own tag for the tools used cannot be forged from the summary
+    assert summary_text("x </tools-used-before-summary> y") == "x &lt;/tools-used-before-summary> y"
+    assert has_summary("<analysis>a</analysis>\n<summary>b</summary>")
+    assert not has_summary("<analysis><summary>b</summary></analysis>")

@@ -46,8 +46,10 @@ __all__ = [
     "CompactionForecast",
     "compaction_point",
     "context_tokens",
+    "has_summary",
     "is_claude_code",
     "reaches_point",
+    "reply_text",
     "shipped_instruction",
     "shipped_retry_paragraph",
     "summary_text",
@@ -116,17 +118,64 @@ _GIT_STATUS = "<system-reminder>\nAs you answer the user's questions"
 #: The user's next words in a predicted request (they are not known; the session layout puts
 #: everything else of that turn before them).
 NEXT_WORDS = "…"
+#: How a compaction reply Claude Code reads ended (it does not look at why).
+_ENDED = ("end_turn", "max_tokens")
+#: A line that opens a summary (JavaScript's ``^`` in multiline mode: after any line break).
+_OPEN_SUMMARY = re.compile(r"(?:^|(?<=[\n\r\u2028\u2029]))[ \t]*<summary>")
+#: A ``<`` that would open (or close) the tag Claude Code wraps the tool names in.
+_SUMMARY_TAG = re.compile(r"<(?=\s*(?:/\s*)?tools-used-before-summary\b)", flags=re.I)
+
+
+def _tag(text: str, name: str) -> tuple[int, int, str] | None:
+    """The first ``<name>`` and the first ``</name>`` after it: their span and what is between,
+    or None when either is missing (as Claude Code finds a tag)."""
+    start = text.find(f"<{name}>")
+    if start == -1:
+        return None
+    inner = start + len(name) + 2
+    end = text.find(f"</{name}>", inner)
+    if end == -1:
+        return None
+    return start, end + len(name) + 3, text[inner:end]
+
+
+def _without_analysis(text: str) -> str:
+    found = _tag(text, "analysis")
+    return text if found is None else text[: found[0]] + text[found[1] :]
+
+
+def has_summary(reply: str) -> bool:
+    """Claude Code takes ``reply`` (a compaction reply's text) as a summary, and does not ask
+    again: once its first ``<analysis>…</analysis>`` is dropped, a ``<summary>…</summary>`` is in
+    it, or a line that begins with ``<summary>`` (captured: ``open_summary``)."""
+    rest = _without_analysis(reply)
+    return _tag(rest, "summary") is not None or _OPEN_SUMMARY.search(rest) is not None
 
 
 def summary_text(reply: str) -> str:
-    """The summary as Claude Code puts it into the next conversation: the ``<analysis>`` dropped,
-    ``<summary>…</summary>`` written ``Summary:`` and its trimmed text, runs of blank lines made
-    one."""
-    text = re.sub(r"<analysis>[\s\S]*?</analysis>", "", reply, count=1)
-    found = re.search(r"<summary>([\s\S]*?)</summary>", text)
+    """The summary as Claude Code puts it into the next conversation: a ``<`` that would open
+    its own ``tools-used-before-summary`` tag escaped, the first ``<analysis>…</analysis>``
+    dropped, the first ``<summary>…</summary>`` written ``Summary:`` and its trimmed text, runs
+    of blank lines made one, the whole trimmed."""
+    text = _SUMMARY_TAG.sub("&lt;", reply)
+    text = _without_analysis(text)
+    found = _tag(text, "summary")
     if found is not None:
-        text = text.replace(found.group(0), "Summary:\n" + found.group(1).strip(), 1)
+        text = f"{text[: found[0]]}Summary:\n{found[2].strip()}{text[found[1] :]}"
     return re.sub(r"\n\n+", "\n\n", text).strip()
+
+
+def reply_text(reply: Mapping[str, Any]) -> str | None:
+    """What Claude Code reads of a compaction reply: its first text block, trimmed; None when it
+    has none (then Claude Code has no summary at all)."""
+    content = reply.get("content")
+    if not isinstance(content, Sequence) or isinstance(content, str):
+        return None
+    for block in content:
+        if isinstance(block, Mapping) and block.get("type") == "text":
+            text = str(block.get("text") or "").strip()
+            return text or None
+    return None
 
 
 def _system_texts(system: Any) -> list[str]:
@@ -274,30 +323,30 @@ class CompactionForecast:
             or not self.is_compaction(body)
             or len(messages) != len(body.get("messages") or ())
             or _whole_text(messages[-1].get("content")) != self.instruction
-            or reply.get("stop_reason") != "end_turn"
+            or reply.get("stop_reason") not in _ENDED
         ):
             return None
-        content = reply.get("content")
-        if not isinstance(content, list):
-            return None
-        said = "".join(
-            str(block.get("text") or "")
-            for block in content
-            if isinstance(block, Mapping) and block.get("type") == "text"
-        )
-        if "<summary>" in said:
-            return None
+        said = reply_text(reply)
+        if said is None or has_summary(said):
+            return None  # no text: Claude Code has no summary and does not ask again
         ask = {"role": "user", "content": self.instruction + self.retry_paragraph}
         return {**body, "messages": [*body["messages"][:-1], ask]}
 
     def predict_after(
-        self, body: Mapping[str, Any], reply: Mapping[str, Any]
+        self,
+        body: Mapping[str, Any],
+        reply: Mapping[str, Any],
+        first: Mapping[str, Any] | None = None,
     ) -> dict[str, Any] | None:
         """The request Claude Code sends after the start-of-turn compaction ``body`` (or its
         retry) was answered with ``reply``, its user's words :data:`NEXT_WORDS`; None when it
         cannot be known (no known configuration directory, a conversation laid out otherwise
-        than Claude Code 2.1.328's) or does not come next (a first reply without ``<summary>``
-        is asked for again; after the retry Claude Code goes on with whatever it got)."""
+        than Claude Code 2.1.328's) or does not come next (a first reply without a summary is
+        asked for again).
+
+        After a retry whose reply has no summary either, Claude Code goes on with the *first*
+        reply (captured: ``retry_twice_differs``): ``first`` is that reply, and without it
+        nothing is predicted."""
         messages = _messages(body)
         if (
             self.config_dir is None
@@ -306,25 +355,29 @@ class CompactionForecast:
             or len(messages) != len(body.get("messages") or ())
             or _whole_text(messages[-1].get("content"))
             not in (self.instruction, self.instruction + self.retry_paragraph)
-            or reply.get("stop_reason") != "end_turn"
+            or reply.get("stop_reason") not in _ENDED
         ):
             return None
-        said = "".join(_block_texts(reply.get("content"), kinds=("text",)))
+        said = reply_text(reply)
+        retried = _whole_text(messages[-1].get("content")) != self.instruction
+        if retried and (said is None or not has_summary(said)):
+            said = None if first is None else reply_text(first)
+        elif not retried and (said is None or not has_summary(said)):
+            return None  # the retry comes first (or, with no text, no summary at all)
         kept = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
-        first = _block_texts(messages[0].get("content"))
+        first_texts = _block_texts(messages[0].get("content"))
         note = _note_after(messages)
         transcript = self._transcript(body, messages)
-        retried = _whole_text(messages[-1].get("content")) != self.instruction
         if (
-            ("<summary>" not in said and not retried)  # then the retry comes first
+            said is None
             or kept is None
-            or not first
-            or not first[0].startswith(_GIT_STATUS)
+            or not first_texts
+            or not first_texts[0].startswith(_GIT_STATUS)
             or note is None
             or transcript is None
         ):
             return None
-        git_status = first[0] if first[0].endswith("\n") else first[0] + "\n"
+        git_status = first_texts[0] if first_texts[0].endswith("\n") else first_texts[0] + "\n"
         tools = sorted(
             {
                 str(block.get("name"))

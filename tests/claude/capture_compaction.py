@@ -5,7 +5,8 @@ query, headers, JSON body) and what it answered, and answers:
 
 - a compaction request (its last user message holds :data:`COMPACTION_MARK`) with
   ``<analysis>…</analysis>`` and ``<summary>…</summary>`` (or, while ``no_summary`` is above
-  zero, with an ``<analysis>`` alone, to see the retry);
+  zero, with an ``<analysis>`` alone, to see the retry; or with the next of ``odd_replies``
+  while there is one, to see what Claude Code makes of replies of other shapes);
 - any other ``/v1/messages`` request with the next scripted reply of :attr:`CompactionStub.script`
   (text, ``thinking`` with a signature, ``tool_use``), or a short text when the script is empty,
   reporting :attr:`CompactionStub.input_tokens` (or the reply's own) as ``usage.input_tokens``;
@@ -169,6 +170,7 @@ class CompactionStub:
 
     input_tokens: int = LOW
     no_summary: int = 0
+    odd_replies: list[str] = attrs.field(factory=list)
     script: list[Reply] = attrs.field(factory=list)
     exchanges: list[dict[str, Any]] = attrs.field(factory=list, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
@@ -190,7 +192,10 @@ class CompactionStub:
         if is_compaction(body):
             summary = self.no_summary <= 0
             self.no_summary -= 1
-            reply = Reply([text(SUMMARY_REPLY if summary else NO_SUMMARY_REPLY)], LOW, 60)
+            said = SUMMARY_REPLY if summary else NO_SUMMARY_REPLY
+            if self.odd_replies:
+                said = self.odd_replies.pop(0)
+            reply = Reply([text(said)], LOW, 60)
             kind = "compaction"
         else:
             reply = self.script.pop(0) if self.script else Reply([text("ok")])
@@ -269,6 +274,7 @@ class Step:
     replies: Sequence[Reply] = ()
     input_tokens: int = HIGH
     no_summary: int = 0
+    odd_replies: Sequence[str] = ()
     flags: Sequence[str] = ()
 
 
@@ -317,6 +323,28 @@ SCENARIOS: dict[str, Callable[[], list[Step]]] = {
     "retry_twice": lambda: [
         *words("alpha", "beta"),
         Step("Reply with the single word: gamma", no_summary=2, replies=[Reply([text("gamma")])]),
+    ],
+    # neither compaction reply has a <summary>, and they differ: which one the summary is
+    "retry_twice_differs": lambda: [
+        *words("alpha", "beta"),
+        Step(
+            "Reply with the single word: gamma",
+            odd_replies=[
+                "The user asked for single words.\n\n\nNothing is pending.",
+                "<analysis>\nThe second attempt.\n</analysis>",
+            ],
+            replies=[Reply([text("gamma")])],
+        ),
+    ],
+    # a <summary> opened at a line's start and never closed, the <analysis> unclosed too: is it
+    # asked for again?
+    "open_summary": lambda: [
+        *words("alpha", "beta"),
+        Step(
+            "Reply with the single word: gamma",
+            odd_replies=["<analysis>\nUnclosed.\n\n<summary>\n1. Single words.\n"],
+            replies=[Reply([text("gamma")])],
+        ),
     ],
     # a turn whose tool calls are answered above the point: compaction between tool calls
     "tool_call": lambda: [
@@ -374,6 +402,7 @@ def run_scenario(
         for step in steps:
             stub.input_tokens = step.input_tokens
             stub.no_summary = step.no_summary
+            stub.odd_replies = list(step.odd_replies)
             stub.script = list(step.replies)
             before = len(stub.exchanges)
             command = [str(claude), "-p", *(["--continue"] if step.cont else []), *step.flags]

@@ -343,6 +343,43 @@ async def test_the_conversation_after_a_prepared_compaction_is_computed_in_idle_
         assert record.prompt_tokens > 20 * words
 
 
+async def test_after_two_replies_without_summary_the_conversation_goes_on_from_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Neither the prepared compaction's reply nor its retry's has a summary, and they differ
+    (as in the capture ``retry_twice_differs``): the conversation computed in idle time is the
+    one Claude Code sends, the one whose summary is the first reply, so the turn after computes
+    only its words."""
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", "<home>/.claude")
+    ex = exchanges("retry_twice_differs")
+    first, second = (ex[i]["answer"]["message"]["content"][0]["text"] for i in (2, 3))
+    assert first != second
+
+    def answer(body: dict[str, Any]) -> str:
+        last = str(body["messages"][-1].get("content"))
+        if not last.startswith(FIRST_LINE):
+            return "beta"
+        return second if last.endswith(RETRY_PARAGRAPH) else first
+
+    the_turn = copy.deepcopy(ex[1]["body"])
+    prompt = len(tokenize(render(MessagesTranslator().translate(the_turn).body)))
+    fake = FakeLlama(script=[answer] * 20)
+    async with running(fake, ctx_per_slot=prompt + 4096 + 13000) as runtime:
+        await (await send(runtime, the_turn)).message()
+        await wait_for(lambda: runtime.preparations.stats().heads == 1)
+        await wait_for(lambda: len(runtime.records()) == 4 and not runtime.running())
+        for index in (2, 3):
+            served = await send(runtime, copy.deepcopy(ex[index]["body"]))
+            assert served.done
+        before = fake.computed
+        await (await send(runtime, copy.deepcopy(ex[4]["body"]))).message()
+        record = runtime.records()[-1]
+        assert fake.computed - before == record.computed_tokens
+        assert record.computed_tokens <= len(tokenize("Reply with the single word: gamma")) + 8
+        stats = runtime.preparations.stats()
+        assert (stats.prepared, stats.served, sum(stats.missed.values())) == (2, 2, 0)
+
+
 # -- the bounds, with stand-in exchanges ------------------------------------------------------
 
 

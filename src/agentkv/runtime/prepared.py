@@ -60,6 +60,8 @@ PREPARED_PRIORITY = 3
 #: compaction than predicted; it waited too long; it gave its slot to an agent's request and
 #: could not be suspended; the engine failed it; a newer preparation for the agent replaced it.
 MISS_REASONS = ("not_compaction", "differs", "expired", "gave_way", "failed", "replaced")
+#: How a compaction reply ended when Claude Code still reads it (it does not look at why).
+_COMPACTION_ENDS = ("end_turn", "max_tokens")
 #: Agents with a prepared reply waiting at once, at most.
 MAX_WAITING = 64
 
@@ -188,9 +190,16 @@ class Preparations(Generic[E]):
     #: least recent dropped first.
     _heads: LRUCache[str, E] = attrs.field(init=False)
     _heads_started: int = attrs.field(init=False, default=0)
+    #: The first reply of a compaction whose retry is prepared, by agent: when the retry's reply
+    #: has no summary either, Claude Code goes on with this one.
+    _first_replies: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False)
 
     @_heads.default
     def _heads_default(self) -> LRUCache[str, E]:
+        return LRUCache(maxsize=self.max_waiting)
+
+    @_first_replies.default
+    def _first_replies_default(self) -> LRUCache[str, Mapping[str, Any]]:
         return LRUCache(maxsize=self.max_waiting)
 
     @_forecast.default
@@ -289,7 +298,9 @@ class Preparations(Generic[E]):
         compaction = forecast.is_compaction(body)
         # Most replies lead to nothing: read the end before assembling the whole reply.
         ended = next((e for e in reversed(exchange.emitted) if isinstance(e, Ended)), None)
-        if ended is None or ended.stop_reason != "end_turn":
+        # Claude Code reads a compaction reply however it ended; a turn's only when it ended.
+        ends = _COMPACTION_ENDS if compaction else ("end_turn",)
+        if ended is None or ended.stop_reason not in ends:
             return
         usage = ended.usage
         context = usage.input_tokens + usage.cache_read_tokens + usage.output_tokens
@@ -299,19 +310,21 @@ class Preparations(Generic[E]):
             reply = reply_message(exchange.emitted)
         except AgentKVError:
             return
+        agent = exchange.prepared.agent
         if compaction:
             predicted, what = forecast.predict_retry(body, reply), "compaction retry"
-            if predicted is None and after is not None:
-                head = forecast.predict_after(body, reply)
+            if predicted is not None:
+                self._first_replies[agent] = reply
+            elif after is not None:
+                head = forecast.predict_after(body, reply, self._first_replies.pop(agent, None))
                 if head is not None:
-                    self.later(self._compute_head, exchange.prepared.agent, head)
+                    self.later(self._compute_head, agent, head)
                 return
         else:
             predicted = None if after is not None else forecast.predict(body, reply, window)
             what = "compaction request"
         if predicted is None:
             return
-        agent = exchange.prepared.agent
         token = object()
         self._pending[agent] = token
         if not self.later(self._prepare, agent, predicted, token, what, after):
