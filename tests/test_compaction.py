@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from hypothesis import given
@@ -11,7 +12,9 @@ from agentkv.compaction import (
     SUMMARY_OPEN,
     Compaction,
     CompactionStore,
+    fold_share,
     plan_compaction,
+    rebase,
     summary_request,
 )
 from agentkv.fingerprint import PrefixFingerprinter
@@ -160,3 +163,60 @@ def test_compacted_requests_stay_well_formed(turns: int, keep: int, extra: bool)
     assert not kept or kept[0]["role"] != "tool"
     assert kept == request["messages"][len(request["messages"]) - len(kept) :]
     assert len(kept) >= min(keep, len(messages))
+
+
+def test_a_fold_takes_the_share_that_brings_the_prompt_under_the_low_mark() -> None:
+    """Incremental compaction folds the oldest messages holding the share of the prompt it must
+    lose: a quarter of the band below the low mark; nothing at or under it."""
+    assert fold_share(1000, low=1000, high=1500) == 0.0
+    assert fold_share(1200, low=1000, high=1400) == (1200 - 900) / 1200
+    request = body(*chat(8))
+    share = 0.25
+    plan = plan_compaction(request, agent="a", keep_recent=4, fingerprinter=FP, share=share)
+    everything = plan_compaction(request, agent="a", keep_recent=4, fingerprinter=FP)
+    assert plan is not None and everything is not None
+    assert 2 <= plan.cut < everything.cut
+    # the folded messages hold at least the share, one message fewer does not
+    conversation = request["messages"][1:]
+    size = len(json.dumps(request, ensure_ascii=False))
+    held = [len(json.dumps(m, ensure_ascii=False)) for m in conversation]
+    covering = next(n for n in range(1, len(held) + 1) if sum(held[:n]) >= share * size)
+    assert plan.cut <= covering
+    # moved back only to keep a call with its results
+    moved = conversation[plan.cut : covering]
+    assert all(m["role"] == "tool" for m in moved[1:])
+    assert not moved or moved[0].get("tool_calls")
+    # never into the recent messages, never between a call and its result
+    assert plan_compaction(request, agent="a", keep_recent=4, fingerprinter=FP, share=1.0) == (
+        everything
+    )
+    for share in (0.1, 0.2, 0.3, 0.45, 0.6):
+        cut = plan_compaction(request, agent="a", keep_recent=4, fingerprinter=FP, share=share)
+        assert cut is None or conversation[cut.cut]["role"] != "tool"
+
+
+def test_a_fold_on_top_of_earlier_ones_stands_alone() -> None:
+    """A fold planned on the rewritten request (its first message the running summary) is kept
+    as a plan on the client's own request: applied alone it gives what the chain gave, and the
+    compactions it folds are forgotten, however many folds come."""
+    store = CompactionStore()
+    raw = body(*chat(3))
+    store.begin("a")
+    store.end("a", compaction_for(raw, keep=4, summary="one"))
+    for turns, summary in ((5, "two"), (7, "three"), (9, "four"), (11, "five"), (13, "six")):
+        raw = body(*chat(turns))
+        rewritten, _, applied = store.rewrite("a", raw, FP)
+        assert applied and rewritten["messages"][1]["content"].startswith(SUMMARY_OPEN)
+        plan = plan_compaction(rewritten, agent="a", keep_recent=4, fingerprinter=FP, share=0.3)
+        assert plan is not None
+        chained = Compaction(plan, summary, created_at=0.0).apply(rewritten)
+        alone = Compaction(rebase(plan, raw, applied, FP), summary, created_at=0.0)
+        assert alone.apply(raw) == chained
+        store.begin("a")
+        store.end("a", alone, replaces=applied)
+        assert [c.summary for c in store.rewrite("a", raw, FP)[2]] == [summary]
+    # the next request of the conversation is rewritten with the last fold alone
+    later = body(*chat(13), {"role": "user", "content": "next"})
+    out, _, applied = store.rewrite("a", later, FP)
+    assert [c.summary for c in applied] == ["six"]
+    assert out["messages"][-1] == {"role": "user", "content": "next"}

@@ -6,6 +6,11 @@ summary plus the untouched recent turns. Everything here is pure: it plans which
 replace, builds the engine request that asks for the summary, and rewrites later requests. The
 server decides when to run it (lowest priority, only when nothing else waits).
 
+Two ways to choose the cut: the high-water design folds all but the last ``keep_recent``
+messages at once; incremental compaction (``fold``) folds only the oldest messages that hold
+about the share of the prompt it must lose to get back under its low mark, the running summary
+(the previous fold's, the first message after the system head) with them.
+
 Rules that keep a compacted conversation valid:
 - the system head and the tool list are never touched;
 - a cut never separates an assistant ``tool_calls`` message from its ``tool`` results;
@@ -14,6 +19,7 @@ Rules that keep a compacted conversation valid:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +29,15 @@ from agentkv._types import Fingerprint
 from agentkv.fingerprint import PrefixFingerprinter
 from agentkv.snapshot import CompactionRow, PendingCompactionRow
 
-__all__ = ["Compaction", "CompactionPlan", "CompactionStore", "plan_compaction", "summary_request"]
+__all__ = [
+    "Compaction",
+    "CompactionPlan",
+    "CompactionStore",
+    "fold_share",
+    "plan_compaction",
+    "rebase",
+    "summary_request",
+]
 
 SUMMARY_INSTRUCTIONS = (
     "You summarise the beginning of a conversation between a user and a coding assistant so that "
@@ -90,6 +104,16 @@ class Compaction:
         return {**body, "messages": [*messages[:head], self.summary_message(), *kept]}
 
 
+def fold_share(tokens: int, low: int, high: int) -> float:
+    """The share of a ``tokens``-long prompt that incremental compaction folds: enough to bring it
+    a quarter of the band below the low mark (so that a fold is not due again at the next
+    turn), 0 while it is at or under the low mark."""
+    if tokens <= low or tokens <= 0:
+        return 0.0
+    target = max(0, low - max(0, high - low) // 4)
+    return min(1.0, (tokens - target) / tokens)
+
+
 def plan_compaction(
     body: Mapping[str, Any],
     *,
@@ -97,12 +121,18 @@ def plan_compaction(
     keep_recent: int,
     fingerprinter: PrefixFingerprinter,
     min_messages: int = 2,
+    share: float | None = None,
 ) -> CompactionPlan | None:
-    """Plan to replace all but the last ``keep_recent`` messages; None if too little to gain."""
+    """Plan to replace all but the last ``keep_recent`` messages, or, given a ``share`` of the
+    prompt to lose (:func:`fold_share`), only the oldest messages that hold it (measured in
+    characters of the request, its system head and tools counted, which are never cut); None if
+    too little to gain."""
     messages = list(body.get("messages") or [])
     head = _head_length(messages)
     conversation = messages[head:]
     cut = len(conversation) - max(0, keep_recent)
+    if share is not None:
+        cut = min(cut, _covering(body, conversation, share))
     # A tool result must stay with the assistant message that called the tool: move the cut back
     # to that assistant message, so the call and its results stay together in the kept part.
     while 0 < cut < len(conversation) and conversation[cut].get("role") == "tool":
@@ -113,6 +143,43 @@ def plan_compaction(
     return CompactionPlan(
         agent=agent, cut=cut, key=prefix.blocks[-1], block_index=len(prefix.blocks) - 1
     )
+
+
+def rebase(
+    plan: CompactionPlan,
+    raw: Mapping[str, Any],
+    applied: Sequence[Compaction],
+    fingerprinter: PrefixFingerprinter,
+) -> CompactionPlan:
+    """``plan``, made on the request as the compactions ``applied`` rewrote it, as a plan on the
+    client's own request ``raw``: its summary (which folds theirs, the first message it replaces)
+    then stands alone for every message they and it replace, so that they can be forgotten."""
+    if not applied:
+        return plan
+    covered = 0
+    for compaction in applied:  # each folds the summary before it
+        covered = compaction.plan.cut if covered == 0 else covered + compaction.plan.cut - 1
+    cut = covered + plan.cut - 1
+    messages = list(raw.get("messages") or [])
+    head = _head_length(messages)
+    prefix = fingerprinter.fingerprint({**raw, "messages": messages[: head + cut]})
+    return CompactionPlan(
+        agent=plan.agent, cut=cut, key=prefix.blocks[-1], block_index=len(prefix.blocks) - 1
+    )
+
+
+def _covering(
+    body: Mapping[str, Any], conversation: Sequence[Mapping[str, Any]], share: float
+) -> int:
+    """How many of the oldest conversation messages hold ``share`` of the whole request."""
+    sizes = [len(json.dumps(m, ensure_ascii=False)) for m in conversation]
+    whole = len(json.dumps(body, ensure_ascii=False))
+    wanted, held = share * whole, 0
+    for count, size in enumerate(sizes, start=1):
+        held += size
+        if held >= wanted:
+            return count
+    return len(sizes)
 
 
 def _render(message: Mapping[str, Any]) -> str:
@@ -174,11 +241,14 @@ class CompactionStore:
         self._pending.add(agent)
         return True
 
-    def end(self, agent: str, compaction: Compaction | None) -> None:
-        """Clear the in-flight mark and remember the result, if any."""
+    def end(
+        self, agent: str, compaction: Compaction | None, replaces: Sequence[Compaction] = ()
+    ) -> None:
+        """Clear the in-flight mark and remember the result, if any, in place of the compactions
+        it ``replaces`` (those it was planned on top of: it stands for all they stood for)."""
         self._pending.discard(agent)
         if compaction is not None:
-            done = self._done.pop(agent, [])
+            done = [c for c in self._done.pop(agent, []) if not any(c is r for r in replaces)]
             done.append(compaction)
             del done[: -self.max_per_agent]
             self._done[agent] = done  # most recent last

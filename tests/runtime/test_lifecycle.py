@@ -252,6 +252,39 @@ async def test_an_overlong_prompt_waits_for_its_agents_background_compaction() -
         assert runtime.compactor.store.latest("other") is None
 
 
+async def _long_conversation(**config: Any) -> tuple[list[int], int, int]:
+    """A client that never compacts: 30 turns, each waiting for agentkv's idle work before the
+    next. The prompt each turn sent the engine, the agent's compactions in force at the end, and
+    the prompt tokens the engine computed in all."""
+    fake = FakeLlama(reply="a short summary of it", prefill_delay=0.01)
+    prompts = []
+    async with running(fake, n_slots=2, ctx_per_slot=2000, compact_keep_messages=2, **config) as rt:
+        messages: list[dict[str, Any]] = []
+        for i in range(30):
+            messages.append({"role": "user", "content": f"turn {i} " + "detail " * 40})
+            body = {"model": "m", "max_tokens": 8, "messages": messages}
+            messages.append({"role": "assistant", "content": await ask(rt, body, "agent")})
+            prompts.append(rt.records()[-1].prompt_tokens)
+            await wait_for(lambda: not rt.compactor.store.pending("agent") and not rt.running())
+        held = sum(1 for row in rt.compactor.store.snapshot() if row.agent == "agent")
+    return prompts, held, fake.computed
+
+
+async def test_incremental_compaction_keeps_the_prompt_in_its_band() -> None:
+    """Between the low mark (``compact_from``) and the high-water mark, the oldest turns are
+    folded into the running summary after each turn past the low mark: once the first fold is in
+    force every prompt stays in the band, while the high-water design's saw-tooth spans it; the
+    agent's folds never pile up (each stands for the ones before it)."""
+    band, band_held, band_computed = await _long_conversation(compact_at=1500, compact_from=1000)
+    high, high_held, high_computed = await _long_conversation(compact_at=1500)
+    first = next(i for i, p in enumerate(band) if p > 1000)
+    assert all(p <= 1000 + 120 for p in band[first + 1 :]), band  # the low mark and one turn
+    assert min(band[first + 1 :]) >= 1000 - 500 - 120, band  # a fold takes a quarter band off
+    assert max(high) > 1500 and min(high[10:]) < 700, high  # the saw-tooth
+    assert band_held == 1 and high_held >= 1
+    print(f"engine computed: band {band_computed}, high-water {high_computed} prompt tokens")
+
+
 async def test_a_compaction_model_writes_the_summary_without_taking_an_agents_slot() -> None:
     """With a second engine for summaries, the summary is written there while the agents' only
     slot is busy; the agents' engine is asked for no summary, only for the compacted

@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from agentkv.compaction import fold_share
 from agentkv.exceptions import PromptTooLongError
 from agentkv.runtime.compactor import Compactor
 from agentkv.runtime.config import RuntimeConfig
@@ -150,7 +151,7 @@ class Admission:
                 # Too long as it stands: compact now, at the request's own priority. A background
                 # compaction of this agent that is already running is waited for instead.
                 await compactor.compact(
-                    agent, body, len(tokens), priority=priority, background=False
+                    agent, engine.body, len(tokens), priority=priority, background=False
                 )
                 body, _, applied = compactor.store.rewrite(
                     agent, engine.body, compactor.fingerprinter
@@ -159,9 +160,13 @@ class Admission:
                 tokens = tuple(await self.client.prompt_tokens(body))
             if len(tokens) > limit:
                 raise PromptTooLongError(len(tokens), limit)
-            threshold = config.compaction_threshold
-            if config.compaction and threshold is not None and len(tokens) > threshold:
-                compactor.schedule(agent, body, len(tokens))
+            threshold, low = config.compaction_threshold, config.compact_from
+            if config.compaction and low is not None and len(tokens) > low:
+                # Incremental: fold a little, in idle time, to stay in the band.
+                share = fold_share(len(tokens), low, max(low, threshold or low))
+                compactor.schedule(agent, engine.body, len(tokens), share)
+            elif config.compaction and threshold is not None and len(tokens) > threshold:
+                compactor.schedule(agent, engine.body, len(tokens))
             # Claude Code asks for up to 128000 output tokens; the slot holds only what is left.
             body = {**body, "max_tokens": max(1, min(requested, ctx - len(tokens)))}
         boundary = None if compacted else await self._boundary(engine, tokens)

@@ -26,6 +26,7 @@ from agentkv.compaction import (
     CompactionPlan,
     CompactionStore,
     plan_compaction,
+    rebase,
     summary_request,
 )
 from agentkv.runtime.dispatcher import Dispatcher
@@ -62,39 +63,54 @@ class Compactor:
         """Where background jobs run (the server's lifespan task group); None stops scheduling."""
         self._tasks = tasks
 
-    def schedule(self, agent: str, body: Mapping[str, Any], tokens: int) -> bool:
-        """Start a background compaction for ``agent`` unless one is in flight; True if started."""
+    def schedule(
+        self, agent: str, raw: Mapping[str, Any], tokens: int, share: float | None = None
+    ) -> bool:
+        """Start a background compaction of ``agent``'s request ``raw`` (as the client sent it,
+        an engine body; ``tokens`` long with the agent's compactions applied) unless one is in
+        flight; True if started. With a ``share``, only the oldest messages that hold that share
+        of the prompt are folded into the running summary (incremental compaction), else all but
+        the last ``keep_recent``."""
         if self._tasks is None or agent in self._inflight:
             return False
-        plan = self._plan(agent, body)
-        if plan is None or not self.store.begin(agent):
+        job = self._job(agent, raw, share)
+        if job is None or not self.store.begin(agent):
             return False
-        job = _Job(plan)
         self._inflight[agent] = job  # in flight from now on, before its task first runs
-        self._tasks.start_soon(self._background, agent, dict(body), tokens, job)
+        self._tasks.start_soon(self._background, agent, tokens, job)
         return True
 
-    async def _background(self, agent: str, body: dict[str, Any], tokens: int, job: _Job) -> None:
+    async def _background(self, agent: str, tokens: int, job: _Job) -> None:
         try:
-            await self._run(agent, body, tokens, job, priority=BACKGROUND_PRIORITY, background=True)
+            await self._run(agent, tokens, job, priority=BACKGROUND_PRIORITY, background=True)
         except AgentKVError as exc:
             log.warning("background compaction for agent %s failed: %s", agent, exc.message)
 
-    def _plan(self, agent: str, body: Mapping[str, Any]) -> CompactionPlan | None:
-        return plan_compaction(
-            body, agent=agent, keep_recent=self.keep_recent, fingerprinter=self.fingerprinter
+    def _job(self, agent: str, raw: Mapping[str, Any], share: float | None) -> _Job | None:
+        """The job for ``raw``: planned on the request as the agent's compactions rewrite it."""
+        body, _, applied = self.store.rewrite(agent, raw, self.fingerprinter)
+        plan = plan_compaction(
+            body,
+            agent=agent,
+            keep_recent=self.keep_recent,
+            fingerprinter=self.fingerprinter,
+            share=share,
         )
+        if plan is None:
+            return None
+        return _Job(plan, body, rebase(plan, raw, applied, self.fingerprinter), tuple(applied))
 
     async def compact(
         self,
         agent: str,
-        body: Mapping[str, Any],
+        raw: Mapping[str, Any],
         tokens: int,
         *,
         priority: int,
         background: bool,
     ) -> Compaction | None:
-        """Summarise the oldest turns of ``body`` and remember it for ``agent``.
+        """Summarise the oldest turns of ``raw`` (the client's request, an engine body, with the
+        agent's compactions applied) and remember it for ``agent``.
 
         The summary is asked for on a leased slot; the same slot is then prefilled with the
         compacted conversation, so the agent's next request is a prefix hit there. When one is
@@ -107,24 +123,16 @@ class Compactor:
                 self.dispatcher.promote(job.ticket, priority)
             await job.done.wait()
             return self.store.latest(agent)
-        plan = self._plan(agent, body)
-        if plan is None or not self.store.begin(agent):
+        job = self._job(agent, raw, None)
+        if job is None or not self.store.begin(agent):
             return None
-        job = _Job(plan)
         self._inflight[agent] = job
-        return await self._run(agent, body, tokens, job, priority=priority, background=background)
+        return await self._run(agent, tokens, job, priority=priority, background=background)
 
     async def _run(
-        self,
-        agent: str,
-        body: Mapping[str, Any],
-        tokens: int,
-        job: _Job,
-        *,
-        priority: int,
-        background: bool,
+        self, agent: str, tokens: int, job: _Job, *, priority: int, background: bool
     ) -> Compaction | None:
-        plan = job.plan
+        plan, body = job.plan, job.body
         result: Compaction | None = None
         ask = summary_request(body, plan, max_tokens=self.summary_tokens)
         try:
@@ -150,8 +158,11 @@ class Compactor:
                 if not summary:
                     log.warning("compaction for agent %s produced no summary", agent)
                     return None
-                result = Compaction(plan, summary, created_at=self.clock(), tokens_before=tokens)
-                compacted = result.apply(body)
+                compacted = Compaction(plan, summary, created_at=self.clock()).apply(body)
+                # Stored as a plan on the client's own request: it replaces the ones it folds.
+                result = Compaction(
+                    job.stored, summary, created_at=self.clock(), tokens_before=tokens
+                )
                 warm = await self.client.chat(
                     {**compacted, "max_tokens": 1}, slot=lease.slot, hints=hints
                 )
@@ -171,16 +182,21 @@ class Compactor:
             )
             return result
         finally:
-            self.store.end(agent, result)
+            self.store.end(agent, result, replaces=job.applied)
             self._inflight.pop(agent, None)
             job.done.set()
 
 
 @attrs.define
 class _Job:
-    """A compaction in flight: its plan, its ticket while it waits for a slot, and its end."""
+    """A compaction in flight: its plan on the request as rewritten (``body``), the same plan on
+    the client's own request (``stored``), the compactions it folds, its ticket while it waits for
+    a slot, and its end."""
 
     plan: CompactionPlan
+    body: Mapping[str, Any]
+    stored: CompactionPlan
+    applied: tuple[Compaction, ...]
     ticket: Ticket | None = None
     done: anyio.Event = attrs.field(factory=anyio.Event)
 

@@ -182,6 +182,15 @@ class RuntimeConfig:
         group="long contexts",
         metavar="TOKENS",
     )
+    compact_from: int | None = setting(
+        None,
+        "incremental compaction: after a turn whose prompt passes this many tokens, fold the "
+        "oldest turns into the agent's running summary in idle time, so that its prompt stays "
+        "between this and the high-water mark instead of growing to it (default: off)",
+        group="long contexts",
+        metavar="TOKENS",
+        validator=_ge(1),
+    )
     compact_keep_messages: int = setting(
         6,
         "recent messages compaction never touches",
