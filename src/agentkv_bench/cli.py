@@ -48,6 +48,7 @@ SCENARIOS = (
     "soak",
     "decode",
     "compaction",
+    "band",
 )
 _CONFIGS = {
     "agents": ("plain", "tuned", "agentkv"),
@@ -58,9 +59,10 @@ _CONFIGS = {
     "real-cli": ("llama-server", "agentkv", "agentkv-warm"),
     "real-cli-fanout": ("llama-server", "agentkv"),
     "compaction": ("llama-server", "agentkv-noprep", "agentkv"),
+    "band": ("high-water", "band"),
 }
 #: Context per slot: the synthetic prompts are short; Claude Code's first request is ~11.8K.
-_CTX = {"agents": 4096}
+_CTX = {"agents": 4096, "band": 4096}
 _CTX_DEFAULT = 32768
 
 
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "sub-agents (its first reply scripted); overhead: the gateway against a fake engine; "
         "decode: replies decoded at Claude Code's depth, speculative decoding on and off; "
         "compaction: a real Claude Code session that compacts twice, with think time; "
+        "band: agentkv's own compaction of a long conversation, high-water against incremental; "
         "soak: many clients, dropped requests and an engine kill against agentkv-server "
         "(default agents)",
     )
@@ -91,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     size.add_argument("--slots", type=int, help="llama-server slots (default 2)")
     size.add_argument(
-        "--turns", type=int, help="agents, mixed: requests per agent (default 4; quick 2; mixed 2)"
+        "--turns",
+        type=int,
+        help="agents, mixed: requests per agent (default 4; quick 2; mixed 2); band: turns (24)",
     )
     size.add_argument("--sessions", type=int, help="claude: fresh sessions per agent (default 2)")
     size.add_argument(
@@ -135,14 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ctx-per-slot",
         type=int,
-        help=f"context per slot (agents 4096, otherwise {_CTX_DEFAULT})",
+        help=f"context per slot (agents, band 4096, otherwise {_CTX_DEFAULT})",
     )
     parser.add_argument(
         "--configs",
         help="comma list of configurations (agents, claude: plain,tuned,agentkv; priority: "
         "alone,plain,tuned,agentkv,agentkv-preempt; subagents: alone,plain,agentkv-notree,agentkv,"
         "agentkv-warm; mixed: direct,agentkv; real-cli: llama-server,agentkv,agentkv-warm; "
-        "real-cli-fanout: llama-server,agentkv; compaction: llama-server,agentkv-noprep,agentkv)",
+        "real-cli-fanout: llama-server,agentkv; compaction: llama-server,agentkv-noprep,agentkv; "
+        "band: high-water,band)",
     )
     parser.add_argument(
         "--tuned-args",
@@ -292,6 +298,13 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
             configs=_configs(args, scenario),
         )
         return report, compaction_table(report)
+
+    if scenario == "band":
+        from agentkv_bench.band import BandSpec, band_table, run_band
+
+        band_spec = _evolve(BandSpec.quick() if args.quick else BandSpec(), turns=args.turns)
+        report = await run_band(bench, band_spec, _configs(args, scenario))
+        return report, band_table(report)
 
     if scenario == "real-cli-fanout":
         from agentkv_bench.fanout import FanoutSpec, fanout_table, run_fanout
