@@ -10,21 +10,19 @@ tests/claude/test_prepared_compaction.py.
 
 from __future__ import annotations
 
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from agentkv.forecast import CompactionForecast, compaction_point, context_tokens
 from agentkv.reply import Delta
 from agentkv.runtime.assemble import EngineSettings, assemble
-from agentkv.runtime.broadcast import Emitted
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Exchange, Runtime
 from tests._engine_fixture import locate_engine
 from tests.fakes import wait_for
+from tests.runtime.test_prepared import joined_batches
 
 pytestmark = [pytest.mark.engine, pytest.mark.anyio]
 
@@ -98,15 +96,7 @@ async def test_one_byte_off_is_not_served_and_a_client_mid_generation_joins(
         before = "".join(e.value for e in background.emitted if isinstance(e, Delta))
         exchange = await send(runtime, compaction, "joins")
         assert exchange is background
-        batches: list[str] = []
-        async with aclosing(exchange.events()) as events:
-            with anyio.fail_after(0.5):  # the first batch comes at once
-                first = await anext(events)
-            assert isinstance(first, Emitted)
-            batches.append("".join(e.value for e in first.events if isinstance(e, Delta)))
-            async for item in events:
-                if isinstance(item, Emitted):
-                    batches.append("".join(e.value for e in item.events if isinstance(e, Delta)))
+        batches = await joined_batches(exchange)  # the first at once, then the rest
         assert before and batches[0].startswith(before)
         whole = await exchange.message()
         assert "".join(batches) == "".join(

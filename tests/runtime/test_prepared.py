@@ -89,6 +89,21 @@ def text(message: dict[str, Any]) -> str:
     return "".join(block.get("text", "") for block in message["content"])
 
 
+async def joined_batches(exchange: Exchange) -> list[str]:
+    """The text of each batch of events a client that joins ``exchange`` reads: the first within
+    0.5 s (everything generated so far, at once), then the rest as it comes."""
+    batches: list[str] = []
+    async with aclosing(exchange.events()) as events:
+        with anyio.fail_after(0.5):
+            first = await anext(events)
+        assert isinstance(first, Emitted)
+        batches.append("".join(e.value for e in first.events if isinstance(e, Delta)))
+        async for item in events:
+            if isinstance(item, Emitted):
+                batches.append("".join(e.value for e in item.events if isinstance(e, Delta)))
+    return batches
+
+
 def prepared(runtime: Runtime) -> Exchange:
     (exchange,) = runtime.preparations.running()
     return exchange
@@ -161,15 +176,7 @@ async def test_a_client_arriving_mid_generation_gets_what_is_generated_at_once()
         assert before and len(before) < len(SUMMARY)
         exchange = await send(runtime, compaction())
         assert exchange is background and not exchange.done
-        batches: list[str] = []
-        async with aclosing(exchange.events()) as events:
-            with anyio.fail_after(0.5):  # the first batch comes at once
-                first = await anext(events)
-            assert isinstance(first, Emitted)
-            batches.append("".join(e.value for e in first.events if isinstance(e, Delta)))
-            async for item in events:
-                if isinstance(item, Emitted):
-                    batches.append("".join(e.value for e in item.events if isinstance(e, Delta)))
+        batches = await joined_batches(exchange)
         assert batches[0].startswith(before)
         assert len(batches) > 2  # then the rest, live
         assert "".join(batches) == SUMMARY
