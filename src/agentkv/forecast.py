@@ -41,6 +41,7 @@ from agentkv.translate import BILLING_HEADER_PREFIX
 
 __all__ = [
     "CLAUDE_CODE_BUFFER",
+    "COMPACTION_ENDS",
     "ESTIMATE_SLACK",
     "MAX_RESERVED_OUTPUT",
     "CompactionForecast",
@@ -118,8 +119,8 @@ _GIT_STATUS = "<system-reminder>\nAs you answer the user's questions"
 #: The user's next words in a predicted request (they are not known; the session layout puts
 #: everything else of that turn before them).
 NEXT_WORDS = "…"
-#: How a compaction reply Claude Code reads ended (it does not look at why).
-_ENDED = ("end_turn", "max_tokens")
+#: How a compaction reply Claude Code reads may have ended (it does not look at why).
+COMPACTION_ENDS = ("end_turn", "max_tokens")
 #: A line that opens a summary (JavaScript's ``^`` in multiline mode: after any line break).
 _OPEN_SUMMARY = re.compile(r"(?:^|(?<=[\n\r\u2028\u2029]))[ \t]*<summary>")
 #: A ``<`` that would open (or close) the tag Claude Code wraps the tool names in.
@@ -323,7 +324,7 @@ class CompactionForecast:
             or not self.is_compaction(body)
             or len(messages) != len(body.get("messages") or ())
             or _whole_text(messages[-1].get("content")) != self.instruction
-            or reply.get("stop_reason") not in _ENDED
+            or reply.get("stop_reason") not in COMPACTION_ENDS
         ):
             return None
         said = reply_text(reply)
@@ -355,7 +356,7 @@ class CompactionForecast:
             or len(messages) != len(body.get("messages") or ())
             or _whole_text(messages[-1].get("content"))
             not in (self.instruction, self.instruction + self.retry_paragraph)
-            or reply.get("stop_reason") not in _ENDED
+            or reply.get("stop_reason") not in COMPACTION_ENDS
         ):
             return None
         said = reply_text(reply)

@@ -40,7 +40,7 @@ from cachetools import LRUCache, TTLCache
 
 from agentkv.anthropic_sse import reply_message
 from agentkv.exceptions import AgentKVError
-from agentkv.forecast import CompactionForecast, is_claude_code, reaches_point
+from agentkv.forecast import COMPACTION_ENDS, CompactionForecast, is_claude_code, reaches_point
 from agentkv.reply import Ended, ReplyEvent
 from agentkv.runtime.admission import Prepared
 
@@ -60,8 +60,6 @@ PREPARED_PRIORITY = 3
 #: compaction than predicted; it waited too long; it gave its slot to an agent's request and
 #: could not be suspended; the engine failed it; a newer preparation for the agent replaced it.
 MISS_REASONS = ("not_compaction", "differs", "expired", "gave_way", "failed", "replaced")
-#: How a compaction reply ended when Claude Code still reads it (it does not look at why).
-_COMPACTION_ENDS = ("end_turn", "max_tokens")
 #: Agents with a prepared reply waiting at once, at most.
 MAX_WAITING = 64
 
@@ -299,7 +297,7 @@ class Preparations(Generic[E]):
         # Most replies lead to nothing: read the end before assembling the whole reply.
         ended = next((e for e in reversed(exchange.emitted) if isinstance(e, Ended)), None)
         # Claude Code reads a compaction reply however it ended; a turn's only when it ended.
-        ends = _COMPACTION_ENDS if compaction else ("end_turn",)
+        ends = COMPACTION_ENDS if compaction else ("end_turn",)
         if ended is None or ended.stop_reason not in ends:
             return
         usage = ended.usage
