@@ -23,6 +23,8 @@ SCENARIOS = (
     "retry_twice",
     "retry_twice_differs",
     "open_summary",
+    "two_blocks",
+    "two_blocks_no_summary",
     "tool_call",
     "long",
 )

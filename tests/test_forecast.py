@@ -14,7 +14,9 @@ from agentkv.forecast import (
     compaction_point,
     context_tokens,
     has_summary,
+    how_after_differs,
     is_claude_code,
+    reply_text,
     shipped_instruction,
     shipped_retry_paragraph,
     summary_text,
@@ -224,6 +226,8 @@ def after_compaction() -> list[tuple[str, int]]:
         "retry_twice",
         "retry_twice_differs",
         "open_summary",
+        "two_blocks",
+        "two_blocks_no_summary",
         "long",
     ):
         ex = exchanges(name)
@@ -268,6 +272,32 @@ def test_predicts_the_conversation_after_a_compaction(name: str, index: int) -> 
         assert "Summary:\n1. Primary Request" in want[:shared]
     else:
         assert got == want
+
+
+@pytest.mark.parametrize(("name", "index"), after_compaction())
+def test_how_the_turn_after_parts_from_the_prediction(name: str, index: int) -> None:
+    """The captured turn after each compaction is the prediction with the user's words in
+    place, but where a file the conversation read comes back; one character changed anywhere
+    before the words is found, with where."""
+    ex = exchanges(name)
+    compaction, after = ex[index], ex[index + 1]
+    first = reply(ex[index - 1]) if kinds(name)[index - 1] == "compaction" else None
+    forecast = CompactionForecast(config_dir=CONFIG_DIR)
+    predicted = forecast.predict_after(compaction["body"], reply(compaction), first)
+    assert predicted is not None
+    sent = after["body"]
+    if name == "long":
+        differs = how_after_differs(predicted, sent)
+        assert differs is not None and "Called the Read tool" in differs, differs
+        return
+    assert how_after_differs(predicted, sent) is None
+    changed = copy.deepcopy(sent)
+    changed["messages"][0]["content"][1]["text"] += "!"
+    differs = how_after_differs(predicted, changed)
+    assert differs is not None and differs.startswith("message 0 block 1, char "), differs
+    changed = copy.deepcopy(sent)
+    del changed["messages"][1]
+    assert how_after_differs(predicted, changed) is not None
 
 
 def test_after_compaction_needs_the_summary_and_the_transcript_directory() -> None:
@@ -315,6 +345,35 @@ def test_a_summary_opened_at_a_line_start_is_not_asked_again() -> None:
     assert has_summary(said) and not has_summary("see <summary> below")
     assert CompactionForecast().predict_retry(ex[2]["body"], reply(ex[2])) is None
     assert summary_text(said) == said.strip()
+
+
+def test_of_a_reply_in_several_text_blocks_the_last_with_a_summary_is_read() -> None:
+    """Captured (``two_blocks``): a compaction reply of two text blocks, ``<summary>`` opened in
+    the first and closed in the second; Claude Code read the first alone, the last block that
+    holds ``<summary>``."""
+    ex = exchanges("two_blocks")
+    assert kinds("two_blocks")[2:4] == ["compaction", "turn"]
+    first, second = (block["text"] for block in reply(ex[2])["content"])
+    assert reply_text(reply(ex[2])) == first.strip()
+    sent = stem(ex[3]["body"])
+    assert "1. Single words, then\n" in sent and second.split("\n")[0] not in sent
+    predicted = CompactionForecast(config_dir=CONFIG_DIR).predict_after(ex[2]["body"], reply(ex[2]))
+    assert predicted is not None and stem(predicted) == sent
+
+
+def test_of_a_reply_in_several_text_blocks_without_a_summary_the_last_is_read() -> None:
+    """Captured (``two_blocks_no_summary``): two replies of two text blocks, none with a
+    ``<summary>``; Claude Code asked again, then went on with the first reply's *last* block."""
+    ex = exchanges("two_blocks_no_summary")
+    assert kinds("two_blocks_no_summary")[2:5] == ["compaction", "compaction", "turn"]
+    first = reply(ex[2])
+    assert reply_text(first) == "The first reply, its second block."
+    forecast = CompactionForecast(config_dir=CONFIG_DIR)
+    assert forecast.predict_retry(ex[2]["body"], first) is not None
+    predicted = forecast.predict_after(ex[3]["body"], reply(ex[3]), first)
+    assert predicted is not None and stem(predicted) == stem(ex[4]["body"])
+    assert "The first reply, its second block." in stem(ex[4]["body"])
+    assert "its first block" not in stem(ex[4]["body"])
 
 
 def test_the_summary_as_claude_code_writes_it_back() -> None:

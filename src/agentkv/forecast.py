@@ -48,6 +48,7 @@ __all__ = [
     "compaction_point",
     "context_tokens",
     "has_summary",
+    "how_after_differs",
     "is_claude_code",
     "reaches_point",
     "reply_text",
@@ -121,6 +122,12 @@ _GIT_STATUS = "<system-reminder>\nAs you answer the user's questions"
 NEXT_WORDS = "…"
 #: How a compaction reply Claude Code reads may have ended (it does not look at why).
 COMPACTION_ENDS = ("end_turn", "max_tokens")
+#: What JavaScript's ``trim()`` removes (Python's ``strip()`` removes ``\x1c``–``\x1f`` and
+#: ``\x85`` too, and keeps ``\ufeff``).
+_JS_SPACE = (
+    "\t\n\v\f\r \u00a0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+    "\u2028\u2029\u202f\u205f\u3000\ufeff"
+)
 #: A line that opens a summary (JavaScript's ``^`` in multiline mode: after any line break).
 _OPEN_SUMMARY = re.compile(r"(?:^|(?<=[\n\r\u2028\u2029]))[ \t]*<summary>")
 #: A ``<`` that would open (or close) the tag Claude Code wraps the tool names in.
@@ -162,21 +169,29 @@ def summary_text(reply: str) -> str:
     text = _without_analysis(text)
     found = _tag(text, "summary")
     if found is not None:
-        text = f"{text[: found[0]]}Summary:\n{found[2].strip()}{text[found[1] :]}"
-    return re.sub(r"\n\n+", "\n\n", text).strip()
+        text = f"{text[: found[0]]}Summary:\n{found[2].strip(_JS_SPACE)}{text[found[1] :]}"
+    return re.sub(r"\n\n+", "\n\n", text).strip(_JS_SPACE)
 
 
 def reply_text(reply: Mapping[str, Any]) -> str | None:
-    """What Claude Code reads of a compaction reply: its first text block, trimmed; None when it
-    has none (then Claude Code has no summary at all)."""
+    """What Claude Code reads of a compaction reply, trimmed; None when that is empty (then
+    Claude Code has no summary at all).
+
+    Claude Code keeps each block of a streamed reply as a message of its own, and reads the
+    last text block that holds ``<summary>``, else the last text block (captured:
+    ``two_blocks``, ``two_blocks_no_summary``). A reply has several text blocks when text held
+    back as a possible tool call was released as a block of its own (at the token limit, say)."""
     content = reply.get("content")
     if not isinstance(content, Sequence) or isinstance(content, str):
         return None
-    for block in content:
-        if isinstance(block, Mapping) and block.get("type") == "text":
-            text = str(block.get("text") or "").strip()
-            return text or None
-    return None
+    texts = [
+        str(block.get("text") or "")
+        for block in content
+        if isinstance(block, Mapping) and block.get("type") == "text"
+    ]
+    tagged = [text for text in texts if "<summary>" in text]
+    chosen = tagged[-1] if tagged else texts[-1] if texts else ""
+    return chosen.strip(_JS_SPACE) or None
 
 
 def _system_texts(system: Any) -> list[str]:
@@ -187,6 +202,12 @@ def _system_texts(system: Any) -> list[str]:
             b["text"] for b in system if isinstance(b, Mapping) and isinstance(b.get("text"), str)
         ]
     return []
+
+
+def _engine_system(system: Any) -> list[str]:
+    """The system texts the engine sees: Claude Code's billing line (which changes with every
+    request) is never sent (:data:`agentkv.translate.BILLING_HEADER_PREFIX`)."""
+    return [t for t in _system_texts(system) if not t.startswith(BILLING_HEADER_PREFIX)]
 
 
 def is_claude_code(body: Mapping[str, Any]) -> bool:
@@ -462,6 +483,56 @@ class CompactionForecast:
 
 def _text(text: str) -> dict[str, Any]:
     return {"type": "text", "text": text}
+
+
+def _unmarked(value: Any) -> Any:
+    """``value`` without its ``cache_control`` marks, at any depth."""
+    if isinstance(value, Mapping):
+        return {k: _unmarked(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list | tuple):
+        return [_unmarked(v) for v in value]
+    return value
+
+
+def _seen(block: Mapping[str, Any]) -> str:
+    """A content block as the engine sees it: its text, or its JSON without ``cache_control``."""
+    if block.get("type") == "text" and isinstance(block.get("text"), str):
+        return str(block["text"])
+    return json.dumps(_unmarked(block), sort_keys=True)
+
+
+def _apart(want: str, got: str) -> str:
+    """Where two texts part: the character, and a few on each side of it in both."""
+    at = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+    at = min(len(want), len(got)) if at is None else at
+    start = max(0, at - 40)
+    return f"char {at}: predicted {want[start : at + 40]!r}, sent {got[start : at + 40]!r}"
+
+
+def how_after_differs(predicted: Mapping[str, Any], sent: Mapping[str, Any]) -> str | None:
+    """Where ``sent``, the request that followed a compaction, parts from what
+    :meth:`CompactionForecast.predict_after` predicted, in words; None when it is the prediction
+    with the user's words (the block that was :data:`NEXT_WORDS`) in their place. What the engine
+    never sees (``cache_control``) does not count."""
+    if _engine_system(predicted.get("system")) != _engine_system(sent.get("system")):
+        return "its system differs"
+    if _unmarked(predicted.get("tools")) != _unmarked(sent.get("tools")):
+        return "its tools differ"
+    want, got = _messages(predicted), _messages(sent)
+    for index, (ours, theirs) in enumerate(zip(want, got, strict=False)):
+        if ours.get("role") != theirs.get("role"):
+            return f"message {index} is {theirs.get('role')}, predicted {ours.get('role')}"
+        blocks, sent_blocks = _blocks(ours.get("content")), _blocks(theirs.get("content"))
+        for number, (block, other) in enumerate(zip(blocks, sent_blocks, strict=False)):
+            if block.get("type") == "text" and block.get("text") == NEXT_WORDS:
+                continue
+            if _seen(block) != _seen(other):
+                return f"message {index} block {number}, {_apart(_seen(block), _seen(other))}"
+        if len(blocks) != len(sent_blocks):
+            return f"message {index} has {len(sent_blocks)} blocks, predicted {len(blocks)}"
+    if len(want) != len(got):
+        return f"{len(got)} messages, predicted {len(want)}"
+    return None
 
 
 def _blocks(content: Any) -> list[Mapping[str, Any]]:

@@ -453,3 +453,9 @@ def _prepared(stats: PreparedStats) -> Iterator[Metric]:
         "words",
         stats.heads,
     )
+    yield _counter(
+        "agentkv_prepared_heads_missed",
+        "Of those, the ones whose request came otherwise than predicted (the log says where it "
+        "parted)",
+        stats.heads_missed,
+    )

@@ -170,7 +170,8 @@ class CompactionStub:
 
     input_tokens: int = LOW
     no_summary: int = 0
-    odd_replies: list[str] = attrs.field(factory=list)
+    #: Compaction replies to give first: a text, or the texts of several text blocks.
+    odd_replies: list[str | Sequence[str]] = attrs.field(factory=list)
     script: list[Reply] = attrs.field(factory=list)
     exchanges: list[dict[str, Any]] = attrs.field(factory=list, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
@@ -192,10 +193,11 @@ class CompactionStub:
         if is_compaction(body):
             summary = self.no_summary <= 0
             self.no_summary -= 1
-            said = SUMMARY_REPLY if summary else NO_SUMMARY_REPLY
+            said: str | Sequence[str] = SUMMARY_REPLY if summary else NO_SUMMARY_REPLY
             if self.odd_replies:
                 said = self.odd_replies.pop(0)
-            reply = Reply([text(said)], LOW, 60)
+            blocks = [said] if isinstance(said, str) else said
+            reply = Reply([text(block) for block in blocks], LOW, 60)
             kind = "compaction"
         else:
             reply = self.script.pop(0) if self.script else Reply([text("ok")])
@@ -274,7 +276,7 @@ class Step:
     replies: Sequence[Reply] = ()
     input_tokens: int = HIGH
     no_summary: int = 0
-    odd_replies: Sequence[str] = ()
+    odd_replies: Sequence[str | Sequence[str]] = ()
     flags: Sequence[str] = ()
 
 
@@ -343,6 +345,33 @@ SCENARIOS: dict[str, Callable[[], list[Step]]] = {
         Step(
             "Reply with the single word: gamma",
             odd_replies=["<analysis>\nUnclosed.\n\n<summary>\n1. Single words.\n"],
+            replies=[Reply([text("gamma")])],
+        ),
+    ],
+    # a compaction reply of two text blocks (agentkv releases text it held back as a possible
+    # tool call as a block of its own): how Claude Code reads them
+    "two_blocks": lambda: [
+        *words("alpha", "beta"),
+        Step(
+            "Reply with the single word: gamma",
+            odd_replies=[
+                [
+                    "<analysis>\nTwo blocks.\n</analysis>\n\n<summary>\n1. Single words, then",
+                    '```json\n{"word": "beta"}\n```\n</summary>',
+                ]
+            ],
+            replies=[Reply([text("gamma")])],
+        ),
+    ],
+    # two replies of two text blocks, none with a <summary>: which block the summary is
+    "two_blocks_no_summary": lambda: [
+        *words("alpha", "beta"),
+        Step(
+            "Reply with the single word: gamma",
+            odd_replies=[
+                ["The first reply, its first block.", "The first reply, its second block."],
+                ["The retry, its first block.", "The retry, its second block."],
+            ],
             replies=[Reply([text("gamma")])],
         ),
     ],

@@ -5,6 +5,7 @@ the compaction request is generated in idle time and served when Claude Code sen
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -348,6 +349,38 @@ async def test_the_conversation_after_a_prepared_compaction_is_computed_in_idle_
         assert fake.computed - before == record.computed_tokens
         assert record.computed_tokens <= words + 8, record  # its words and the reply's opening
         assert record.prompt_tokens > 20 * words
+        assert runtime.preparations.stats().heads_missed == 0
+
+
+async def test_a_turn_after_the_compaction_that_differs_is_counted_and_says_where(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The conversation computed in idle time is not the one the client sends (here its summary
+    message differs by one word): the turn computes what differs, and the miss is counted and
+    logged with where it parted."""
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", "<home>/.claude")
+    captured = exchanges("turns")[2]["answer"]["message"]["content"][0]["text"]
+
+    def answer(body: dict[str, Any]) -> str:
+        last = str(body["messages"][-1].get("content"))
+        return captured if last.startswith(FIRST_LINE) else "beta"
+
+    fake = FakeLlama(script=[answer] * 20)
+    async with running(fake) as runtime:
+        await (await send(runtime, turn())).message()
+        await wait_for(lambda: runtime.preparations.stats().heads == 1)
+        await wait_for(lambda: len(runtime.records()) == 3)
+        assert (await send(runtime, compaction())).done
+        after = copy.deepcopy(exchanges("turns")[3]["body"])
+        block = after["messages"][0]["content"][1]
+        block["text"] = block["text"].replace("Summary:", "Summary (edited):", 1)
+        with caplog.at_level(logging.INFO, logger="agentkv.prepared"):
+            await (await send(runtime, after)).message()
+        assert runtime.preparations.stats().heads_missed == 1
+        assert runtime.records()[-1].computed_tokens > 20
+        said = [r.getMessage() for r in caplog.records if "not the one computed" in r.getMessage()]
+        assert len(said) == 1 and "message 0 block 1, char " in said[0], said
+        assert "Summary:\\n" in said[0] and "Summary (edited):\\n" in said[0], said
 
 
 async def test_after_two_replies_without_summary_the_conversation_goes_on_from_the_first(

@@ -40,7 +40,13 @@ from cachetools import LRUCache, TTLCache
 
 from agentkv.anthropic_sse import reply_message
 from agentkv.exceptions import AgentKVError
-from agentkv.forecast import COMPACTION_ENDS, CompactionForecast, is_claude_code, reaches_point
+from agentkv.forecast import (
+    COMPACTION_ENDS,
+    CompactionForecast,
+    how_after_differs,
+    is_claude_code,
+    reaches_point,
+)
 from agentkv.reply import Ended, ReplyEvent
 from agentkv.runtime.admission import Prepared
 
@@ -121,6 +127,8 @@ class PreparedStats:
     waiting: int = 0
     #: Conversations after a compaction computed in idle time (up to the user's next words).
     heads: int = 0
+    #: Of those, the ones whose request came otherwise than predicted (computed again).
+    heads_missed: int = 0
 
 
 class _Waiting(TTLCache[str, tuple[E, ...]]):
@@ -188,12 +196,20 @@ class Preparations(Generic[E]):
     #: least recent dropped first.
     _heads: LRUCache[str, E] = attrs.field(init=False)
     _heads_started: int = attrs.field(init=False, default=0)
+    #: The conversation predicted after each agent's compaction, until its next request: that
+    #: request is compared with it, and where it parts is logged.
+    _after: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False)
+    _heads_missed: int = attrs.field(init=False, default=0)
     #: The first reply of a compaction whose retry is prepared, by agent: when the retry's reply
     #: has no summary either, Claude Code goes on with this one.
     _first_replies: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False)
 
     @_heads.default
     def _heads_default(self) -> LRUCache[str, E]:
+        return LRUCache(maxsize=self.max_waiting)
+
+    @_after.default
+    def _after_default(self) -> LRUCache[str, Mapping[str, Any]]:
         return LRUCache(maxsize=self.max_waiting)
 
     @_first_replies.default
@@ -226,6 +242,8 @@ class Preparations(Generic[E]):
         head = self._heads.get(agent)
         if head is not None and head.done:
             del self._heads[agent]
+        if body is not None and not retry and not self._forecast.is_compaction(body):
+            self._compare_after(agent, body)
         self._waiting.expire()
         chain = self._waiting.get(agent)
         if not chain:
@@ -363,6 +381,23 @@ class Preparations(Generic[E]):
             len(prepared.tokens),
         )
 
+    def _compare_after(self, agent: str, body: Mapping[str, Any]) -> None:
+        """The agent's first request after a compaction whose conversation was computed: where it
+        parts from the prediction, if it does, is counted and logged."""
+        predicted = self._after.pop(agent, None)
+        if predicted is None:
+            return
+        differs = how_after_differs(predicted, body)
+        if differs is None:
+            return
+        self._heads_missed += 1
+        log.info(
+            "agent %s: the conversation after its compaction is not the one computed in idle "
+            "time: %s",
+            agent,
+            differs,
+        )
+
     async def _compute_head(self, agent: str, body: Mapping[str, Any]) -> None:
         """Compute the conversation that follows ``agent``'s prepared compaction, up to the
         user's next words, in idle time (one token generated, never served)."""
@@ -383,6 +418,7 @@ class Preparations(Generic[E]):
             log.exception("agent %s: computing the conversation after its compaction failed", agent)
             return
         self._heads_started += 1
+        self._after[agent] = body
         log.info(
             "agent %s: the conversation after its compaction (%d tokens before the user's next "
             "words) is computed in idle time",
@@ -418,4 +454,5 @@ class Preparations(Generic[E]):
             wasted_tokens=self._wasted,
             waiting=sum(len(chain) for chain in self._waiting.values()),
             heads=self._heads_started,
+            heads_missed=self._heads_missed,
         )
