@@ -224,7 +224,7 @@ class FakeLlama:
         async def stream() -> AsyncIterator[bytes]:
             if self.prefill_delay:
                 await anyio.sleep(self.prefill_delay)
-            progress = {"total": len(tokens), "cache": cache_n, "processed": prompt_n}
+            progress = {"total": len(tokens), "cache": cache_n, "processed": cache_n + prompt_n}
             yield _sse({"content": "", "stop": False, "prompt_progress": progress})
             timings = {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": 1.0 * prompt_n}
             yield _sse({"content": "x", "stop": True, "stop_type": "limit", "timings": timings})
@@ -304,7 +304,7 @@ class FakeLlama:
         if self.prefill_delay:
             # The prefill in steps; with ``return_progress``, llama-server's progress chunks.
             steps = 4
-            for step in range(steps):
+            for step in range(steps + 1):  # the last one whole, as llama-server sends it
                 if progress:
                     done = prompt_n * step // steps
                     # As llama-server sends them: a bare role delta, and the progress.
@@ -315,11 +315,13 @@ class FakeLlama:
                             "prompt_progress": {
                                 "total": cache_n + prompt_n,
                                 "cache": cache_n,
-                                "processed": done,
+                                # the slot's prompt so far, the cached tokens included
+                                "processed": cache_n + done,
                             },
                         }
                     )
-                await anyio.sleep(self.prefill_delay / steps)
+                if step < steps:
+                    await anyio.sleep(self.prefill_delay / steps)
         for n, piece in enumerate(pieces):
             yield _sse(
                 {"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}

@@ -185,6 +185,29 @@ async def test_generation_ends_before_the_clients_timeout() -> None:
         assert runtime.records()[-1].stopped == "deadline"
 
 
+async def test_a_reply_ended_before_its_timings_still_counts_its_prompt() -> None:
+    """The engine sends a call's timings with its last chunk; a reply agentkv ends first (the
+    deadline, a degenerate loop) is counted from the prompt progress it saw: the computed and
+    cached tokens of a second turn on the same slot, not zeros."""
+    fake = FakeLlama(reply="word " * 400, chunk_chars=5, delay=0.02, prefill_delay=0.2)
+    async with running(fake, n_slots=1, client_timeout=10.8) as runtime:
+        first = {"model": "m", "max_tokens": 4000, "messages": [{"role": "user", "content": "q"}]}
+        with anyio.fail_after(5):
+            reply = await runtime.submit(
+                await runtime.prepare(first, agent="a", priority=1)
+            ).message()
+        turn = {
+            **first,
+            "messages": [*first["messages"], reply, {"role": "user", "content": "and then?"}],
+        }
+        with anyio.fail_after(5):
+            await runtime.submit(await runtime.prepare(turn, agent="a", priority=1)).message()
+        for record in runtime.records():
+            assert record.stopped == "deadline"
+            assert record.cached_tokens + record.computed_tokens == record.prompt_tokens, record
+        assert runtime.records()[-1].cached_tokens > 0
+
+
 async def test_a_ticket_cancelled_while_queued_is_withdrawn() -> None:
     """A request whose client leaves while it waits for a slot leaves nothing in the queue."""
     fake = FakeLlama(reply="slow", prefill_delay=1.0)

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agentkv.runtime.chunks import progress_timings, prompt_done
 from agentkv.runtime.relay import as_chat_chunk, continuation_prefill, generates, without_echo
 
 
@@ -114,3 +115,17 @@ def test_generates_tells_output_from_bookkeeping() -> None:
     assert not generates({"choices": [{"delta": {"role": "assistant"}}]})
     assert not generates(chunk(""))
     assert not generates({"timings": {"prompt_n": 4}})
+
+
+def test_prompt_progress_is_read_as_llama_server_sends_it() -> None:
+    """Seen from the pinned llama-server (a 130-token prompt whose first 121 were cached): its
+    ``processed`` counts the cached tokens too."""
+    first = {"prompt_progress": {"total": 130, "cache": 121, "processed": 121, "time_ms": 0}}
+    last = {"prompt_progress": {"total": 130, "cache": 121, "processed": 130, "time_ms": 121}}
+    assert prompt_done(first) == 121 and prompt_done(last) == 130
+    assert prompt_done(chunk("x")) is None
+    assert progress_timings(last["prompt_progress"]) == {
+        "cache_n": 121,
+        "prompt_n": 9,
+        "prompt_ms": 121.0,
+    }

@@ -18,7 +18,14 @@ import httpx
 from agentkv.exceptions import EngineError, EngineResponseError
 from agentkv.runtime.error_map import HTTPX_ERRORS, parse_json
 
-__all__ = ["ChunkStream", "EventParser", "check_chunk", "finish_reason", "prompt_done"]
+__all__ = [
+    "ChunkStream",
+    "EventParser",
+    "check_chunk",
+    "finish_reason",
+    "progress_timings",
+    "prompt_done",
+]
 
 #: What the client makes of a failed read (``None``: the stream ended before it finished).
 EngineErrorFor = Callable[[Exception | None], Awaitable[EngineError]]
@@ -50,11 +57,25 @@ def finish_reason(chunk: Mapping[str, Any]) -> Any:
 
 def prompt_done(chunk: Mapping[str, Any]) -> int | None:
     """How many of the prompt's tokens the engine has (cached or computed), from a chunk's
-    ``prompt_progress``; None when the chunk carries none."""
+    ``prompt_progress``; None when the chunk carries none. llama-server's ``processed`` is the
+    slot's whole prompt so far, the cached tokens included (``cache`` 121, ``processed`` 130 of
+    ``total`` 130 for a prompt that computed 9)."""
     progress = chunk.get("prompt_progress")
     if not isinstance(progress, Mapping):
         return None
-    return int(progress.get("cache", 0) or 0) + int(progress.get("processed", 0) or 0)
+    return int(progress.get("processed", 0) or 0)
+
+
+def progress_timings(progress: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``prompt_progress`` as the ``timings`` fields it tells: tokens cached (``cache_n``),
+    computed (``prompt_n``) and the milliseconds spent (``prompt_ms``)."""
+    return {
+        "cache_n": int(progress.get("cache", 0) or 0),
+        "prompt_n": max(
+            0, int(progress.get("processed", 0) or 0) - int(progress.get("cache", 0) or 0)
+        ),
+        "prompt_ms": float(progress.get("time_ms", 0.0) or 0.0),
+    }
 
 
 #: Where a line of an event stream ends: CRLF, CR or LF.

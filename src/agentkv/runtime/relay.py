@@ -28,7 +28,7 @@ from agentkv.exceptions import (
     EngineTimeoutError,
 )
 from agentkv.reply import ReplyEvent
-from agentkv.runtime.chunks import prompt_done
+from agentkv.runtime.chunks import progress_timings, prompt_done
 from agentkv.runtime.hints import EngineHints
 from agentkv.runtime.record import RequestRecord
 from agentkv.runtime.seam import Engine
@@ -208,6 +208,9 @@ class Relay:
         asm, record, client = self.assembler, self.record, self.client
         send, receive = anyio.create_memory_object_stream[dict[str, Any]](64)
         failure: list[AgentKVError] = []
+        #: The call's last prompt progress, and whether its timings came (a call stopped here,
+        #: by the deadline or a degenerate loop, ends before the engine sends them).
+        seen: dict[str, Any] = {"progress": None, "timed": False}
 
         async def produce() -> None:
             try:
@@ -258,21 +261,27 @@ class Relay:
                     if events:
                         record.first_event(now - self.started)
                         self.emit(events)
-                    self._account(chunk)
+                    self._account(chunk, seen)
                     if asm.stop is not None:
                         # A degenerate loop: closing the stream stops llama-server generating.
                         record.stop(asm.stop.reason)
                         tg.cancel_scope.cancel()
                         break
+        progress = seen["progress"]
+        if not seen["timed"] and isinstance(progress, Mapping):
+            # Stopped before its timings: what the prompt progress said it cached and computed.
+            self._account({"timings": progress_timings(progress)}, seen)
         if failure:
             raise failure[0]
 
-    def _account(self, chunk: Mapping[str, Any]) -> None:
+    def _account(self, chunk: Mapping[str, Any], seen: dict[str, Any]) -> None:
         done = prompt_done(chunk)
         if done is not None:
             self.record.progress(done)
+            seen["progress"] = chunk["prompt_progress"]
         timings = chunk.get("timings")
         if isinstance(timings, Mapping) and "prompt_n" in timings:
+            seen["timed"] = True
             self.prompt_ms += float(timings.get("prompt_ms", 0.0) or 0.0)
             self.last_cached = self.record.account(timings)
 
