@@ -26,6 +26,7 @@ import attrs
 import uvicorn
 
 from agentkv import AgentKVError
+from agentkv.forecast import compaction_point
 from agentkv.runtime.adapters import engine_name
 from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
@@ -254,11 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # -- running ------------------------------------------------------------------------------------
 
-#: The longest reply Claude Code asks for. It also sets how early Claude Code compacts: it keeps
-#: ``min(this, 20000) + 13000`` tokens of its window free (see docs/claude-code.md).
+#: The longest reply Claude Code asks for. It also sets how early Claude Code compacts
+#: (:func:`agentkv.forecast.compaction_point`, docs/claude-code.md).
 CLAUDE_CODE_MAX_OUTPUT_TOKENS = 4096
-#: Claude Code's own compaction buffer, subtracted from the window besides the output reserve.
-CLAUDE_CODE_COMPACT_BUFFER = 13000
 #: Claude Code's first request (system prompt, tools, session context), in the default model's
 #: tokens.
 CLAUDE_CODE_FIRST_REQUEST_TOKENS = 12000
@@ -360,8 +359,7 @@ def codex_config(
 
 def claude_code_compacts_at(ctx_per_slot: int) -> int:
     """The context size at which Claude Code (2.1.x) compacts, given the lines printed above."""
-    reserve = min(CLAUDE_CODE_MAX_OUTPUT_TOKENS, 20000) + CLAUDE_CODE_COMPACT_BUFFER
-    return ctx_per_slot - reserve
+    return compaction_point(ctx_per_slot, CLAUDE_CODE_MAX_OUTPUT_TOKENS)
 
 
 def _connection_settings(args: argparse.Namespace) -> dict[str, Any]:
