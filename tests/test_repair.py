@@ -477,6 +477,22 @@ def test_every_prefix_of_a_valid_call_may_become_a_call(
     assert scanner.outlook.committed
 
 
+def test_a_call_whose_input_holds_the_tag_text_is_still_a_call() -> None:
+    """Found by the property above: a bare call whose input has ``<tool_call>`` in a string is
+    one call, not an unclosed tag around its tail."""
+    tool = {"Any": {"type": "object"}}
+    for arguments in ({"<tool_call>": None}, {"note": "write <tool_call> then JSON"}):
+        text = json.dumps({"name": "Any", "arguments": arguments})
+        found = extract_tool_calls(text, tool)
+        assert [(c.name, c.input) for c in found.calls] == [("Any", arguments)], found
+        assert found.text == "" and not found.rejected
+        scanner = CallScanner(tool)
+        assert all(scanner.feed(char).can_be_call for char in text)
+    # a tag after prose that starts like an object still counts as the tag
+    tagged = '{"a": 1} then <tool_call>\n{"name": "Any", "arguments": {"x": 1}}\n</tool_call>'
+    assert [c.input for c in extract_tool_calls(tagged, tool).calls] == [{"x": 1}]
+
+
 HELD = {"get_weather": SCHEMAS["get_weather"], "Read": SCHEMAS["Read"], "Write": SCHEMAS["Write"]}
 
 GIVEN_UP = [

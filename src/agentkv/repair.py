@@ -199,7 +199,13 @@ def extract_tool_calls(
     ]
     if not spans:
         spans = _fenced(text)
-    if not spans and text.lstrip().startswith("{"):
+    whole = text.lstrip().startswith("{")
+    if whole and spans and text[spans[0][0]] == "<":
+        # A reply that is one call whose input holds the tag's text (in a string): the tag is
+        # part of the call, not around one.
+        found, turned_down = calls_in(text, tools, repair=repair)
+        whole = bool(found) and not turned_down
+    if whole and (not spans or text[spans[0][0]] == "<"):
         spans = [(0, len(text), text, False)]
 
     calls: list[ExtractedCall] = []
