@@ -164,13 +164,8 @@ class LlamaSlotClient:
         response = await self._transport.send(
             "POST", CHAT_PATH, "chat completion", payload, stream=True
         )
-        try:
-            yield self._transport.chunks(response, "chat completion")
-        finally:
-            # Shielded: closing must happen even when the caller is being cancelled, or the
-            # engine would keep generating into a connection nobody reads.
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
+        async with self._transport.streaming(response, "chat completion") as chunks:
+            yield chunks
 
     # -- prompt accounting --------------------------------------------------------------------
 
@@ -296,17 +291,15 @@ class LlamaSlotClient:
                     "POST", "/completion", "prefill", payload, stream=True, safe=True
                 )
                 try:
-                    async for chunk in self._transport.chunks(response, "prefill"):
-                        yield chunk
+                    async with self._transport.streaming(response, "prefill") as chunks:
+                        async for chunk in chunks:
+                            yield chunk
                     return
                 except EngineStreamBrokenError as exc:
                     if attempt == 2:
                         raise
                     self._transport.note_resent()
                     log.info("%s; computing the rest once more", exc.message)
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await response.aclose()
 
         stream = chunks()
         try:
@@ -326,11 +319,8 @@ class LlamaSlotClient:
         response = await self._transport.send(
             "POST", "/completion", "completion", body, stream=True
         )
-        try:
-            yield self._transport.chunks(response, "completion")
-        finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
+        async with self._transport.streaming(response, "completion") as chunks:
+            yield chunks
 
     async def detokenize(self, tokens: list[int] | tuple[int, ...]) -> str:
         """The text of ``tokens``, as the engine's tokenizer writes it."""

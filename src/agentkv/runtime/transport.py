@@ -38,8 +38,9 @@ with :class:`EngineRestartingError` (529, ``retry-after``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -261,13 +262,22 @@ class EngineTransport:
         response = await self.send(method, path, what, json_body, params=params, safe=safe)
         return parse_json(response.text, what)
 
-    def chunks(self, response: httpx.Response, what: str) -> ChunkStream:
-        """The chunks of a streamed reply to ``what``; a read that fails is this link's error."""
+    @contextlib.asynccontextmanager
+    async def streaming(self, response: httpx.Response, what: str) -> AsyncIterator[ChunkStream]:
+        """The chunks of a streamed reply to ``what`` (a read that fails is this link's error);
+        leaving the block (also by cancellation) closes the response, which stops the engine
+        generating."""
 
         async def engine_error(exc: Exception | None) -> EngineError:
             return await self._engine_error(exc, what, started=True)
 
-        return ChunkStream(response, engine_error)
+        try:
+            yield ChunkStream(response, engine_error)
+        finally:
+            # Shielded: closing must happen even when the caller is being cancelled, or the
+            # engine would keep generating into a connection nobody reads.
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
 
     async def _engine_error(
         self, exc: Exception | None, what: str, *, started: bool

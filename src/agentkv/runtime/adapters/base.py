@@ -431,12 +431,8 @@ class OpenAIEngineClient:
         also as ``timings``. Leaving the block closes the response, which stops the engine
         generating."""
         response = await self._open(body, hints, stream=True)
-        try:
-            chunks = self._transport.chunks(response, "chat completion")
+        async with self._transport.streaming(response, "chat completion") as chunks:
             yield _UsageStream(self, chunks, len(_estimate_text(body)))
-        finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
 
     # -- prompt accounting --------------------------------------------------------------------
 
