@@ -99,21 +99,17 @@ _CONNECT_TIMEOUT = 10.0
 _SETTLE_SECONDS = 1.0
 
 
-#: How long the connection of the calls that are safe to repeat may stay idle before it is
-#: closed (llama-server closes an idle one after 5 s; each one open holds one of its HTTP threads).
+#: How long the kept-alive connection may stay idle (each one open holds an HTTP thread of
+#: llama-server's).
 KEEPALIVE_SECONDS = 2.0
 
 
 def new_http_client(
     timeout: httpx.Timeout | float = 600.0, *, keep_alive: bool = False
 ) -> httpx.AsyncClient:
-    """The HTTP client for llama-server: by default a new connection for every call.
-
-    llama-server sometimes closes a connection right after a streamed reply although it said
-    keep-alive; a pooled connection is then dead when the next call takes it. ``keep_alive``:
-    one idle connection is kept, at most :data:`KEEPALIVE_SECONDS`, for calls that never stream
-    and are safe to send again.
-    """
+    """The HTTP client for an engine: a new connection for every call, or (``keep_alive``) one
+    kept-alive connection for the calls that never stream and are safe to send again (see the
+    module docstring)."""
     if keep_alive:
         limits = httpx.Limits(max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_SECONDS)
     else:
@@ -371,9 +367,7 @@ class EngineTransport:
     ) -> httpx.Request:
         headers = {**(extra or {}), **self._headers}
         if stream:
-            # A stream's connection is never used again: llama-server may close it once the
-            # stream ends, though it advertised keep-alive, and a pool would hand it out dead.
-            headers["connection"] = "close"
+            headers["connection"] = "close"  # a stream's connection is never used again
         return http.build_request(
             method,
             self.base_url + path,
