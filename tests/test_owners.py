@@ -1,4 +1,4 @@
-"""Ownership of the slot table, by construction.
+"""Ownership of the slot table, and of each engine client's link, by construction.
 
 The dispatcher (:class:`~agentkv.runtime.dispatcher.Dispatcher`) creates the table and alone writes
 who holds a slot; it hands the writer of what slots hold (:class:`~agentkv.slots.ContentWriter`) to
@@ -60,3 +60,24 @@ async def test_the_runtime_wires_the_content_writer_to_its_cache() -> None:
         assert runtime.contents.slots.table() == runtime.dispatcher.slots.table()
         with pytest.raises(RuntimeError):
             runtime.dispatcher.hand_contents()
+
+
+@pytest.mark.anyio
+async def test_each_engine_client_holds_its_link_alone() -> None:
+    """An engine client answers for its link from the link it holds (nothing of it is copied
+    onto the client), and a supervisor's status given later is the supervisor's to move."""
+    from agentkv.runtime.adapters import ADAPTERS
+    from agentkv.runtime.client import LlamaSlotClient
+    from agentkv.runtime.status import EngineStatus
+    from agentkv.runtime.transport import LinkedEngine
+
+    for cls in (LlamaSlotClient, *ADAPTERS.values()):
+        async with cls("http://127.0.0.1:9/") as client:
+            assert isinstance(client, LinkedEngine)
+            assert not {"base_url", "link", "status"} & vars(client).keys()
+            assert client.base_url == "http://127.0.0.1:9" and client.link.requests == 0
+            assert client.set_reachable(False, "down")  # no supervisor: the link's own status
+            status = EngineStatus()
+            client.status = status
+            assert client.status is status and not client.set_reachable(False, "down")
+            assert status.state == "ready"

@@ -1,14 +1,10 @@
 """LlamaSlotClient: llama-server as the runtime's :class:`~agentkv.runtime.seam.Engine`.
 
-Every request to llama-server goes through here; every upstream failure is mapped onto the
-agentkv exception tree (unreachable → :class:`EngineUnavailableError`, stalled →
-:class:`EngineTimeoutError`, error status or unparseable body → :class:`EngineResponseError`).
-
-Its HTTP link is an :class:`~agentkv.runtime.transport.EngineTransport`: connections, the safe
-retries and the error map, shared with the OpenAI-compatible engines' clients. It adds what is
-llama-server's own: slots, prompt templating and tokenizing (with :class:`PromptMemo`), slot
-files and raw completions. When agentkv supervises the engine (``status``), a request made while
-it restarts fails at once with :class:`EngineRestartingError` (529, ``retry-after``).
+A :class:`~agentkv.runtime.transport.LinkedEngine`, as the OpenAI-compatible engines' clients are:
+its link (connections, the safe retries, the error map, readiness) is the
+:class:`~agentkv.runtime.transport.EngineTransport` it holds. It adds what is llama-server's own:
+slots, prompt templating and tokenizing (with :class:`PromptMemo`), slot files and raw
+completions.
 """
 
 from __future__ import annotations
@@ -16,20 +12,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Unpack
 
 import anyio
-import httpx
 
 from agentkv.exceptions import EngineResponseError, EngineStreamBrokenError
 from agentkv.prompts import PromptMemo, PromptStats, marker_candidates, template_key
 from agentkv.runtime.error_map import HTTPX_ERROR_MAP, map_httpx_error
 from agentkv.runtime.health import probe, wait_until_ready
-from agentkv.runtime.seam import SlotsChanged
-from agentkv.runtime.status import EngineStatus
-from agentkv.runtime.transport import CHAT_PATH, EngineTransport, LinkStats, new_http_client
-from agentkv.snapshot import EngineRow
+from agentkv.runtime.transport import (
+    CHAT_PATH,
+    LinkedEngine,
+    LinkOptions,
+    LinkStats,
+    new_http_client,
+)
 
 if TYPE_CHECKING:
     from agentkv.runtime.hints import EngineHints
@@ -54,20 +52,10 @@ _LEARN_AT_ONCE = 16
 _MARKERS_MAX = 512
 
 
-class LlamaSlotClient:
-    """Async client for llama-server that pins chat requests to a slot and maps every failure.
-
-    ``http`` may be injected (tests use ``httpx.MockTransport``); a client created here is closed by
-    :meth:`aclose`. ``connect_retries`` and ``retry_seconds`` bound the safe retries (refused
-    connection, 503 while loading); ``read_timeout`` is how long llama-server may stay silent
-    mid-request before :class:`EngineTimeoutError`.
-
-    ``api_key`` is sent as ``Authorization: Bearer`` (the key agentkv gave the llama-server it
-    launched). ``status`` is the supervisor's view of that engine: while it restarts, requests fail
-    at once with :class:`EngineRestartingError`. ``templating_limit`` bounds how many
-    ``/apply-template`` and ``/tokenize`` calls run at once; the others wait their turn, and a
-    caller cancelled while waiting never sends its call.
-    """
+class LlamaSlotClient(LinkedEngine):
+    """Async client for llama-server that pins chat requests to a slot; its arguments are
+    :class:`~agentkv.runtime.transport.LinkedEngine`'s (``templating_limit`` bounds its
+    ``/apply-template``, ``/tokenize`` and ``/detokenize`` calls)."""
 
     #: The engine has slots agentkv pins requests to, and saves and restores their KV cache as
     #: files (the prefix store). An engine that places requests itself
@@ -77,33 +65,9 @@ class LlamaSlotClient:
     engine_name: ClassVar[str] = "llama-server"
 
     def __init__(
-        self,
-        base_url: str,
-        *,
-        http: httpx.AsyncClient | None = None,
-        connect_retries: int = 5,
-        retry_seconds: float = 30.0,
-        read_timeout: float = 600.0,
-        retry_backoff: float = 0.25,
-        api_key: str | None = None,
-        status: EngineStatus | None = None,
-        templating_limit: int = 4,
+        self, base_url: str, *, templating_limit: int = 4, **link: Unpack[LinkOptions]
     ) -> None:
-        self._transport = EngineTransport(
-            base_url,
-            http=http,
-            connect_retries=connect_retries,
-            retry_seconds=retry_seconds,
-            read_timeout=read_timeout,
-            retry_backoff=retry_backoff,
-            api_key=api_key,
-            status=status,
-            engine_name=self.engine_name,
-        )
-        self.base_url = self._transport.base_url
-        self._templating = anyio.CapacityLimiter(max(1, templating_limit))
-        #: What the engine link has seen: requests sent, and those sent again after a drop.
-        self.link: LinkStats = self._transport.link
+        super().__init__(base_url, templating_limit=templating_limit, **link)
         self._vision: bool | None = None
         #: The engine's templating and tokenizing answers, for the same question asked again.
         self.memo = PromptMemo()
@@ -129,11 +93,7 @@ class LlamaSlotClient:
         }
 
     async def chat(
-        self,
-        body: Mapping[str, Any],
-        *,
-        slot: int | None,
-        hints: EngineHints | None = None,
+        self, body: Mapping[str, Any], *, slot: int | None, hints: EngineHints | None = None
     ) -> dict[str, Any]:
         """Non-streaming chat completion on ``slot`` (None: any idle slot); the JSON reply with
         ``timings``. ``hints`` are for engines that place requests themselves; llama-server is
@@ -148,11 +108,7 @@ class LlamaSlotClient:
 
     @contextlib.asynccontextmanager
     async def stream(
-        self,
-        body: Mapping[str, Any],
-        *,
-        slot: int | None,
-        hints: EngineHints | None = None,
+        self, body: Mapping[str, Any], *, slot: int | None, hints: EngineHints | None = None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """Streaming chat completion on ``slot``; yields an iterator of parsed chunk dicts
         (``hints``: as for :meth:`chat`).
@@ -164,13 +120,8 @@ class LlamaSlotClient:
         response = await self._transport.send(
             "POST", CHAT_PATH, "chat completion", payload, stream=True
         )
-        try:
-            yield self._transport.chunks(response, "chat completion")
-        finally:
-            # Shielded: closing must happen even when the caller is being cancelled, or the
-            # engine would keep generating into a connection nobody reads.
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
+        async with self._transport.streaming(response, "chat completion") as chunks:
+            yield chunks
 
     # -- prompt accounting --------------------------------------------------------------------
 
@@ -220,6 +171,10 @@ class LlamaSlotClient:
         else:
             stats.tokens_kept += 1
         return tokens
+
+    def prompt_answers(self) -> PromptStats:
+        """Where the prompt answers came from (:attr:`prompt_stats`)."""
+        return self.prompt_stats
 
     async def _tokenize_prompt(self, prompt: str) -> list[int]:
         """A templated prompt's tokens; when it begins like a prompt tokenized before, only its
@@ -296,17 +251,15 @@ class LlamaSlotClient:
                     "POST", "/completion", "prefill", payload, stream=True, safe=True
                 )
                 try:
-                    async for chunk in self._transport.chunks(response, "prefill"):
-                        yield chunk
+                    async with self._transport.streaming(response, "prefill") as chunks:
+                        async for chunk in chunks:
+                            yield chunk
                     return
                 except EngineStreamBrokenError as exc:
                     if attempt == 2:
                         raise
                     self._transport.note_resent()
                     log.info("%s; computing the rest once more", exc.message)
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await response.aclose()
 
         stream = chunks()
         try:
@@ -326,11 +279,8 @@ class LlamaSlotClient:
         response = await self._transport.send(
             "POST", "/completion", "completion", body, stream=True
         )
-        try:
-            yield self._transport.chunks(response, "completion")
-        finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
+        async with self._transport.streaming(response, "completion") as chunks:
+            yield chunks
 
     async def detokenize(self, tokens: list[int] | tuple[int, ...]) -> str:
         """The text of ``tokens``, as the engine's tokenizer writes it."""
@@ -400,68 +350,3 @@ class LlamaSlotClient:
         if not isinstance(data, dict):
             raise EngineResponseError(f"llama-server slot {action} returned {data!r:.200}")
         return data
-
-    # -- readiness ----------------------------------------------------------------------------
-
-    @property
-    def status(self) -> EngineStatus | None:
-        """The supervisor's view of the engine (None: not supervised by this process)."""
-        return self._transport.status
-
-    @status.setter
-    def status(self, status: EngineStatus | None) -> None:
-        self._transport.status = status
-
-    async def health(self) -> bool:
-        """True when llama-server is up and has loaded its model (one probe, no retries)."""
-        return await self._transport.health()
-
-    async def engine_state(self) -> tuple[str, str]:
-        """What ``/health`` reports: ``("ready" | "engine_restarting" | "engine_unavailable",
-        detail)``, from the supervisor's status where there is one, else from one probe."""
-        return await self._transport.engine_state()
-
-    async def wait_ready(
-        self,
-        timeout: float,  # noqa: ASYNC109 - part of the public contract
-        *,
-        on_progress: Callable[[str], None] | None = None,
-    ) -> None:
-        """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
-        ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
-        await self._transport.wait_ready(timeout, on_progress=on_progress)
-
-    def set_reachable(self, reachable: bool, detail: str = "") -> bool:
-        """Whether the engine answers, as a health watcher other than a supervisor finds it (a
-        pool's probes): see :meth:`EngineTransport.set_reachable`. False, and nothing changes,
-        when a supervisor gave the status."""
-        return self._transport.set_reachable(reachable, detail)
-
-    # -- what a pool of engines answers for all of them (see agentkv.runtime.pool) -----------
-
-    @property
-    def restarts(self) -> int:
-        """The engine's restarts by its supervisor so far (none when not supervised here)."""
-        return self._transport.restarts
-
-    def prompt_answers(self) -> PromptStats:
-        """Where the prompt answers came from (:attr:`prompt_stats`)."""
-        return self.prompt_stats
-
-    def engines(self) -> tuple[EngineRow, ...] | None:
-        """One row per engine for the operator, when this client stands for several."""
-        return None
-
-    async def watch(self, on_change: SlotsChanged | None = None) -> None:
-        """Follow the engines' health, when this client stands for several; one engine's
-        restarts are followed by its supervisor instead."""
-
-    async def aclose(self) -> None:
-        """Close the HTTP client if this object created it."""
-        await self._transport.aclose()
-
-    async def __aenter__(self) -> LlamaSlotClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()

@@ -1,11 +1,11 @@
 """EngineTransport: the one place agentkv talks HTTP to an engine.
 
-Every request to the engine goes through here (for llama-server's
-:class:`~agentkv.runtime.client.LlamaSlotClient`, and for the OpenAI-compatible engines'
-:class:`~agentkv.runtime.adapters.OpenAIEngineClient`, each of which holds one), so every upstream
-failure is mapped once, at this boundary, onto the agentkv exception tree: unreachable →
-:class:`EngineUnavailableError`, stalled → :class:`EngineTimeoutError`, error status or
-unparseable body → :class:`EngineResponseError`. An error names the engine (``engine_name``).
+Every request to the engine goes through here: llama-server's
+:class:`~agentkv.runtime.client.LlamaSlotClient` and the OpenAI-compatible engines'
+:class:`~agentkv.runtime.adapters.OpenAIEngineClient` are each a :class:`LinkedEngine`, which holds
+one. So every upstream failure is mapped once, at this boundary, onto the agentkv exception tree:
+unreachable → :class:`EngineUnavailableError`, stalled → :class:`EngineTimeoutError`, error status
+or unparseable body → :class:`EngineResponseError`. An error names the engine (``engine_name``).
 
 No call meets a connection a stream used. llama-server advertises keep-alive after a streamed
 reply but sometimes closes the socket right after the stream ends; a pooled connection then fails
@@ -38,9 +38,10 @@ with :class:`EngineRestartingError` (529, ``retry-after``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypedDict, Unpack
 
 import anyio
 import attrs
@@ -72,12 +73,18 @@ from agentkv.runtime.error_map import (
 from agentkv.runtime.health import probe, wait_until_ready
 from agentkv.runtime.status import EngineStatus
 
+if TYPE_CHECKING:
+    from agentkv.runtime.seam import SlotsChanged
+    from agentkv.snapshot import EngineRow
+
 __all__ = [
     "CHAT_PATH",
     "KEEPALIVE_SECONDS",
     "LLAMA_SERVER",
     "EngineTransport",
+    "LinkOptions",
     "LinkStats",
+    "LinkedEngine",
     "in_name_of",
     "new_http_client",
 ]
@@ -98,21 +105,17 @@ _CONNECT_TIMEOUT = 10.0
 _SETTLE_SECONDS = 1.0
 
 
-#: How long the connection of the calls that are safe to repeat may stay idle before it is
-#: closed (llama-server closes an idle one after 5 s; each one open holds one of its HTTP threads).
+#: How long the kept-alive connection may stay idle (each one open holds an HTTP thread of
+#: llama-server's).
 KEEPALIVE_SECONDS = 2.0
 
 
 def new_http_client(
     timeout: httpx.Timeout | float = 600.0, *, keep_alive: bool = False
 ) -> httpx.AsyncClient:
-    """The HTTP client for llama-server: by default a new connection for every call.
-
-    llama-server sometimes closes a connection right after a streamed reply although it said
-    keep-alive; a pooled connection is then dead when the next call takes it. ``keep_alive``:
-    one idle connection is kept, at most :data:`KEEPALIVE_SECONDS`, for calls that never stream
-    and are safe to send again.
-    """
+    """The HTTP client for an engine: a new connection for every call, or (``keep_alive``) one
+    kept-alive connection for the calls that never stream and are safe to send again (see the
+    module docstring)."""
     if keep_alive:
         limits = httpx.Limits(max_keepalive_connections=1, keepalive_expiry=KEEPALIVE_SECONDS)
     else:
@@ -174,12 +177,21 @@ class EngineTransport:
         self._retry_seconds = retry_seconds
         self._retry_backoff = retry_backoff
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        #: The supervisor's view of the engine (None: not supervised by this process).
-        self.status = status
+        self._status = status
         #: :attr:`status` is this link's own, moved by :meth:`set_reachable` (no supervisor).
         self._own_status = False
         #: What the link has seen: requests sent, and those sent again after a drop.
         self.link = LinkStats()
+
+    @property
+    def status(self) -> EngineStatus | None:
+        """The supervisor's view of the engine (None: not supervised by this process)."""
+        return self._status
+
+    @status.setter
+    def status(self, status: EngineStatus | None) -> None:
+        """A supervisor's status, given after the link was made: the supervisor's to move."""
+        self._status, self._own_status = status, False
 
     def _named(self, error: EngineError) -> EngineError:
         return in_name_of(error, self.engine_name)
@@ -222,15 +234,15 @@ class EngineTransport:
         An engine whose supervisor gave the status is the supervisor's to judge: False, and
         nothing changes.
         """
-        if self.status is None:
-            self.status = EngineStatus()
+        if self._status is None:
+            self._status = EngineStatus()
             self._own_status = True
         if not self._own_status:
             return False
         if reachable:
-            self.status.set_state("ready")
+            self._status.set_state("ready")
         else:
-            self.status.set_state("unavailable", detail)
+            self._status.set_state("unavailable", detail)
         return True
 
     @property
@@ -261,13 +273,22 @@ class EngineTransport:
         response = await self.send(method, path, what, json_body, params=params, safe=safe)
         return parse_json(response.text, what)
 
-    def chunks(self, response: httpx.Response, what: str) -> ChunkStream:
-        """The chunks of a streamed reply to ``what``; a read that fails is this link's error."""
+    @contextlib.asynccontextmanager
+    async def streaming(self, response: httpx.Response, what: str) -> AsyncIterator[ChunkStream]:
+        """The chunks of a streamed reply to ``what`` (a read that fails is this link's error);
+        leaving the block (also by cancellation) closes the response, which stops the engine
+        generating."""
 
         async def engine_error(exc: Exception | None) -> EngineError:
             return await self._engine_error(exc, what, started=True)
 
-        return ChunkStream(response, engine_error)
+        try:
+            yield ChunkStream(response, engine_error)
+        finally:
+            # Shielded: closing must happen even when the caller is being cancelled, or the
+            # engine would keep generating into a connection nobody reads.
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
 
     async def _engine_error(
         self, exc: Exception | None, what: str, *, started: bool
@@ -361,9 +382,7 @@ class EngineTransport:
     ) -> httpx.Request:
         headers = {**(extra or {}), **self._headers}
         if stream:
-            # A stream's connection is never used again: llama-server may close it once the
-            # stream ends, though it advertised keep-alive, and a pool would hand it out dead.
-            headers["connection"] = "close"
+            headers["connection"] = "close"  # a stream's connection is never used again
         return http.build_request(
             method,
             self.base_url + path,
@@ -431,3 +450,99 @@ class EngineTransport:
         if safe and response.status_code in GATEWAY_STATUSES:
             raise DroppedError(error.message) from error
         raise error
+
+
+class LinkOptions(TypedDict, total=False):
+    """The :class:`EngineTransport` arguments an engine client takes and passes on (see there)."""
+
+    http: httpx.AsyncClient | None
+    connect_retries: int
+    retry_seconds: float
+    read_timeout: float
+    retry_backoff: float
+    api_key: str | None
+    status: EngineStatus | None
+
+
+class LinkedEngine:
+    """One engine on one :class:`EngineTransport`, which it alone holds (as an
+    ``httpx.AsyncClient`` holds its transport): the common base of the engine clients. It
+    answers what the :class:`~agentkv.runtime.seam.Engine` asks of the link (readiness, health,
+    the supervisor's status, closing) and of one engine; a subclass adds the engine's own calls.
+
+    ``link`` are the :class:`EngineTransport`'s arguments. ``templating_limit`` bounds how many
+    templating and tokenizing calls a subclass sends at once (under :attr:`_templating`); the
+    others wait their turn, and a caller cancelled while waiting never sends its call.
+    """
+
+    #: The engine, in words (the banner, log lines, error messages).
+    engine_name: ClassVar[str]
+
+    def __init__(
+        self, base_url: str, *, templating_limit: int = 4, **link: Unpack[LinkOptions]
+    ) -> None:
+        self._transport = EngineTransport(base_url, engine_name=self.engine_name, **link)
+        self._templating = anyio.CapacityLimiter(max(1, templating_limit))
+
+    @property
+    def base_url(self) -> str:
+        return self._transport.base_url
+
+    @property
+    def link(self) -> LinkStats:
+        """What the engine link has seen: requests sent, and those sent again after a drop."""
+        return self._transport.link
+
+    @property
+    def status(self) -> EngineStatus | None:
+        """The supervisor's view of the engine (None: not supervised by this process)."""
+        return self._transport.status
+
+    @status.setter
+    def status(self, status: EngineStatus | None) -> None:
+        self._transport.status = status
+
+    @property
+    def restarts(self) -> int:
+        """The engine's restarts by its supervisor so far (none when not supervised here)."""
+        return self._transport.restarts
+
+    async def health(self) -> bool:
+        """True when the engine is up and has loaded its model (one probe, no retries)."""
+        return await self._transport.health()
+
+    async def engine_state(self) -> tuple[str, str]:
+        """What ``/health`` reports (see :meth:`EngineTransport.engine_state`)."""
+        return await self._transport.engine_state()
+
+    async def wait_ready(
+        self,
+        timeout: float,  # noqa: ASYNC109 - part of the public contract
+        *,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
+        """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
+        ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
+        await self._transport.wait_ready(timeout, on_progress=on_progress)
+
+    def set_reachable(self, reachable: bool, detail: str = "") -> bool:
+        """Whether the engine answers, as a pool's probes find it: see
+        :meth:`EngineTransport.set_reachable`."""
+        return self._transport.set_reachable(reachable, detail)
+
+    def engines(self) -> tuple[EngineRow, ...] | None:
+        """One engine: no rows (a pool has one per engine)."""
+        return None
+
+    async def watch(self, on_change: SlotsChanged | None = None) -> None:
+        """One engine: nothing to follow (its supervisor follows its restarts)."""
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this object created it."""
+        await self._transport.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -1,10 +1,10 @@
 """The OpenAI-compatible path: an engine that places requests itself, behind the client's seam.
 
 :class:`OpenAIEngineClient` is the runtime's :class:`~agentkv.runtime.seam.Engine` for an engine
-such as vLLM, SGLang or NVIDIA Dynamo, reached through its ``/v1/chat/completions``. It holds the
-HTTP link llama-server's client holds too (:class:`~agentkv.runtime.transport.EngineTransport`:
-connections, retries, the error map, readiness, errors in the engine's name), and asks the engine
-what an OpenAI-compatible engine answers:
+such as vLLM, SGLang or NVIDIA Dynamo, reached through its ``/v1/chat/completions``. It is a
+:class:`~agentkv.runtime.transport.LinkedEngine`, as llama-server's client is (connections,
+retries, the error map, readiness, errors in the engine's name), and asks the engine what an
+OpenAI-compatible engine answers:
 
 - no slot: the ``slot`` argument is ignored (no ``id_slot``, no ``cache_prompt``); agentkv's
   "slots" are only how many requests it sends the engine at once, and the engine's own scheduler
@@ -33,11 +33,10 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, ClassVar, Unpack
 from urllib.parse import quote
 
-import anyio
 import attrs
 import httpx
 
@@ -46,12 +45,7 @@ from agentkv.prompts import PromptStats
 from agentkv.runtime.chunks import ChunkStream
 from agentkv.runtime.error_map import parse_json
 from agentkv.runtime.hints import EngineHints
-from agentkv.runtime.seam import SlotsChanged
-from agentkv.runtime.transport import CHAT_PATH, EngineTransport, LinkStats, in_name_of
-
-if TYPE_CHECKING:
-    from agentkv.runtime.status import EngineStatus
-    from agentkv.snapshot import EngineRow
+from agentkv.runtime.transport import CHAT_PATH, LinkedEngine, LinkOptions, in_name_of
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -216,13 +210,12 @@ class _UsageStream:
         return chunk
 
 
-class OpenAIEngineClient:
+class OpenAIEngineClient(LinkedEngine):
     """Any OpenAI-compatible engine that places requests itself; no hints.
 
-    ``model`` is the model name the engine serves (None: the first of its ``/v1/models``).
-    ``templating_limit`` bounds the tokenizing calls sent at once (where the engine has them);
-    the other arguments are the :class:`~agentkv.runtime.transport.EngineTransport`'s, as for
-    :class:`~agentkv.runtime.client.LlamaSlotClient`.
+    ``model`` is the model name the engine serves (None: the first of its ``/v1/models``). The
+    other arguments are :class:`~agentkv.runtime.transport.LinkedEngine`'s (``templating_limit``
+    bounds the tokenizing calls, where the engine has them).
     """
 
     #: The ``--engine-kind`` of ``agentkv-server``.
@@ -240,30 +233,10 @@ class OpenAIEngineClient:
         base_url: str,
         *,
         model: str | None = None,
-        http: httpx.AsyncClient | None = None,
-        connect_retries: int = 5,
-        retry_seconds: float = 30.0,
-        read_timeout: float = 600.0,
-        retry_backoff: float = 0.25,
-        api_key: str | None = None,
-        status: EngineStatus | None = None,
         templating_limit: int = 4,
+        **link: Unpack[LinkOptions],
     ) -> None:
-        self._transport = EngineTransport(
-            base_url,
-            http=http,
-            connect_retries=connect_retries,
-            retry_seconds=retry_seconds,
-            read_timeout=read_timeout,
-            retry_backoff=retry_backoff,
-            api_key=api_key,
-            status=status,
-            engine_name=self.engine_name,
-        )
-        self.base_url = self._transport.base_url
-        #: What the engine link has seen: requests sent, and those sent again after a drop.
-        self.link: LinkStats = self._transport.link
-        self._templating = anyio.CapacityLimiter(max(1, templating_limit))
+        super().__init__(base_url, templating_limit=templating_limit, **link)
         self.model = model
         self.card: EngineCard | None = None
         #: What the engine's usage says about the estimate's characters per token.
@@ -401,11 +374,7 @@ class OpenAIEngineClient:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def chat(
-        self,
-        body: Mapping[str, Any],
-        *,
-        slot: int | None,
-        hints: EngineHints | None = None,
+        self, body: Mapping[str, Any], *, slot: int | None, hints: EngineHints | None = None
     ) -> dict[str, Any]:
         """A non-streamed chat completion (``slot`` is ignored: the engine places it); the JSON
         reply, with its ``usage`` also as ``timings``."""
@@ -421,22 +390,14 @@ class OpenAIEngineClient:
 
     @contextlib.asynccontextmanager
     async def stream(
-        self,
-        body: Mapping[str, Any],
-        *,
-        slot: int | None,
-        hints: EngineHints | None = None,
+        self, body: Mapping[str, Any], *, slot: int | None, hints: EngineHints | None = None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """A streamed chat completion (``slot`` is ignored); the chunks, the last one's ``usage``
         also as ``timings``. Leaving the block closes the response, which stops the engine
         generating."""
         response = await self._open(body, hints, stream=True)
-        try:
-            chunks = self._transport.chunks(response, "chat completion")
+        async with self._transport.streaming(response, "chat completion") as chunks:
             yield _UsageStream(self, chunks, len(_estimate_text(body)))
-        finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
 
     # -- prompt accounting --------------------------------------------------------------------
 
@@ -444,6 +405,11 @@ class OpenAIEngineClient:
         """The prompt's tokens as far as agentkv can know them: :func:`estimated_tokens`, at the
         characters per token the engine's replies showed (:attr:`calibration`)."""
         return estimated_tokens(body, chars_per_token=self.calibration.chars_per_token)
+
+    def prompt_answers(self) -> PromptStats:
+        """None kept or asked: prompt sizes come from the engine's ``/tokenize`` or an
+        estimate."""
+        return PromptStats()
 
     async def tokenize(
         self, content: str, *, add_special: bool = False, parse_special: bool = True
@@ -497,58 +463,6 @@ class OpenAIEngineClient:
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         raise self._unsupported("raw completion on a slot")
         yield  # pragma: no cover - an async context manager needs a yield
-
-    # -- readiness and health ------------------------------------------------------------------
-
-    @property
-    def status(self) -> EngineStatus | None:
-        """The supervisor's view of the engine (None: not supervised by this process)."""
-        return self._transport.status
-
-    @property
-    def restarts(self) -> int:
-        """The engine's restarts by its supervisor so far (none when not supervised here)."""
-        return self._transport.restarts
-
-    async def health(self) -> bool:
-        """True when the engine is up and serves (one probe of its ``/health``, no retries)."""
-        return await self._transport.health()
-
-    async def engine_state(self) -> tuple[str, str]:
-        """What ``/health`` reports, from the supervisor's status or one probe."""
-        return await self._transport.engine_state()
-
-    async def wait_ready(
-        self,
-        timeout: float,  # noqa: ASYNC109 - part of the public contract
-        *,
-        on_progress: Callable[[str], None] | None = None,
-    ) -> None:
-        """Poll ``/health`` until the engine serves; :class:`EngineUnavailableError` after
-        ``timeout`` seconds."""
-        await self._transport.wait_ready(timeout, on_progress=on_progress)
-
-    def prompt_answers(self) -> PromptStats:
-        """None kept or asked: prompt sizes come from the engine's ``/tokenize`` or an
-        estimate."""
-        return PromptStats()
-
-    def engines(self) -> tuple[EngineRow, ...] | None:
-        """One engine: no rows."""
-        return None
-
-    async def watch(self, on_change: SlotsChanged | None = None) -> None:
-        """One engine: nothing to follow (its supervisor follows its restarts)."""
-
-    async def aclose(self) -> None:
-        """Close the HTTP client if this object created it."""
-        await self._transport.aclose()
-
-    async def __aenter__(self) -> OpenAIEngineClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
 
 
 def context_tokens(card: EngineCard, requested: int | None) -> int | None:
