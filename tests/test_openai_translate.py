@@ -358,3 +358,260 @@ def test_relocate_names_the_client_field() -> None:
     assert request.relocate("max_tokens") == "max_output_tokens"
     assert request.relocate(None) is None
     assert request.relocate("elsewhere") == "elsewhere"
+
+
+# -- the structured shapes' errors, word for word -------------------------------------------------
+
+RESPONSES_FIELD_ERRORS: list[tuple[dict[str, Any], str, str]] = [
+    ({"input": None}, "input", "is required"),
+    (
+        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
+        "input[0].arguments",
+        "is not valid JSON",
+    ),
+    (
+        {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+        "input[0].call_id",
+        "expected a string, got null",
+    ),
+    (
+        {"input": [{"type": "function_call", "call_id": "c", "name": "", "arguments": "{}"}]},
+        "input[0].name",
+        "expected a non-empty string",
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+        "input[0].content[0].text",
+        "expected a string, got null",
+    ),
+    (
+        {
+            "input": [
+                {"role": "system", "content": [{"type": "input_image", "image_url": "https://x"}]}
+            ]
+        },
+        "input[0].content[0].type",
+        "'input_image' is not supported here (accepted: input_text)",
+    ),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+        "input[0].content[0].file_id",
+        "file_id is not supported: agentkv stores no files; send image_url",
+    ),
+    (
+        {
+            "input": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}
+            ]
+        },
+        "input[0].content[0].image_url.url",
+        "a data: URL must be data:<type>;base64,<data>",
+    ),
+    (
+        {"input": [{"content": "x"}]},
+        "input[0].type",
+        "None is not supported (message, function_call, function_call_output, custom_tool_call, "
+        "custom_tool_call_output and reasoning items are)",
+    ),
+    (
+        {"input": [{"role": "user", "content": 5}]},
+        "input[0].content",
+        "expected a string or a list of parts, got integer",
+    ),
+    (
+        {"input": [{"type": "custom_tool_call_output", "output": "x"}]},
+        "input[0].call_id",
+        "expected a string, got null",
+    ),
+    (
+        {
+            "tools": [
+                {"type": "namespace", "name": "ns", "tools": [{"type": "web_search", "name": "w"}]}
+            ]
+        },
+        "tools[0].tools[0].type",
+        "'web_search' is not supported in a namespace (function and custom tools are)",
+    ),
+    (
+        {"tools": [{"type": "namespace", "name": "ns", "tools": [{"name": "a"}, {"name": "a"}]}]},
+        "tools[0].tools[1]",
+        "declares the tool 'ns.a' a second time",
+    ),
+    ({"tools": [{"type": "function", "name": ""}]}, "tools[0].name", "expected a non-empty string"),
+    (
+        {"tools": [{"type": "custom", "name": "c", "description": 5}]},
+        "tools[0].description",
+        "expected a string, got integer",
+    ),
+    (
+        {"tools": [{"type": "function", "name": "f", "parameters": []}]},
+        "tools[0].parameters",
+        "expected an object, got array",
+    ),
+    (
+        {"tool_choice": 5},
+        "tool_choice",
+        "None is not supported ('auto', 'none', 'required' and function choices are)",
+    ),
+    (
+        {"tool_choice": "sometimes"},
+        "tool_choice",
+        "'sometimes' is not one of 'auto', 'none', 'required' or a function",
+    ),
+    ({"include": ["a", 1]}, "include", "expected a list of strings"),
+    ({"max_output_tokens": "9"}, "max_output_tokens", "expected a positive integer"),
+    ({"reasoning": "high"}, "reasoning", "expected an object, got string"),
+    ({"text": {"format": "json"}}, "text.format", "expected an object, got string"),
+]
+
+CHAT_FIELD_ERRORS: list[tuple[dict[str, Any], str, str]] = [
+    ({"messages": None}, "messages", "is required"),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[1]"}}],
+                },
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments",
+        "must be a JSON object, got array",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "type": "custom", "function": {"name": "f"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].type",
+        "'custom' is not supported (function calls are)",
+    ),
+    (
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]},
+        "messages[0].tool_calls[0].function",
+        "expected an object, got null",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": 5, "function": {"name": "f", "arguments": "{}"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].id",
+        "expected a string, got integer",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "tool",
+                    "tool_call_id": "c",
+                    "content": [{"type": "image_url", "image_url": {"url": "https://x"}}],
+                }
+            ]
+        },
+        "messages[0].content[0].type",
+        "'image_url' is not supported here (accepted: text)",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "input_image", "image_url": "ftp://x"}]}
+            ]
+        },
+        "messages[0].content[0].image_url",
+        "expected an http(s) URL or a data: URL",
+    ),
+    (
+        {"messages": [{"role": "robot"}]},
+        "messages[0].role",
+        "'robot' is not one of 'system', 'developer', 'user', 'assistant', 'tool'",
+    ),
+    ({"messages": ["hi"]}, "messages[0]", "expected an object, got string"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function", "expected an object, got null"),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice.function.name",
+        "tool 'g' is not in tools",
+    ),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function"},
+        },
+        "tool_choice.function",
+        "expected an object, got null",
+    ),
+    ({"stop": 5}, "stop", "expected a string or a list of strings"),
+    (
+        {"stream_options": {"include_usage": "yes"}},
+        "stream_options.include_usage",
+        "expected a boolean, got string",
+    ),
+    ({"max_tokens": 0}, "max_tokens", "expected a positive integer"),
+    ({"top_k": -1}, "top_k", "expected a non-negative integer"),
+    (
+        {"response_format": {"type": "json_schema"}},
+        "response_format.type",
+        "'json_schema' is not supported; only plain text output is",
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "param", "words"), RESPONSES_FIELD_ERRORS)
+def test_responses_shape_errors_are_exact(change: dict[str, Any], param: str, words: str) -> None:
+    """A Responses body the converter or a later check refuses: the field and the whole message."""
+    with pytest.raises(InvalidRequestError) as caught:
+        translator.responses({"model": "m", "input": "hi"} | change)
+    assert (caught.value.path, caught.value.message) == (param, f"{param}: {words}")
+
+
+@pytest.mark.parametrize(("change", "param", "words"), CHAT_FIELD_ERRORS)
+def test_chat_shape_errors_are_exact(change: dict[str, Any], param: str, words: str) -> None:
+    """The same for Chat Completions bodies."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | change
+    with pytest.raises(InvalidRequestError) as caught:
+        translator.chat(body)
+    assert (caught.value.path, caught.value.message) == (param, f"{param}: {words}")
+
+
+def test_lenient_fields_stay_lenient() -> None:
+    """What the translation reads leniently is not checked: max_tokens where
+    max_completion_tokens is set, a reasoning item's parts, a custom tool's format, file_id next
+    to an image_url, an assistant's reasoning_content."""
+    chat = {
+        "model": "m",
+        "messages": [{"role": "assistant", "content": "a", "reasoning_content": 5}],
+        "max_completion_tokens": 7,
+        "max_tokens": "many",
+    }
+    assert translator.chat(chat).body["max_tokens"] == 7
+    body = {
+        "model": "m",
+        "input": [
+            {"type": "reasoning", "summary": "s", "content": [5, {"type": "x"}]},
+            {
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": "https://x", "file_id": 5}],
+            },
+        ],
+        "tools": [{"type": "custom", "name": "c", "format": 5}],
+    }
+    request = translator.responses(body)
+    assert request.body["messages"] == [
+        {
+            "role": "user",
+            "content": [{"type": "image", "source": {"type": "url", "url": "https://x"}}],
+        }
+    ]

@@ -1,16 +1,18 @@
 """The cattrs converter of client JSON, and the walk that turns its errors into a 400 naming the
 field (the operator's view has its own, in :mod:`agentkv.snapshot`).
 
-Client JSON is structured only here, at the edge. The converter is strict about the *types* of known
-fields (cattrs would otherwise turn ``1`` into ``"1"``) but ignores unknown keys, because the
-Anthropic API keeps growing (``context_management``, ``output_config``, ...).
+Client JSON is structured only here, at the edge, for all three APIs: the Anthropic shapes are in
+:mod:`agentkv._anthropic`, the OpenAI ones next to their translations, which register their unions
+with :func:`register_tagged`. The converter is strict about the *types* of known fields (cattrs
+would otherwise turn ``1`` into ``"1"``) but ignores unknown keys, because the APIs keep growing
+(``context_management``, ``output_config``, ...).
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
 
 import attrs
 import cattrs
@@ -18,33 +20,31 @@ from cattrs.cols import list_structure_factory
 from cattrs.errors import AttributeValidationNote, IterableValidationNote
 from cattrs.gen import make_dict_structure_fn
 
-from agentkv._anthropic import (
-    Base64ImageSource,
-    ContentBlock,
-    ImageBlock,
-    ImageSource,
-    RedactedThinkingBlock,
-    TextBlock,
-    ThinkingBlock,
-    ToolChoice,
-    ToolChoiceAny,
-    ToolChoiceAuto,
-    ToolChoiceNone,
-    ToolChoiceTool,
-    ToolResultBlock,
-    ToolResultContent,
-    ToolUseBlock,
-    UrlImageSource,
-)
+from agentkv._anthropic import ContentBlock, ImageSource, ToolChoice, ToolResultContent
 from agentkv.exceptions import InvalidRequestError
 from agentkv.schema import json_type
 
-__all__ = ["converter", "structure"]
+__all__ = [
+    "AbsentIsNull",
+    "FieldError",
+    "NonEmptyStr",
+    "PositiveInt",
+    "Strings",
+    "converter",
+    "register_tagged",
+    "structure",
+]
 
 T = TypeVar("T")
+Hook = Callable[[Any, Any], Any]
+
+# Narrower types, each checked as one value (see ``_checked`` below).
+PositiveInt = NewType("PositiveInt", int)
+NonEmptyStr = NewType("NonEmptyStr", str)
+Strings = NewType("Strings", list[str])
 
 
-class _FieldError(ValueError):
+class FieldError(ValueError):
     """A validation failure below the value being structured (``sub`` is appended to the path)."""
 
     def __init__(self, message: str, sub: str = "") -> None:
@@ -52,57 +52,98 @@ class _FieldError(ValueError):
         self.sub = sub
 
 
+class AbsentIsNull:
+    """Base of the OpenAI shapes: a required field the client leaves out reads as null, so that
+    its error is the type's own (``expected a string, got null``) rather than "field required"."""
+
+    __slots__ = ()
+
+
 def _strict_str(value: Any, _: type) -> str:
     if not isinstance(value, str):
-        raise _FieldError(f"expected a string, got {json_type(value)}")
+        raise FieldError(f"expected a string, got {json_type(value)}")
     return value
 
 
 def _strict_int(value: Any, _: type) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _FieldError(f"expected an integer, got {json_type(value)}")
+        raise FieldError(f"expected an integer, got {json_type(value)}")
     return value
 
 
 def _strict_float(value: Any, _: type) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _FieldError(f"expected a number, got {json_type(value)}")
+        raise FieldError(f"expected a number, got {json_type(value)}")
     return float(value)
 
 
 def _strict_bool(value: Any, _: type) -> bool:
     if not isinstance(value, bool):
-        raise _FieldError(f"expected a boolean, got {json_type(value)}")
+        raise FieldError(f"expected a boolean, got {json_type(value)}")
     return value
 
 
 def _json_object(value: Any, _: type) -> dict[str, Any]:
     if not isinstance(value, dict):
-        raise _FieldError(f"expected an object, got {json_type(value)}")
+        raise FieldError(f"expected an object, got {json_type(value)}")
     return value
 
 
-def _tagged(classes: tuple[type[Any], ...]) -> Callable[[Any, Any], Any]:
-    """A hook for a union of attrs classes told apart by their ``type`` default."""
-    by_tag = {cls.__attrs_attrs__.type.default: cls for cls in classes}
-    expected = ", ".join(repr(t) for t in by_tag)
+def _unknown_type(tag: Any, tags: tuple[str, ...]) -> str:
+    return f"unknown type {tag!r}; expected one of {', '.join(repr(t) for t in tags)}"
+
+
+def register_tagged(
+    tp: Any,
+    *,
+    key: str = "type",
+    read: Callable[[dict[str, Any]], Any] | None = None,
+    unknown: Callable[[Any, tuple[str, ...]], str] | None = None,
+    nested: Mapping[str, Any] | None = None,
+) -> Hook:
+    """Register (and return) the hook for ``tp``, a union of attrs classes or one class, told apart
+    by their field ``key`` (its ``Literal`` values).
+
+    ``read`` finds the tag where it is not simply ``value[key]``; ``nested`` maps more tags to types
+    of their own (members of ``tp`` without the field, told apart by another). ``unknown`` words the
+    error for a tag that fits none, missing included; without it a missing tag is "field required".
+    """
+    by_tag: dict[str, Any] = {
+        tag: cls
+        for cls in get_args(tp) or (tp,)
+        if key in attrs.fields_dict(attrs.resolve_types(cls))
+        for tag in get_args(attrs.fields_dict(cls)[key].type)
+    }
+    by_tag |= nested or {}
+    tags = tuple(by_tag)
+    hooks: dict[type[Any], Hook] = {}
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, dict):
-            raise _FieldError(f"expected an object, got {json_type(value)}")
-        if "type" not in value:
-            raise _FieldError("field required", "type")
-        tag = value["type"]
+            raise FieldError(f"expected an object, got {json_type(value)}")
+        if unknown is None and read is None and key not in value:
+            raise FieldError("field required", key)
+        tag = read(value) if read is not None else value.get(key)
         cls = by_tag.get(tag) if isinstance(tag, str) else None
         if cls is None:
-            raise _FieldError(f"unknown type {tag!r}; expected one of {expected}", "type")
-        return converter.structure(value, cls)
+            raise FieldError((unknown or _unknown_type)(tag, tags), key)
+        if not attrs.has(cls):
+            return converter.structure(value, cls)
+        # The class's own attrs hook, so that a hook registered on the class itself (a one-class
+        # union) can dispatch here without calling itself.
+        if cls not in hooks:
+            hooks[cls] = _attrs_factory(cls, converter)
+        return hooks[cls](value, cls)
 
+    converter.register_structure_hook(tp, hook)
     return hook
 
 
 def _is_str_or_list(tp: Any) -> bool:
-    """``str | list[X]`` (optionally ``| None``): the "string or blocks" fields."""
+    """``str | list[X]`` (optionally ``| None``): the "string or blocks" fields. A string it is
+    ``Annotated`` with names the list in the error (``"a list of parts"``)."""
+    if get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
     if get_origin(tp) not in (Union, types.UnionType):
         return False
     args = get_args(tp)
@@ -110,6 +151,9 @@ def _is_str_or_list(tp: Any) -> bool:
 
 
 def _str_or_list(value: Any, tp: Any) -> Any:
+    noun = "an array of blocks"
+    if get_origin(tp) is Annotated:
+        tp, noun = get_args(tp)
     args = get_args(tp)
     if value is None and type(None) in args:
         return None
@@ -118,7 +162,7 @@ def _str_or_list(value: Any, tp: Any) -> Any:
     if isinstance(value, list):
         (list_type,) = [a for a in args if get_origin(a) is list]
         return converter.structure(value, list_type)
-    raise _FieldError(f"expected a string or an array of blocks, got {json_type(value)}")
+    raise FieldError(f"expected a string or {noun}, got {json_type(value)}")
 
 
 def _is_literal(tp: Any) -> bool:
@@ -129,43 +173,55 @@ def _is_list(tp: Any) -> bool:
     return get_origin(tp) is list
 
 
-def _literal_factory(tp: Any) -> Callable[[Any, Any], Any]:
+def _literal_factory(tp: Any) -> Hook:
     allowed = get_args(tp)
     expected = ", ".join(repr(a) for a in allowed)
 
     def hook(value: Any, _: Any) -> Any:
         if value not in allowed or isinstance(value, bool):
-            raise _FieldError(f"expected one of {expected}, got {value!r}")
+            raise FieldError(f"expected one of {expected}, got {value!r}")
         return value
 
     return hook
 
 
-def _list_factory(tp: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
+def _list_factory(tp: Any, conv: cattrs.Converter) -> Hook:
     # cattrs' own list hook iterates anything iterable, so a string would become a list of chars.
     inner = list_structure_factory(tp, conv)
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, list):
-            raise _FieldError(f"expected an array, got {json_type(value)}")
+            raise FieldError(f"expected an array, got {json_type(value)}")
         return inner(value, tp)
 
     return hook
 
 
-def _attrs_factory(tp: Any, conv: cattrs.Converter) -> Callable[[Any, Any], Any]:
+def _checked(tp: Any, ok: Callable[[Any], bool], message: str) -> None:
+    def hook(value: Any, _: Any) -> Any:
+        if not ok(value):
+            raise FieldError(message)
+        return value
+
+    converter.register_structure_hook(tp, hook)
+
+
+def _attrs_factory(tp: Any, conv: cattrs.Converter) -> Hook:
     inner = make_dict_structure_fn(tp, conv)
     # A block's ``type`` tag is checked first, so ``{"type": "image"}`` where only text fits is
     # reported at ``.type`` rather than as a missing ``text``.
     tag_field = getattr(attrs.fields(tp), "type", None)
     tag = tag_field.default if tag_field is not None else None
+    absent: dict[str, None] = {}
+    if issubclass(tp, AbsentIsNull):
+        absent = dict.fromkeys(a.name for a in attrs.fields(tp) if a.default is attrs.NOTHING)
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, dict):
-            raise _FieldError(f"expected an object, got {json_type(value)}")
+            raise FieldError(f"expected an object, got {json_type(value)}")
         if isinstance(tag, str) and "type" in value and value["type"] != tag:
-            raise _FieldError(f"expected {tag!r}, got {value['type']!r}", "type")
-        return inner(value, tp)
+            raise FieldError(f"expected {tag!r}, got {value['type']!r}", "type")
+        return inner({**absent, **value} if absent else value, tp)
 
     return hook
 
@@ -180,23 +236,17 @@ converter.register_structure_hook(float, _strict_float)
 converter.register_structure_hook(bool, _strict_bool)
 converter.register_structure_hook_func(lambda tp: tp == dict[str, Any], _json_object)
 converter.register_structure_hook_func(_is_str_or_list, _str_or_list)
-converter.register_structure_hook(
-    ContentBlock,
-    _tagged(
-        (
-            TextBlock,
-            ImageBlock,
-            ToolUseBlock,
-            ToolResultBlock,
-            ThinkingBlock,
-            RedactedThinkingBlock,
-        )
-    ),
+_checked(PositiveInt, lambda v: type(v) is int and v > 0, "expected a positive integer")
+_checked(NonEmptyStr, lambda v: isinstance(v, str) and v != "", "expected a non-empty string")
+_checked(
+    Strings,
+    lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+    "expected a list of strings",
 )
-converter.register_structure_hook(ToolResultContent, _tagged((TextBlock, ImageBlock)))
-converter.register_structure_hook(ImageSource, _tagged((Base64ImageSource, UrlImageSource)))
-_tool_choice = _tagged((ToolChoiceAuto, ToolChoiceAny, ToolChoiceTool, ToolChoiceNone))
-converter.register_structure_hook(ToolChoice, _tool_choice)
+register_tagged(ContentBlock)
+register_tagged(ToolResultContent)
+register_tagged(ImageSource)
+_tool_choice = register_tagged(ToolChoice)
 converter.register_structure_hook(
     ToolChoice | None, lambda value, tp: None if value is None else _tool_choice(value, tp)
 )
@@ -217,7 +267,7 @@ def _leaves(exc: BaseException, path: str) -> Iterator[tuple[str, BaseException]
                 elif isinstance(note, IterableValidationNote):
                     sub_path = f"{path}[{note.index}]"
             yield from _leaves(sub, sub_path)
-    elif isinstance(exc, _FieldError):
+    elif isinstance(exc, FieldError):
         yield (_join(path, exc.sub) if exc.sub else path), exc
     else:
         yield path, exc
@@ -226,7 +276,7 @@ def _leaves(exc: BaseException, path: str) -> Iterator[tuple[str, BaseException]
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, KeyError):
         return "field required"
-    if isinstance(exc, _FieldError):
+    if isinstance(exc, FieldError):
         return str(exc)
     # cattrs' own messages (e.g. a value outside a Literal) are readable as they are.
     return str(exc) or type(exc).__name__
@@ -241,6 +291,6 @@ def structure(data: Mapping[str, Any], cls: type[T]) -> T:
         raise InvalidRequestError(f"expected a JSON object, got {json_type(data)}")
     try:
         return converter.structure(dict(data), cls)
-    except (cattrs.BaseValidationError, _FieldError) as exc:
+    except (cattrs.BaseValidationError, FieldError) as exc:
         path, leaf = next(_leaves(exc, ""), ("", exc))
         raise InvalidRequestError(_describe(leaf), path or None) from exc

@@ -7,107 +7,229 @@ grows by appending; only tool results merge into one user turn. Pure: no I/O, no
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, Literal, NewType, TypeAlias
 
+import attrs
+
+from agentkv._convert import (
+    AbsentIsNull,
+    FieldError,
+    NonEmptyStr,
+    PositiveInt,
+    Strings,
+    converter,
+    register_tagged,
+    structure,
+)
 from agentkv.exceptions import InvalidRequestError
 from agentkv.limits import RequestLimits
 from agentkv.openai_request import (
+    Arguments,
     Conversation,
+    Function,
+    ImageUrlPart,
+    InputImage,
+    NamedChoice,
+    OpenAIBody,
     OpenAIRequest,
+    Parts,
+    Refusal,
+    Text,
+    TextFormat,
     ToolOrigin,
     add_tool,
-    call_input,
     check_count,
+    check_text_format,
     content_blocks,
     function_tool,
     messages_body,
-    obj_at,
-    opt_bool,
-    opt_obj,
-    opt_positive_int,
     read_conversation,
     refuse,
-    required_str,
+    register_choice,
+    register_parts,
+    required,
     shown,
-    str_at,
     text_of,
     tool_choice,
 )
-from agentkv.schema import json_type
 
 __all__ = ["chat_request"]
+
+#: ``stop``: a string or a list of strings, read as a list.
+Stop = NewType("Stop", list[str])
+
+# -- the request's shapes --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ChatTool(AbsentIsNull):
+    function: Function
+    type: Literal["function"] = "function"
+
+
+@attrs.frozen
+class ChoiceName(AbsentIsNull):
+    name: str
+
+
+@attrs.frozen
+class FunctionChoice(AbsentIsNull):
+    """``tool_choice`` naming a function: ``{"type": "function", "function": {"name": ...}}``."""
+
+    function: ChoiceName
+    type: Literal["function"] = "function"
+
+
+@attrs.frozen
+class CallFunction(AbsentIsNull):
+    name: NonEmptyStr
+    arguments: Arguments
+
+
+@attrs.frozen
+class ToolCall(AbsentIsNull):
+    """A call the assistant made; ``type`` is ``function`` when left out."""
+
+    function: CallFunction
+    id: str
+    type: Literal["function"] = "function"
+
+
+UserPart: TypeAlias = Text | InputImage | ImageUrlPart
+AssistantPart: TypeAlias = Text | Refusal
+
+
+@attrs.frozen
+class SystemMessage(AbsentIsNull):
+    role: Literal["system", "developer"]
+    content: Parts[Text] = None
+
+
+@attrs.frozen
+class UserMessage(AbsentIsNull):
+    role: Literal["user"]
+    content: Parts[UserPart] = None
+
+
+@attrs.frozen
+class AssistantMessage(AbsentIsNull):
+    role: Literal["assistant"]
+    content: Parts[AssistantPart] = None
+    reasoning_content: Any = None  # read leniently: only a non-empty string is kept
+    tool_calls: list[ToolCall] | None = None
+
+
+@attrs.frozen
+class ToolMessage(AbsentIsNull):
+    role: Literal["tool"]
+    tool_call_id: str
+    content: Parts[Text] = None
+
+
+ChatMessage: TypeAlias = SystemMessage | UserMessage | AssistantMessage | ToolMessage
+
+
+@attrs.frozen
+class StreamOptions(AbsentIsNull):
+    include_usage: bool | None = None
+
+
+@attrs.frozen
+class ChatRequest(OpenAIBody):
+    """A ``POST /v1/chat/completions`` body (the fields agentkv reads; see :class:`OpenAIBody`)."""
+
+    stream_options: StreamOptions | None = None
+    n: float | None = None
+    response_format: TextFormat | None = None
+    modalities: Strings | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | FunctionChoice | NamedChoice | None = None
+    max_completion_tokens: PositiveInt | None = None
+    max_tokens: PositiveInt | None = None
+    messages: list[ChatMessage] | None = None
+    stop: Stop | None = None
+    top_k: int | None = None  # llama.cpp's extension, passed on as Messages has it
+
+
+def _stop(value: Any, _: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
+        raise FieldError("expected a string or a list of strings")
+    return value
+
+
+def _unknown_role(role: Any, _: tuple[str, ...]) -> str:
+    if role == "function":
+        return "'function' messages are not supported; use 'tool' messages"
+    return f"{shown(role)} is not one of 'system', 'developer', 'user', 'assistant', 'tool'"
+
+
+converter.register_structure_hook(Stop, _stop)
+register_tagged(
+    ChatTool, unknown=lambda kind, _: f"{shown(kind)} is not supported (function tools are)"
+)
+register_tagged(
+    ToolCall,
+    read=lambda v: v.get("type", "function"),
+    unknown=lambda kind, _: f"{shown(kind)} is not supported (function calls are)",
+)
+register_tagged(ChatMessage, key="role", unknown=_unknown_role)
+register_parts(Text)
+register_parts(UserPart)
+register_parts(AssistantPart)
+register_choice(
+    str | FunctionChoice | NamedChoice | None, {"function": FunctionChoice, "custom": NamedChoice}
+)
 
 
 def chat_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIRequest:
     """A ``POST /v1/chat/completions`` body as a Messages body."""
     refuse(body, _CHAT_REFUSED)
-    model = required_str(body, "model")
-    stream = opt_bool(body, "stream") or False
-    include_usage = False
-    options = opt_obj(body, "stream_options")
-    if options is not None:
-        include_usage = opt_bool(options, "include_usage", "stream_options.") or False
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
+    if body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": None}  # the older name, read only where the newer is unset
+    request = structure(body, ChatRequest)
+    model = required(request.model, "model")
+    if request.n is not None and request.n != 1:
         raise InvalidRequestError("only n=1 is supported (one choice per request)", "n")
-    _check_response_format(body.get("response_format"))
-    modalities = body.get("modalities")
-    if modalities is not None and modalities != ["text"]:
+    check_text_format(request.response_format, "response_format")
+    if request.modalities is not None and request.modalities != ["text"]:
         raise InvalidRequestError('only ["text"] is supported', "modalities")
-    tools, origins = _chat_tools(body.get("tools"), limits)
-    choice = _chat_tool_choice(body.get("tool_choice"), origins)
-    parallel = opt_bool(body, "parallel_tool_calls")
-    max_tokens = opt_positive_int(body, "max_completion_tokens")
-    max_tokens_from = "max_completion_tokens"
+    tools, origins = _chat_tools(request.tools or [], limits)
+    choice = _chat_tool_choice(request.tool_choice, origins)
+    max_tokens, max_tokens_from = request.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = opt_positive_int(body, "max_tokens")
-        max_tokens_from = "max_tokens"
-
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise InvalidRequestError(
-            "is required" if messages is None else f"expected a list, got {json_type(messages)}",
-            "messages",
-        )
+        max_tokens, max_tokens_from = request.max_tokens, "max_tokens"
     conversation = read_conversation(
-        messages, _chat_message, path="messages", what="message", limit=limits.max_messages
+        required(request.messages, "messages"),
+        _chat_message,
+        path="messages",
+        what="message",
+        limit=limits.max_messages,
     )
     out = messages_body(
-        conversation,
-        body,
-        model=model,
-        max_tokens=max_tokens,
-        stream=stream,
-        tools=tools,
-        choice=choice,
-        parallel=parallel,
+        conversation, request, model=model, max_tokens=max_tokens, tools=tools, choice=choice
     )
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None:
-        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise InvalidRequestError("expected a string or a list of strings", "stop")
-        if any(stop):
-            out["stop_sequences"] = [s for s in stop if s]
-    top_k = body.get("top_k")  # llama.cpp's extension, passed on as Messages has it
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    if request.stop is not None and any(request.stop):
+        out["stop_sequences"] = [s for s in request.stop if s]
+    if request.top_k is not None:
+        if request.top_k < 0:
             raise InvalidRequestError("expected a non-negative integer", "top_k")
-        out["top_k"] = top_k
+        out["top_k"] = request.top_k
     sources = {
         **conversation.sources,
         **{f"tools[{i}]": f"tools[{i}]" for i in range(len(tools))},
         "max_tokens": max_tokens_from,
         "stop_sequences": "stop",
     }
+    options = request.stream_options
     return OpenAIRequest(
         api="chat",
         body=out,
         model=model,
-        stream=stream,
+        stream=request.stream or False,
         tools=origins,
-        include_usage=include_usage,
+        include_usage=bool(options and options.include_usage),
         sources=sources,
     )
 
@@ -122,137 +244,63 @@ _CHAT_REFUSED: Final = {
 }
 
 
-def _check_response_format(fmt: Any) -> None:
-    if fmt is None:
-        return
-    kind = obj_at(fmt, "response_format").get("type")
-    if kind != "text":
-        raise InvalidRequestError(
-            f"{shown(kind)} is not supported; only plain text output is", "response_format.type"
-        )
-
-
 # -- tools -----------------------------------------------------------------------------------------
 
 
 def _chat_tools(
-    raw: Any, limits: RequestLimits
+    declared: list[ChatTool], limits: RequestLimits
 ) -> tuple[list[dict[str, Any]], dict[str, ToolOrigin]]:
     tools: list[dict[str, Any]] = []
     origins: dict[str, ToolOrigin] = {}
-    if raw is None:
-        return tools, origins
-    if not isinstance(raw, list):
-        raise InvalidRequestError(f"expected a list, got {json_type(raw)}", "tools")
-    check_count(raw, limits.max_tools, "tools", "tools")
-    for i, entry in enumerate(raw):
-        path = f"tools[{i}]"
-        entry = obj_at(entry, path)
-        if entry.get("type") != "function":
-            raise InvalidRequestError(
-                f"{shown(entry.get('type'))} is not supported (function tools are)", f"{path}.type"
-            )
-        function = obj_at(entry.get("function"), f"{path}.function")
-        tool = function_tool(
-            function.get("name"),
-            function.get("description"),
-            function.get("parameters"),
-            f"{path}.function",
-            f"{path}.function.name",
-        )
-        add_tool(tools, origins, {}, tool, ToolOrigin(tool["name"]), path)
+    check_count(declared, limits.max_tools, "tools", "tools")
+    for i, entry in enumerate(declared):
+        tool = function_tool(entry.function, entry.function.name)
+        add_tool(tools, origins, {}, tool, ToolOrigin(entry.function.name), f"tools[{i}]")
     return tools, origins
 
 
-def _chat_tool_choice(raw: Any, origins: Mapping[str, ToolOrigin]) -> dict[str, Any] | None:
-    if isinstance(raw, dict) and raw.get("type") == "function":
-        function = obj_at(raw.get("function"), "tool_choice.function")
-        name = function.get("name")
-        if not isinstance(name, str):
-            raise InvalidRequestError("expected a string", "tool_choice.function.name")
+def _chat_tool_choice(
+    choice: str | FunctionChoice | NamedChoice | None, origins: Mapping[str, ToolOrigin]
+) -> dict[str, Any] | None:
+    if isinstance(choice, FunctionChoice):
+        name = choice.function.name
         if name not in origins:
             raise InvalidRequestError(
                 f"tool {shown(name)} is not in tools", "tool_choice.function.name"
             )
         return {"type": "tool", "name": name}
-    return tool_choice(raw, origins)
+    return tool_choice(choice, origins)
 
 
 # -- messages --------------------------------------------------------------------------------------
 
-_CHAT_TEXT_PARTS: Final = {"text": "text"}
-_CHAT_ASSISTANT_PARTS: Final = {"text": "text", "refusal": "refusal"}
 
-
-def _chat_message(
-    conversation: Conversation,
-    message: Any,
-    path: str,
-) -> None:
-    message = obj_at(message, path)
-    role = message.get("role")
-    content = message.get("content")
+def _chat_message(conversation: Conversation, message: ChatMessage, path: str) -> None:
     content_path = f"{path}.content"
-    if role in ("system", "developer"):
-        parts = content_blocks(content, content_path, _CHAT_TEXT_PARTS, images=False)
-        conversation.system_text(text_of(parts), path)
-    elif role == "user":
-        conversation.add(
-            "user", content_blocks(content, content_path, _CHAT_TEXT_PARTS, images=True), path
-        )
-    elif role == "assistant":
+    if isinstance(message, SystemMessage):
+        conversation.system_text(text_of(content_blocks(message.content, content_path)), path)
+    elif isinstance(message, UserMessage):
+        conversation.add("user", content_blocks(message.content, content_path), path)
+    elif isinstance(message, AssistantMessage):
         blocks: list[dict[str, Any]] = []
-        reasoning = message.get("reasoning_content")
+        reasoning = message.reasoning_content
         if isinstance(reasoning, str) and reasoning:
             blocks.append({"type": "thinking", "thinking": reasoning})
-        blocks += content_blocks(content, content_path, _CHAT_ASSISTANT_PARTS, images=False)
-        calls = message.get("tool_calls")
-        if calls is not None:
-            if not isinstance(calls, list):
-                raise InvalidRequestError(
-                    f"expected a list, got {json_type(calls)}", f"{path}.tool_calls"
-                )
-            for k, call in enumerate(calls):
-                call_path = f"{path}.tool_calls[{k}]"
-                call = obj_at(call, call_path)
-                if call.get("type", "function") != "function":
-                    raise InvalidRequestError(
-                        f"{shown(call.get('type'))} is not supported (function calls are)",
-                        f"{call_path}.type",
-                    )
-                function = obj_at(call.get("function"), f"{call_path}.function")
-                name = function.get("name")
-                if not isinstance(name, str) or not name:
-                    raise InvalidRequestError(
-                        "expected a non-empty string", f"{call_path}.function.name"
-                    )
-                blocks.append(
-                    {
-                        "type": "tool_use",
-                        "id": str_at(call.get("id"), f"{call_path}.id"),
-                        "name": name,
-                        "input": call_input(
-                            function.get("arguments"), f"{call_path}.function.arguments"
-                        ),
-                    }
-                )
+        blocks += content_blocks(message.content, content_path)
+        for call in message.tool_calls or []:
+            blocks.append(
+                {
+                    "type": "tool_use",
+                    "id": call.id,
+                    "name": call.function.name,
+                    "input": call.function.arguments,
+                }
+            )
         # Each assistant message is its own turn; only tool results merge.
         conversation.add("assistant", blocks, path)
-    elif role == "tool":
-        call_id = str_at(message.get("tool_call_id"), f"{path}.tool_call_id")
-        if isinstance(content, str):
-            result: str | list[dict[str, Any]] = content
-        else:
-            result = content_blocks(content, content_path, _CHAT_TEXT_PARTS, images=False)
-        conversation.result(
-            {"type": "tool_result", "tool_use_id": call_id, "content": result}, path
-        )
-    elif role == "function":
-        raise InvalidRequestError(
-            "'function' messages are not supported; use 'tool' messages", f"{path}.role"
-        )
     else:
-        raise InvalidRequestError(
-            f"{shown(role)} is not one of 'system', 'developer', 'user', 'assistant', 'tool'",
-            f"{path}.role",
+        content = message.content
+        result = content if isinstance(content, str) else content_blocks(content, content_path)
+        conversation.result(
+            {"type": "tool_result", "tool_use_id": message.tool_call_id, "content": result}, path
         )

@@ -1,8 +1,9 @@
-"""What the Responses and Chat Completions translations share: the request value, the field
-readers, tools, and the conversation that becomes a Messages body.
+"""What the Responses and Chat Completions translations share: the request value, the shapes both
+use (parts, functions, tool choices), tools, and the conversation that becomes a Messages body.
 
-:mod:`agentkv.responses_translate` and :mod:`agentkv.chat_translate` each read their own API's
-body with these parts; :class:`~agentkv.openai_translate.OpenAITranslator` is the entry point.
+:mod:`agentkv.responses_translate` and :mod:`agentkv.chat_translate` each structure their own API's
+body into attrs shapes (with :mod:`agentkv._convert`, as ``/v1/messages`` does) and translate those;
+:class:`~agentkv.openai_translate.OpenAITranslator` is the entry point.
 
 Pure: no I/O, no clock. Errors are :class:`~agentkv.exceptions.InvalidRequestError` naming the
 OpenAI field (``input[3].content[0].type``).
@@ -13,10 +14,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, NewType, TypeAlias, TypeVar
 
 import attrs
 
+from agentkv._convert import AbsentIsNull, FieldError, NonEmptyStr, converter, register_tagged
 from agentkv.exceptions import InvalidRequestError
 from agentkv.schema import json_type
 
@@ -87,6 +89,154 @@ class OpenAIRequest:
         return path
 
 
+# -- shapes both bodies use ------------------------------------------------------------------------
+
+T = TypeVar("T")
+#: Message content: a string, or parts of the types ``T`` (None: no content).
+Parts: TypeAlias = Annotated[str | list[T] | None, "a list of parts"]
+#: A replayed call's ``arguments``: a JSON string of an object (the object itself is taken too).
+Arguments = NewType("Arguments", dict[str, Any])
+
+
+@attrs.frozen
+class InputText(AbsentIsNull):
+    text: str
+    type: Literal["input_text"] = "input_text"
+
+
+@attrs.frozen
+class OutputText(AbsentIsNull):
+    text: str
+    type: Literal["output_text"] = "output_text"
+
+
+@attrs.frozen
+class Text(AbsentIsNull):
+    """Chat Completions' text part."""
+
+    text: str
+    type: Literal["text"] = "text"
+
+
+@attrs.frozen
+class Refusal(AbsentIsNull):
+    refusal: str
+    type: Literal["refusal"] = "refusal"
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+@attrs.frozen
+class InputImage(AbsentIsNull):
+    """An image by URL (``file_id`` is refused: no files are stored)."""
+
+    image_url: str | None = None
+    file_id: Any = None
+    type: Literal["input_image"] = "input_image"
+
+
+@attrs.frozen
+class ImageUrl(AbsentIsNull):
+    url: str | None = None
+
+
+@attrs.frozen
+class ImageUrlPart(AbsentIsNull):
+    """Chat Completions' image part, ``{"type": "image_url", "image_url": {"url": ...}}``."""
+
+    image_url: ImageUrl
+    type: Literal["image_url"] = "image_url"
+
+
+Part: TypeAlias = InputText | OutputText | Text | Refusal | InputImage | ImageUrlPart
+
+
+@attrs.frozen
+class Function(AbsentIsNull):
+    """A function tool's declaration; ``parameters`` (a JSON schema) become its ``input_schema``."""
+
+    name: NonEmptyStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class NamedChoice(AbsentIsNull):
+    """``tool_choice`` naming a function or custom tool (in ``namespace``)."""
+
+    type: Literal["function", "custom"]
+    name: str
+    namespace: str | None = None
+
+
+@attrs.frozen
+class OpenAIBody(AbsentIsNull):
+    """The fields both request bodies share (checked first, in this order)."""
+
+    model: str | None = None
+    stream: bool | None = None
+    parallel_tool_calls: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+@attrs.frozen
+class TextFormat(AbsentIsNull):
+    """Responses' ``text.format`` and Chat Completions' ``response_format``: only text is served."""
+
+    type: str | None = None
+
+
+def register_parts(tp: Any) -> None:
+    """Register ``tp`` as the parts one role's content may hold."""
+    register_tagged(
+        tp,
+        unknown=lambda kind, tags: (
+            f"{shown(kind)} is not supported here (accepted: {', '.join(tags)})"
+        ),
+    )
+
+
+def register_choice(tp: Any, by_type: Mapping[str, type[Any]]) -> None:
+    """Register ``tp`` as a ``tool_choice``: a mode (checked once the tools are known) or an object
+    of the class ``by_type`` names."""
+
+    def hook(value: Any, _: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        kind = value.get("type") if isinstance(value, dict) else None
+        cls = by_type.get(kind) if isinstance(kind, str) else None
+        if cls is None:
+            raise FieldError(
+                f"{shown(kind)} is not supported ('auto', 'none', 'required' and function "
+                "choices are)"
+            )
+        return converter.structure(value, cls)
+
+    converter.register_structure_hook(tp, hook)
+
+
+def _arguments(value: Any, _: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise FieldError(f"expected a JSON string, got {json_type(value)}")
+    if not value.strip():
+        return {}
+    try:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
+        raise FieldError("is not valid JSON") from None
+    if not isinstance(parsed, dict):
+        raise FieldError(f"must be a JSON object, got {json_type(parsed)}")
+    return parsed
+
+
+converter.register_structure_hook(Arguments, _arguments)
+
+
 # -- the request's own fields ----------------------------------------------------------------------
 
 
@@ -97,42 +247,10 @@ def refuse(body: Mapping[str, Any], refused: Mapping[str, str]) -> None:
             raise InvalidRequestError(why, name)
 
 
-def required_str(body: Mapping[str, Any], name: str) -> str:
-    value = body.get(name)
+def required(value: T | None, name: str) -> T:
+    """A top-level field that must be set (a presence check; its type is the converter's)."""
     if value is None:
         raise InvalidRequestError("is required", name)
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"expected a string, got {json_type(value)}", name)
-    return value
-
-
-def opt_str(body: Mapping[str, Any], name: str, prefix: str = "") -> str | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, str):
-        raise InvalidRequestError(f"expected a string, got {json_type(value)}", prefix + name)
-    return value
-
-
-def opt_bool(body: Mapping[str, Any], name: str, prefix: str = "") -> bool | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise InvalidRequestError(f"expected a boolean, got {json_type(value)}", prefix + name)
-    return value
-
-
-def opt_obj(body: Mapping[str, Any], name: str, prefix: str = "") -> dict[str, Any] | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, dict):
-        raise InvalidRequestError(f"expected an object, got {json_type(value)}", prefix + name)
-    return value
-
-
-def opt_positive_int(body: Mapping[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequestError("expected a positive integer", name)
     return value
 
 
@@ -147,33 +265,25 @@ def check_count(items: Sequence[Any], limit: int, what: str, path: str) -> None:
         raise InvalidRequestError(f"has {len(items)} {what}; the limit is {limit}", path)
 
 
-def obj_at(value: Any, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise InvalidRequestError(f"expected an object, got {json_type(value)}", path)
-    return value
-
-
-def str_at(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise InvalidRequestError(f"expected a string, got {json_type(value)}", path)
-    return value
+def check_text_format(fmt: TextFormat | None, path: str) -> None:
+    if fmt is not None and fmt.type != "text":
+        raise InvalidRequestError(
+            f"{shown(fmt.type)} is not supported; only plain text output is", f"{path}.type"
+        )
 
 
 # -- tools -----------------------------------------------------------------------------------------
 
 
-def function_tool(
-    name: Any, description: Any, parameters: Any, path: str, name_path: str
-) -> dict[str, Any]:
-    """A function tool as a Messages tool (``parameters`` become its ``input_schema``)."""
-    if not isinstance(name, str) or not name:
-        raise InvalidRequestError("expected a non-empty string", name_path)
+def function_tool(function: Function, name: str) -> dict[str, Any]:
+    """A function tool as a Messages tool named ``name`` for the engine."""
     tool: dict[str, Any] = {"name": name}
-    if description is not None:
-        tool["description"] = str_at(description, f"{path}.description")
-    if parameters is None:
-        parameters = {"type": "object", "properties": {}}
-    tool["input_schema"] = obj_at(parameters, f"{path}.parameters")
+    if function.description is not None:
+        tool["description"] = function.description
+    parameters = function.parameters
+    tool["input_schema"] = (
+        parameters if parameters is not None else {"type": "object", "properties": {}}
+    )
     return tool
 
 
@@ -194,43 +304,28 @@ def add_tool(
     origins[name] = origin
 
 
-def _engine_name(origins: Mapping[str, ToolOrigin], name: str, namespace: str | None) -> str | None:
-    engine = engine_tool(name, namespace)
-    return engine if engine in origins else None
-
-
-def tool_choice(raw: Any, origins: Mapping[str, ToolOrigin]) -> dict[str, Any] | None:
+def tool_choice(
+    choice: str | NamedChoice | None, origins: Mapping[str, ToolOrigin]
+) -> dict[str, Any] | None:
     """``tool_choice`` as Messages has it (None: auto): ``auto``, ``none``, ``required``, or a
     function or custom tool by ``name`` (and ``namespace``). Chat Completions' own nested form is
     read in :mod:`agentkv.chat_translate`, which falls back to this."""
-    if raw is None or raw == "auto":
+    if choice is None or choice == "auto":
         return None
-    if raw == "none":
+    if choice == "none":
         return {"type": "none"}
-    if raw == "required":
+    if choice == "required":
         if not origins:
             raise InvalidRequestError("'required' needs at least one tool", "tool_choice")
         return {"type": "any"}
-    if isinstance(raw, dict) and raw.get("type") in ("function", "custom"):
-        name = raw.get("name")
-        namespace = raw.get("namespace")
-        if not isinstance(name, str):
-            raise InvalidRequestError("expected a string", "tool_choice.name")
-        if namespace is not None and not isinstance(namespace, str):
-            raise InvalidRequestError("expected a string", "tool_choice.namespace")
-        engine = _engine_name(origins, name, namespace)
-        if engine is None:
-            raise InvalidRequestError(f"tool {shown(name)} is not in tools", "tool_choice.name")
-        return {"type": "tool", "name": engine}
-    if isinstance(raw, str):
+    if isinstance(choice, str):
         raise InvalidRequestError(
-            f"{shown(raw)} is not one of 'auto', 'none', 'required' or a function", "tool_choice"
+            f"{shown(choice)} is not one of 'auto', 'none', 'required' or a function", "tool_choice"
         )
-    kind = raw.get("type") if isinstance(raw, dict) else None
-    raise InvalidRequestError(
-        f"{shown(kind)} is not supported ('auto', 'none', 'required' and function choices are)",
-        "tool_choice",
-    )
+    engine = engine_tool(choice.name, choice.namespace)
+    if engine not in origins:
+        raise InvalidRequestError(f"tool {shown(choice.name)} is not in tools", "tool_choice.name")
+    return {"type": "tool", "name": engine}
 
 
 def _apply_tools(
@@ -318,8 +413,8 @@ class Conversation:
 
 
 def read_conversation(
-    items: Sequence[Any],
-    read: Callable[[Conversation, Any, str], None],
+    items: Sequence[T],
+    read: Callable[[Conversation, T, str], None],
     *,
     path: str,
     what: str,
@@ -341,31 +436,26 @@ def read_conversation(
 
 def messages_body(
     conversation: Conversation,
-    body: Mapping[str, Any],
+    request: OpenAIBody,
     *,
     model: str,
     max_tokens: int | None,
-    stream: bool,
     tools: list[dict[str, Any]],
     choice: dict[str, Any] | None,
-    parallel: bool | None,
 ) -> dict[str, Any]:
     """The Messages body: the conversation, its tools, and the sampling the OpenAI body sets."""
-    out = conversation.body(model, max_tokens or DEFAULT_MAX_TOKENS, stream)
-    _apply_tools(out, tools, choice, parallel)
-    _sampling(out, body)
+    out = conversation.body(model, max_tokens or DEFAULT_MAX_TOKENS, request.stream or False)
+    _apply_tools(out, tools, choice, request.parallel_tool_calls)
+    # ``temperature`` (0–2, as OpenAI allows) and ``top_p`` (0–1), passed to the engine.
+    for name, value, high in (
+        ("temperature", request.temperature, 2.0),
+        ("top_p", request.top_p, 1.0),
+    ):
+        if value is not None:
+            if not 0 <= value <= high:
+                raise InvalidRequestError(f"expected a number from 0 to {high:g}", name)
+            out[name] = value
     return out
-
-
-def _sampling(out: dict[str, Any], body: Mapping[str, Any]) -> None:
-    """``temperature`` (0–2, as OpenAI allows) and ``top_p`` (0–1), passed to the engine."""
-    for name, high in (("temperature", 2.0), ("top_p", 1.0)):
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
-            raise InvalidRequestError(f"expected a number from 0 to {high:g}", name)
-        out[name] = float(value)
 
 
 def engine_tool(name: str, namespace: str | None) -> str:
@@ -373,25 +463,8 @@ def engine_tool(name: str, namespace: str | None) -> str:
     return f"{namespace}.{name}" if namespace else name
 
 
-def call_input(arguments: Any, path: str) -> dict[str, Any]:
-    """A replayed call's ``arguments`` (a JSON string of an object) as the tool_use input."""
-    if isinstance(arguments, dict):
-        return arguments
-    if not isinstance(arguments, str):
-        raise InvalidRequestError(f"expected a JSON string, got {json_type(arguments)}", path)
-    if not arguments.strip():
-        return {}
-    try:
-        value = json.loads(arguments)
-    except (ValueError, RecursionError):
-        raise InvalidRequestError("is not valid JSON", path) from None
-    if not isinstance(value, dict):
-        raise InvalidRequestError(f"must be a JSON object, got {json_type(value)}", path)
-    return value
-
-
-def _image_block(url: Any, path: str) -> dict[str, Any]:
-    if not isinstance(url, str) or not url:
+def _image_block(url: str | None, path: str) -> dict[str, Any]:
+    if not url:
         raise InvalidRequestError("expected an image URL or a data: URL", path)
     found = _DATA_URL.match(url)
     if found is not None:
@@ -407,47 +480,24 @@ def _image_block(url: Any, path: str) -> dict[str, Any]:
     return {"type": "image", "source": {"type": "url", "url": url}}
 
 
-def content_blocks(
-    content: Any, path: str, allowed: Mapping[str, str], *, images: bool
-) -> list[dict[str, Any]]:
-    """Message content (a string or a list of parts) as Messages text and image blocks.
-
-    ``allowed`` maps a text part's type to the key that holds its text (``input_text`` ->
-    ``text``, ``refusal`` -> ``refusal``).
-    """
+def content_blocks(content: str | Sequence[Part] | None, path: str) -> list[dict[str, Any]]:
+    """Message content (a string or parts the converter has checked against the role) as Messages
+    text and image blocks; empty texts are dropped."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}] if content else []
-    if content is None:
-        return []
-    if not isinstance(content, list):
-        raise InvalidRequestError(
-            f"expected a string or a list of parts, got {json_type(content)}", path
-        )
     blocks: list[dict[str, Any]] = []
-    for k, part in enumerate(content):
-        part_path = f"{path}[{k}]"
-        part = obj_at(part, part_path)
-        kind = part.get("type")
-        if isinstance(kind, str) and kind in allowed:
-            key = allowed[kind]
-            text = str_at(part.get(key), f"{part_path}.{key}")
-            if text:
-                blocks.append({"type": "text", "text": text})
-        elif images and kind == "input_image":
-            if part.get("file_id") is not None and part.get("image_url") is None:
+    for k, part in enumerate(content or ()):
+        if isinstance(part, InputImage):
+            if part.file_id is not None and part.image_url is None:
                 raise InvalidRequestError(
                     "file_id is not supported: agentkv stores no files; send image_url",
-                    f"{part_path}.file_id",
+                    f"{path}[{k}].file_id",
                 )
-            blocks.append(_image_block(part.get("image_url"), f"{part_path}.image_url"))
-        elif images and kind == "image_url":
-            image = obj_at(part.get("image_url"), f"{part_path}.image_url")
-            blocks.append(_image_block(image.get("url"), f"{part_path}.image_url.url"))
-        else:
-            accepted = ", ".join([*allowed, *(("input_image", "image_url") if images else ())])
-            raise InvalidRequestError(
-                f"{shown(kind)} is not supported here (accepted: {accepted})", f"{part_path}.type"
-            )
+            blocks.append(_image_block(part.image_url, f"{path}[{k}].image_url"))
+        elif isinstance(part, ImageUrlPart):
+            blocks.append(_image_block(part.image_url.url, f"{path}[{k}].image_url.url"))
+        elif part.text:
+            blocks.append({"type": "text", "text": part.text})
     return blocks
 
 

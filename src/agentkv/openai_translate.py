@@ -15,7 +15,7 @@ Errors are :class:`~agentkv.exceptions.InvalidRequestError` naming the OpenAI fi
 (``input[3].content[0].type``); the server writes them in the OpenAI error shape.
 
 The Responses half lives in :mod:`agentkv.responses_translate`, the Chat Completions half in
-:mod:`agentkv.chat_translate`, and what they share (the request value, the field readers, tools,
+:mod:`agentkv.chat_translate`, and what they share (the request value, the shapes both use, tools,
 the conversation) in :mod:`agentkv.openai_request`.
 """
 

@@ -9,111 +9,254 @@ the tools OpenAI's servers run themselves are left out. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal, TypeAlias, get_args
 
-from agentkv.exceptions import InvalidRequestError
+import attrs
+
+from agentkv._convert import (
+    AbsentIsNull,
+    NonEmptyStr,
+    PositiveInt,
+    Strings,
+    register_tagged,
+    structure,
+)
 from agentkv.limits import RequestLimits
 from agentkv.openai_request import (
     CUSTOM_INPUT,
     TEXT_JOIN,
+    Arguments,
     Conversation,
+    Function,
+    ImageUrlPart,
+    InputImage,
+    InputText,
+    NamedChoice,
+    OpenAIBody,
     OpenAIRequest,
+    OutputText,
+    Parts,
+    Refusal,
+    TextFormat,
     ToolOrigin,
     add_tool,
-    call_input,
     check_count,
+    check_text_format,
     content_blocks,
     engine_tool,
     function_tool,
     messages_body,
-    obj_at,
-    opt_bool,
-    opt_obj,
-    opt_positive_int,
-    opt_str,
     read_conversation,
     refuse,
-    required_str,
+    register_choice,
+    register_parts,
+    required,
     shown,
-    str_at,
     text_of,
     tool_choice,
 )
-from agentkv.schema import json_type
 
 __all__ = ["HOSTED_TOOL_TYPES", "responses_request"]
 
+HostedToolType: TypeAlias = Literal[
+    "web_search",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "web_search_2025_08_26",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+]
 #: Responses tools that OpenAI's servers run themselves (search, files, code, images). A local
 #: engine has none of them, and Codex declares ``web_search`` in every request, so they are left
 #: out of the prompt instead of being refused: the model simply does not see them.
-HOSTED_TOOL_TYPES: Final = frozenset(
-    {
-        "web_search",
-        "web_search_preview",
-        "web_search_preview_2025_03_11",
-        "web_search_2025_08_26",
-        "file_search",
-        "code_interpreter",
-        "image_generation",
-    }
+HOSTED_TOOL_TYPES: Final = frozenset(get_args(HostedToolType))
+
+# -- the request's shapes --------------------------------------------------------------------------
+
+
+@attrs.frozen
+class FunctionTool(Function):
+    type: Literal["function"] = "function"
+
+
+@attrs.frozen
+class CustomTool(AbsentIsNull):
+    """A free-form tool: one string in; a grammar ``format`` is shown to the model."""
+
+    name: NonEmptyStr
+    description: str | None = None
+    format: Any = None  # read leniently: only a grammar with a definition is used
+    type: Literal["custom"] = "custom"
+
+
+@attrs.frozen
+class NamespaceTool(AbsentIsNull):
+    """Tools under one name (Codex's ``multi_agent_v1``); a tool in it is a function by default."""
+
+    name: NonEmptyStr
+    tools: list[FunctionTool | CustomTool]
+    type: Literal["namespace"] = "namespace"
+
+
+@attrs.frozen
+class HostedTool(AbsentIsNull):
+    type: HostedToolType
+
+
+ResponsesTool: TypeAlias = FunctionTool | CustomTool | NamespaceTool | HostedTool
+
+
+UserPart: TypeAlias = InputText | InputImage | ImageUrlPart
+AssistantPart: TypeAlias = OutputText | Refusal | InputText
+
+
+@attrs.frozen
+class SystemMessage(AbsentIsNull):
+    role: Literal["system", "developer"]
+    content: Parts[InputText] = None
+
+
+@attrs.frozen
+class UserMessage(AbsentIsNull):
+    role: Literal["user"]
+    content: Parts[UserPart] = None
+
+
+@attrs.frozen
+class AssistantMessage(AbsentIsNull):
+    role: Literal["assistant"]
+    content: Parts[AssistantPart] = None
+
+
+Message: TypeAlias = SystemMessage | UserMessage | AssistantMessage
+
+
+@attrs.frozen
+class FunctionCall(AbsentIsNull):
+    call_id: str
+    name: NonEmptyStr
+    arguments: Arguments
+    namespace: str | None = None
+    type: Literal["function_call"] = "function_call"
+
+
+@attrs.frozen
+class CustomToolCall(AbsentIsNull):
+    call_id: str
+    name: NonEmptyStr
+    input: str
+    namespace: str | None = None
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+
+
+@attrs.frozen
+class ToolOutput(AbsentIsNull):
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str
+    output: Parts[UserPart] = None
+
+
+@attrs.frozen
+class Reasoning(AbsentIsNull):
+    """Reasoning shown earlier; read leniently (only text parts are kept), as it is only context."""
+
+    content: Any = None
+    summary: Any = None
+    type: Literal["reasoning"] = "reasoning"
+
+
+Item: TypeAlias = Message | FunctionCall | CustomToolCall | ToolOutput | Reasoning
+
+
+@attrs.frozen
+class TextOptions(AbsentIsNull):
+    format: TextFormat | None = None
+
+
+@attrs.frozen
+class ResponsesRequest(OpenAIBody):
+    """A ``POST /v1/responses`` body (the fields agentkv reads; see :class:`OpenAIBody`)."""
+
+    instructions: str | None = None
+    text: TextOptions | None = None
+    reasoning: dict[str, Any] | None = None
+    include: Strings | None = None
+    store: bool | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: str | NamedChoice | None = None
+    max_output_tokens: PositiveInt | None = None
+    input: Annotated[str | list[Item] | None, "a list of items"] = None
+
+
+def _unknown_tool(kind: Any, _: tuple[str, ...]) -> str:
+    return (
+        f"{shown(kind)} is not supported (function, custom and namespace tools are; "
+        "hosted tools such as web_search are left out)"
+    )
+
+
+def _unknown_item(kind: Any, _: tuple[str, ...]) -> str:
+    if kind == "item_reference":
+        return "is not supported: agentkv keeps no items; send the item itself"
+    return (
+        f"{shown(kind)} is not supported (message, function_call, function_call_output, "
+        "custom_tool_call, custom_tool_call_output and reasoning items are)"
+    )
+
+
+register_tagged(ResponsesTool, unknown=_unknown_tool)
+register_tagged(
+    FunctionTool | CustomTool,
+    read=lambda v: v.get("type", "function"),
+    unknown=lambda kind, _: (
+        f"{shown(kind)} is not supported in a namespace (function and custom tools are)"
+    ),
 )
+register_tagged(
+    Message,
+    key="role",
+    unknown=lambda role, _: (
+        f"{shown(role)} is not one of 'user', 'assistant', 'system', 'developer'"
+    ),
+)
+register_tagged(
+    Item,
+    read=lambda v: "message" if v.get("type") is None and "role" in v else v.get("type"),
+    unknown=_unknown_item,
+    nested={"message": Message},
+)
+register_parts(InputText)
+register_parts(UserPart)
+register_parts(AssistantPart)
+register_choice(str | NamedChoice | None, {"function": NamedChoice, "custom": NamedChoice})
 
 
 def responses_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIRequest:
     """A ``POST /v1/responses`` body as a Messages body."""
     refuse(body, _RESPONSES_REFUSED)
-    model = required_str(body, "model")
-    stream = opt_bool(body, "stream") or False
-    instructions = opt_str(body, "instructions")
-    _check_text_format(body.get("text"))
-    opt_obj(body, "reasoning")
-    include = body.get("include")
-    if include is not None and not (
-        isinstance(include, list) and all(isinstance(x, str) for x in include)
-    ):
-        raise InvalidRequestError("expected a list of strings", "include")
-    opt_bool(body, "store")
-    tools, origins, tool_sources = _responses_tools(body.get("tools"), limits)
-    choice = tool_choice(body.get("tool_choice"), origins)
-    parallel = opt_bool(body, "parallel_tool_calls")
-    max_tokens = opt_positive_int(body, "max_output_tokens")
-
-    raw_input = body.get("input")
-    if isinstance(raw_input, str):
-        items: list[Any] = [{"type": "message", "role": "user", "content": raw_input}]
-    elif isinstance(raw_input, list):
-        items = raw_input
-    elif raw_input is None:
-        raise InvalidRequestError("is required", "input")
-    else:
-        raise InvalidRequestError(
-            f"expected a string or a list of items, got {json_type(raw_input)}", "input"
-        )
-    conversation = Conversation()
-    if instructions:
-        conversation.system.append(instructions)
-        conversation.system_sources.append("instructions")
+    request = structure(body, ResponsesRequest)
+    model = required(request.model, "model")
+    if request.text is not None:
+        check_text_format(request.text.format, "text.format")
+    tools, origins, tool_sources = _responses_tools(request.tools or [], limits)
+    choice = tool_choice(request.tool_choice, origins)
+    raw = request.input
+    items = [UserMessage("user", raw)] if isinstance(raw, str) else required(raw, "input")
+    instructions = [request.instructions] if request.instructions else []
+    conversation = Conversation(instructions, ["instructions"] * len(instructions))
+    limit = limits.max_messages
     read_conversation(
-        items,
-        _responses_item,
-        path="input",
-        what="item",
-        limit=limits.max_messages,
-        conversation=conversation,
+        items, _responses_item, path="input", what="item", limit=limit, conversation=conversation
     )
+    max_tokens = request.max_output_tokens
     out = messages_body(
-        conversation,
-        body,
-        model=model,
-        max_tokens=max_tokens,
-        stream=stream,
-        tools=tools,
-        choice=choice,
-        parallel=parallel,
+        conversation, request, model=model, max_tokens=max_tokens, tools=tools, choice=choice
     )
     sources = {**conversation.sources, **tool_sources, "max_tokens": "max_output_tokens"}
+    parallel = request.parallel_tool_calls
     echo = {
-        "instructions": instructions,
+        "instructions": request.instructions,
         "max_output_tokens": max_tokens,
         "parallel_tool_calls": True if parallel is None else parallel,
         "tool_choice": body.get("tool_choice", "auto"),
@@ -130,7 +273,7 @@ def responses_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIR
         api="responses",
         body=out,
         model=model,
-        stream=stream,
+        stream=request.stream or False,
         tools=origins,
         echo=echo,
         sources=sources,
@@ -149,27 +292,12 @@ _RESPONSES_REFUSED: Final = {
 }
 
 
-def _check_text_format(text: Any) -> None:
-    if text is None:
-        return
-    text = obj_at(text, "text")
-    fmt = text.get("format")
-    if fmt is None:
-        return
-    kind = obj_at(fmt, "text.format").get("type")
-    if kind != "text":
-        raise InvalidRequestError(
-            f"{shown(kind)} is not supported; only plain text output is", "text.format.type"
-        )
-
-
 # -- tools -----------------------------------------------------------------------------------------
 
 
-def _custom_tool(raw: Mapping[str, Any], path: str, engine_name: str) -> dict[str, Any]:
-    description = raw.get("description")
-    text = str_at(description, f"{path}.description") if description is not None else ""
-    fmt = raw.get("format")
+def _custom_tool(custom: CustomTool, engine_name: str) -> dict[str, Any]:
+    text = custom.description or ""
+    fmt = custom.format
     if isinstance(fmt, dict) and fmt.get("type") == "grammar":
         definition = fmt.get("definition")
         if isinstance(definition, str) and definition:
@@ -187,160 +315,65 @@ def _custom_tool(raw: Mapping[str, Any], path: str, engine_name: str) -> dict[st
 
 
 def _responses_tools(
-    raw: Any, limits: RequestLimits
+    declared: list[ResponsesTool], limits: RequestLimits
 ) -> tuple[list[dict[str, Any]], dict[str, ToolOrigin], dict[str, str]]:
     tools: list[dict[str, Any]] = []
     origins: dict[str, ToolOrigin] = {}
     sources: dict[str, str] = {}
-    if raw is None:
-        return tools, origins, sources
-    if not isinstance(raw, list):
-        raise InvalidRequestError(f"expected a list, got {json_type(raw)}", "tools")
-    check_count(raw, limits.max_tools, "tools", "tools")
-    for i, entry in enumerate(raw):
+    check_count(declared, limits.max_tools, "tools", "tools")
+    for i, entry in enumerate(declared):
         path = f"tools[{i}]"
-        entry = obj_at(entry, path)
-        kind = entry.get("type")
-        if kind == "function":
-            tool = function_tool(
-                entry.get("name"),
-                entry.get("description"),
-                entry.get("parameters"),
-                path,
-                f"{path}.name",
-            )
-            add_tool(tools, origins, sources, tool, ToolOrigin(tool["name"]), path)
-        elif kind == "custom":
-            name = entry.get("name")
-            if not isinstance(name, str) or not name:
-                raise InvalidRequestError("expected a non-empty string", f"{path}.name")
-            tool = _custom_tool(entry, path, name)
-            add_tool(tools, origins, sources, tool, ToolOrigin(name, custom=True), path)
-        elif kind == "namespace":
-            space = entry.get("name")
-            if not isinstance(space, str) or not space:
-                raise InvalidRequestError("expected a non-empty string", f"{path}.name")
-            inner = entry.get("tools")
-            if not isinstance(inner, list):
-                raise InvalidRequestError(
-                    f"expected a list, got {json_type(inner)}", f"{path}.tools"
-                )
-            check_count(inner, limits.max_tools, "tools", f"{path}.tools")
-            for j, sub in enumerate(inner):
-                sub_path = f"{path}.tools[{j}]"
-                sub = obj_at(sub, sub_path)
-                name = sub.get("name")
-                if not isinstance(name, str) or not name:
-                    raise InvalidRequestError("expected a non-empty string", f"{sub_path}.name")
-                engine_name = f"{space}.{name}"
-                if sub.get("type") == "custom":
-                    tool = _custom_tool(sub, sub_path, engine_name)
-                    origin = ToolOrigin(name, namespace=space, custom=True)
-                elif sub.get("type", "function") == "function":
-                    tool = function_tool(
-                        engine_name,
-                        sub.get("description"),
-                        sub.get("parameters"),
-                        sub_path,
-                        f"{sub_path}.name",
-                    )
-                    origin = ToolOrigin(name, namespace=space)
+        if isinstance(entry, FunctionTool):
+            tool = function_tool(entry, entry.name)
+            add_tool(tools, origins, sources, tool, ToolOrigin(entry.name), path)
+        elif isinstance(entry, CustomTool):
+            tool = _custom_tool(entry, entry.name)
+            add_tool(tools, origins, sources, tool, ToolOrigin(entry.name, custom=True), path)
+        elif isinstance(entry, NamespaceTool):
+            space = entry.name
+            check_count(entry.tools, limits.max_tools, "tools", f"{path}.tools")
+            for j, sub in enumerate(entry.tools):
+                engine_name = f"{space}.{sub.name}"
+                if isinstance(sub, CustomTool):
+                    tool = _custom_tool(sub, engine_name)
+                    origin = ToolOrigin(sub.name, namespace=space, custom=True)
                 else:
-                    raise InvalidRequestError(
-                        f"{shown(sub.get('type'))} is not supported in a namespace "
-                        "(function and custom tools are)",
-                        f"{sub_path}.type",
-                    )
-                add_tool(tools, origins, sources, tool, origin, sub_path)
-        elif isinstance(kind, str) and kind in HOSTED_TOOL_TYPES:
-            continue  # run by OpenAI's servers; nothing here can run it (see HOSTED_TOOL_TYPES)
-        else:
-            raise InvalidRequestError(
-                f"{shown(kind)} is not supported (function, custom and namespace tools are; "
-                f"hosted tools such as web_search are left out)",
-                f"{path}.type",
-            )
+                    tool = function_tool(sub, engine_name)
+                    origin = ToolOrigin(sub.name, namespace=space)
+                add_tool(tools, origins, sources, tool, origin, f"{path}.tools[{j}]")
+        # A HostedTool is run by OpenAI's servers; nothing here can run it (see HOSTED_TOOL_TYPES).
     check_count(tools, limits.max_tools, "tools", "tools")
     return tools, origins, sources
 
 
 # -- items -----------------------------------------------------------------------------------------
 
-_RESPONSES_USER_PARTS: Final = {"input_text": "text"}
-_RESPONSES_ASSISTANT_PARTS: Final = {
-    "output_text": "text",
-    "refusal": "refusal",
-    "input_text": "text",
-}
-_RESPONSES_SYSTEM_PARTS: Final = {"input_text": "text"}
 
-
-def _responses_item(
-    conversation: Conversation,
-    item: Any,
-    path: str,
-) -> None:
-    item = obj_at(item, path)
-    kind = item.get("type")
-    if kind is None and "role" in item:
-        kind = "message"
-    if kind == "message":
-        role = item.get("role")
-        content_path = f"{path}.content"
-        if role in ("system", "developer"):
-            parts = content_blocks(
-                item.get("content"), content_path, _RESPONSES_SYSTEM_PARTS, images=False
-            )
-            conversation.system_text(text_of(parts), path)
-        elif role == "user":
-            parts = content_blocks(
-                item.get("content"), content_path, _RESPONSES_USER_PARTS, images=True
-            )
-            conversation.add("user", parts, path)
-        elif role == "assistant":
-            parts = content_blocks(
-                item.get("content"), content_path, _RESPONSES_ASSISTANT_PARTS, images=False
-            )
-            conversation.assistant(parts, path)
-        else:
-            raise InvalidRequestError(
-                f"{shown(role)} is not one of 'user', 'assistant', 'system', 'developer'",
-                f"{path}.role",
-            )
-    elif kind in ("function_call", "custom_tool_call"):
-        call_id = str_at(item.get("call_id"), f"{path}.call_id")
-        name = item.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidRequestError("expected a non-empty string", f"{path}.name")
-        namespace = item.get("namespace")
-        if namespace is not None and not isinstance(namespace, str):
-            raise InvalidRequestError("expected a string", f"{path}.namespace")
-        if kind == "function_call":
-            arguments = call_input(item.get("arguments"), f"{path}.arguments")
-        else:
-            arguments = {CUSTOM_INPUT: str_at(item.get("input"), f"{path}.input")}
+def _responses_item(conversation: Conversation, item: Item, path: str) -> None:
+    if isinstance(item, SystemMessage):
+        conversation.system_text(text_of(content_blocks(item.content, f"{path}.content")), path)
+    elif isinstance(item, UserMessage):
+        conversation.add("user", content_blocks(item.content, f"{path}.content"), path)
+    elif isinstance(item, AssistantMessage):
+        conversation.assistant(content_blocks(item.content, f"{path}.content"), path)
+    elif isinstance(item, FunctionCall | CustomToolCall):
+        arguments = item.arguments if isinstance(item, FunctionCall) else {CUSTOM_INPUT: item.input}
         block = {
             "type": "tool_use",
-            "id": call_id,
-            "name": engine_tool(name, namespace),
+            "id": item.call_id,
+            "name": engine_tool(item.name, item.namespace),
             "input": arguments,
         }
         conversation.assistant([block], path)
-    elif kind in ("function_call_output", "custom_tool_call_output"):
-        call_id = str_at(item.get("call_id"), f"{path}.call_id")
-        output = item.get("output")
-        output_path = f"{path}.output"
-        if isinstance(output, str):
-            content: str | list[dict[str, Any]] = output
-        else:
-            content = content_blocks(output, output_path, _RESPONSES_USER_PARTS, images=True)
+    elif isinstance(item, ToolOutput):
+        output = item.output
+        content = output if isinstance(output, str) else content_blocks(output, f"{path}.output")
         conversation.result(
-            {"type": "tool_result", "tool_use_id": call_id, "content": content}, path
+            {"type": "tool_result", "tool_use_id": item.call_id, "content": content}, path
         )
-    elif kind == "reasoning":
+    else:
         texts: list[str] = []
-        for key, part_kind in (("content", "reasoning_text"), ("summary", "summary_text")):
-            parts = item.get(key)
+        for parts, part_kind in ((item.content, "reasoning_text"), (item.summary, "summary_text")):
             if isinstance(parts, list):
                 texts += [
                     p["text"]
@@ -354,13 +387,3 @@ def _responses_item(
                 break  # the full reasoning when there is one, else its summary
         if texts:
             conversation.assistant([{"type": "thinking", "thinking": TEXT_JOIN.join(texts)}], path)
-    elif kind == "item_reference":
-        raise InvalidRequestError(
-            "is not supported: agentkv keeps no items; send the item itself", f"{path}.type"
-        )
-    else:
-        raise InvalidRequestError(
-            f"{shown(kind)} is not supported (message, function_call, function_call_output, "
-            "custom_tool_call, custom_tool_call_output and reasoning items are)",
-            f"{path}.type",
-        )
