@@ -25,6 +25,8 @@ SCENARIOS = (
     "open_summary",
     "two_blocks",
     "two_blocks_no_summary",
+    "retry_cut",
+    "cut",
     "tool_call",
     "long",
 )

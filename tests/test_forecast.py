@@ -228,6 +228,7 @@ def after_compaction() -> list[tuple[str, int]]:
         "open_summary",
         "two_blocks",
         "two_blocks_no_summary",
+        "retry_cut",
         "long",
     ):
         ex = exchanges(name)
@@ -374,6 +375,24 @@ def test_of_a_reply_in_several_text_blocks_without_a_summary_the_last_is_read() 
     assert predicted is not None and stem(predicted) == stem(ex[4]["body"])
     assert "The first reply, its second block." in stem(ex[4]["body"])
     assert "its first block" not in stem(ex[4]["body"])
+
+
+def test_a_reply_cut_at_the_token_limit() -> None:
+    """Captured: a retry cut at the token limit failed, though it held a summary, and Claude Code
+    went on with the first reply (``retry_cut``); a first reply cut there, with its summary, is
+    the summary, and the turn after it follows Claude Code's request to continue (``cut``)."""
+    forecast = CompactionForecast(config_dir=CONFIG_DIR)
+    ex = exchanges("retry_cut")
+    assert reply(ex[3])["stop_reason"] == "max_tokens" and has_summary(
+        reply_text(reply(ex[3])) or ""
+    )
+    predicted = forecast.predict_after(ex[3]["body"], reply(ex[3]), reply(ex[2]))
+    assert predicted is not None and stem(predicted) == stem(ex[4]["body"])
+    assert "\nBeta\n" in stem(ex[4]["body"])
+    ex = exchanges("cut")
+    assert "Output token limit hit" in str(ex[3]["body"]["messages"][-1]["content"])
+    predicted = forecast.predict_after(ex[2]["body"], reply(ex[2]))
+    assert predicted is not None and stem(predicted) == stem(ex[4]["body"])
 
 
 def test_the_summary_as_claude_code_writes_it_back() -> None:

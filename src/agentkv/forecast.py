@@ -382,7 +382,9 @@ class CompactionForecast:
             return None
         said = reply_text(reply)
         retried = _whole_text(messages[-1].get("content")) != self.instruction
-        if retried and (said is None or not has_summary(said)):
+        # A retry cut at the token limit failed too, whatever it holds (captured: retry_cut).
+        cut = reply.get("stop_reason") == "max_tokens"
+        if retried and (said is None or not has_summary(said) or cut):
             said = None if first is None else reply_text(first)
         elif not retried and (said is None or not has_summary(said)):
             return None  # the retry comes first (or, with no text, no summary at all)

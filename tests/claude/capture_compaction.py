@@ -96,11 +96,14 @@ class Reply:
     content: Sequence[Mapping[str, Any]]
     input_tokens: int | None = None
     output_tokens: int = 3
+    #: How it ended (None: ``tool_use`` when it calls a tool, else ``end_turn``).
+    stop_reason: str | None = None
 
 
 def stream(model: str, reply: Reply, input_tokens: int) -> tuple[bytes, dict[str, Any]]:
     """The SSE stream for ``reply`` and the message it assembles to."""
     stop = "tool_use" if any(b["type"] == "tool_use" for b in reply.content) else "end_turn"
+    stop = reply.stop_reason or stop
     message: dict[str, Any] = {
         "id": "msg_" + secrets.token_hex(12),
         "type": "message",
@@ -171,7 +174,7 @@ class CompactionStub:
     input_tokens: int = LOW
     no_summary: int = 0
     #: Compaction replies to give first: a text, or the texts of several text blocks.
-    odd_replies: list[str | Sequence[str]] = attrs.field(factory=list)
+    odd_replies: list[str | Sequence[str] | Reply] = attrs.field(factory=list)
     script: list[Reply] = attrs.field(factory=list)
     exchanges: list[dict[str, Any]] = attrs.field(factory=list, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
@@ -193,11 +196,14 @@ class CompactionStub:
         if is_compaction(body):
             summary = self.no_summary <= 0
             self.no_summary -= 1
-            said: str | Sequence[str] = SUMMARY_REPLY if summary else NO_SUMMARY_REPLY
+            said: str | Sequence[str] | Reply = SUMMARY_REPLY if summary else NO_SUMMARY_REPLY
             if self.odd_replies:
                 said = self.odd_replies.pop(0)
-            blocks = [said] if isinstance(said, str) else said
-            reply = Reply([text(block) for block in blocks], LOW, 60)
+            if isinstance(said, Reply):
+                reply = said
+            else:
+                blocks = [said] if isinstance(said, str) else said
+                reply = Reply([text(block) for block in blocks], LOW, 60)
             kind = "compaction"
         else:
             reply = self.script.pop(0) if self.script else Reply([text("ok")])
@@ -276,7 +282,7 @@ class Step:
     replies: Sequence[Reply] = ()
     input_tokens: int = HIGH
     no_summary: int = 0
-    odd_replies: Sequence[str | Sequence[str]] = ()
+    odd_replies: Sequence[str | Sequence[str] | Reply] = ()
     flags: Sequence[str] = ()
 
 
@@ -371,6 +377,29 @@ SCENARIOS: dict[str, Callable[[], list[Step]]] = {
             odd_replies=[
                 ["The first reply, its first block.", "The first reply, its second block."],
                 ["The retry, its first block.", "The retry, its second block."],
+            ],
+            replies=[Reply([text("gamma")])],
+        ),
+    ],
+    # the retry's reply has its summary but was cut at the token limit: which reply is the summary
+    "retry_cut": lambda: [
+        *words("alpha", "beta"),
+        Step(
+            "Reply with the single word: gamma",
+            odd_replies=[
+                "Beta",
+                Reply([text(SUMMARY_REPLY + "\n\nMore")], LOW, 60, stop_reason="max_tokens"),
+            ],
+            replies=[Reply([text("gamma")])],
+        ),
+    ],
+    # the first reply has its summary but was cut at the token limit: is it asked for again?
+    "cut": lambda: [
+        *words("alpha", "beta"),
+        Step(
+            "Reply with the single word: gamma",
+            odd_replies=[
+                Reply([text(SUMMARY_REPLY + "\n\nMore")], LOW, 60, stop_reason="max_tokens")
             ],
             replies=[Reply([text("gamma")])],
         ),
