@@ -521,8 +521,7 @@ class LinkedEngine:
         *,
         on_progress: Callable[[str], None] | None = None,
     ) -> None:
-        """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
-        ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
+        """See :meth:`EngineTransport.wait_ready`."""
         await self._transport.wait_ready(timeout, on_progress=on_progress)
 
     def set_reachable(self, reachable: bool, detail: str = "") -> bool:
