@@ -1,28 +1,9 @@
 """The ``subagents`` scenario: a Claude Code coordinator fans out to sub-agents in one session.
 
-The workload, built from real Claude Code 2.1.328 requests (the coordinator's first request and a
-general-purpose sub-agent's, shipped as package data):
-
-1. the coordinator's first request (session S, ``X-Agent-Priority`` 0);
-2. its reply starts two **background** sub-agents; as Claude Code does, the coordinator's next
-   request (its ``Agent`` calls and their "started in the background" results) comes at once, and
-   so do the two sub-agents' first requests; a **second session's background agent** (priority 2)
-   starts prefilling its own prompt at the same moment;
-3. the reply to that request starts one **foreground** sub-agent (``run_in_background: false``):
-   the coordinator waits for it;
-4. when it has answered, the coordinator continues with its result.
-
-The default model cannot be relied on to call ``Agent``, so the coordinator's replies are
-**scripted by this harness**: each of its requests runs on the engine (its prompt is computed,
-one token is generated) and the harness then sends what Claude Code would send after the scripted
-reply. Nothing in agentkv is scripted. Sub-agent requests carry ``x-claude-code-agent-id`` and the
-coordinator's session id, as Claude Code sends them.
-
-Configurations side by side, each on a fresh llama-server: ``plain`` (llama-server alone, its own
-``/v1/messages``), ``agentkv-notree`` (agentkv with the agent tree off: every sub-agent is its
-session's agent), ``agentkv`` and ``agentkv-warm`` (agentkv again, on the store the previous run
-left). ``alone`` times the foreground sub-agent's request alone on an idle agentkv: the reference
-for its first token.
+Built from captured Claude Code 2.1.328 requests: two background sub-agents and another
+session's agent start at once, then a foreground sub-agent the coordinator waits for, then the
+coordinator's continuation. The coordinator's replies are scripted by this harness (each of its
+requests still runs on the engine); nothing in agentkv is (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,6 +23,7 @@ from agentkv.anthropic_sse import anthropic_events, encode_event
 from agentkv.reply import BlockClosed, BlockOpened, Delta, Ended, ReplyEvent, Started, Usage
 from agentkv.snapshot import RuntimeSnapshot, unstructure
 from agentkv.tokens import common_prefix
+from agentkv_bench._runs import by_name, errors_target
 from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
 from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sdk_clients
 from agentkv_bench.metrics import PrefillYardstick, difference, read_counters, token_sequences
@@ -137,10 +119,8 @@ class SubagentsSpec:
     slots: int = 2
     scale: float = 1.0
     max_tokens: int = 16
-    #: The coordinator's own requests generate this many tokens: their replies are scripted, so
-    #: the engine's only has to show that the prompt was computed. (The default model writes a
-    #: call as JSON text there, which agentkv holds back until the call is whole: with more
-    #: tokens, the client's first token would come at the end of the reply, not of the prefill.)
+    #: Tokens a coordinator request generates (its reply is scripted). With more, the default
+    #: model writes a call as JSON text, which agentkv holds back until whole: a late first token.
     coordinator_max_tokens: int = 1
     coordinator_priority: int = 0
     other_priority: int = 2
@@ -379,11 +359,11 @@ async def fan_out_facts(
     layout), the sub-agents' shared head and the continuation's own new tokens."""
     steps = workload.order()
     tokens = await token_sequences(engine_url, [step.body for step in steps], api_key=engine_key)
-    by_name = dict(zip([step.name for step in steps], tokens, strict=True))
-    subs = [by_name[s.name] for s in (*workload.background, workload.foreground)]
+    by_step = dict(zip([step.name for step in steps], tokens, strict=True))
+    subs = [by_step[s.name] for s in (*workload.background, workload.foreground)]
     head = min(common_prefix(subs[0], other) for other in subs[1:])
-    cont = by_name[workload.continuation.name]
-    before = by_name[workload.next_turn.name]
+    cont = by_step[workload.continuation.name]
+    before = by_step[workload.next_turn.name]
     stick = PrefillYardstick.of(tokens)
     return {
         "minimum": stick.minimum,
@@ -391,7 +371,7 @@ async def fan_out_facts(
         "subagent_head_tokens": head,
         "continuation_tokens": len(cont),
         "continuation_new_tokens": len(cont) - common_prefix(cont, before),
-        "tokens": {name: len(seq) for name, seq in by_name.items()},
+        "tokens": {name: len(seq) for name, seq in by_step.items()},
     }
 
 
@@ -452,8 +432,6 @@ async def run_subagents(
             store = _store(bench, "agentkv", fresh=name == "agentkv", tag="subagents")
         else:
             store = _store(bench, engine_name, fresh=True, tag=f"subagents-{name}")
-        # agentkv's defaults, pre-emption on (preempt-from 1); "agentkv-notree" changes one:
-        # the agent tree off (--no-agent-tree).
         config = RuntimeConfig(agent_tree=False) if name == "agentkv-notree" else RuntimeConfig()
         async with start(bench.setup, engine_name, store_dir=store, config=config) as engine:
             if facts is None:
@@ -523,14 +501,10 @@ def _ttft(config: dict[str, Any], step: Step) -> float | None:
     return None if row is None else row["ttft_s"]
 
 
-def _by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in report["configs"]}
-
-
 def targets(report: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets, each with the figure measured and whether it was met (None: a
     configuration it needs did not run)."""
-    configs = _by_name(report)
+    configs = by_name(report["configs"])
     facts = report["facts"]
     out: dict[str, Any] = {}
     fg_name = "foreground sub-agent (tests)"
@@ -566,11 +540,7 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
     if warm and plain:
         ratio = round(warm["wall_s"] / plain["wall_s"], 3)
         out["warm_wall_vs_llama_server"] = {"value": ratio, "target": 0.1, "met": ratio <= 0.1}
-    out["errors"] = {
-        "value": sum(c["errors"] for c in report["configs"]),
-        "target": 0,
-        "met": all(c["errors"] == 0 for c in report["configs"]),
-    }
+    out["errors"] = errors_target(report["configs"])
     return out
 
 
@@ -604,7 +574,7 @@ def subagents_table(report: dict[str, Any]) -> str:
     ]
     facts = report["facts"]
     lines = [render_table(configs, rows), ""]
-    alone = _by_name(report).get("alone")
+    alone = by_name(report["configs"]).get("alone")
     if alone:
         fg = alone["steps"].get("foreground sub-agent (tests)", {}).get("ttft_s")
         lines.append(f"Foreground sub-agent alone on an idle agentkv: first token {fmt(fg, ' s')}.")
