@@ -1,5 +1,5 @@
-"""What several benchmark scenarios share: a ``claude -p`` run with a time limit, the report of a
-run of configurations, and its check that no configuration saw an error."""
+"""What several benchmark scenarios share: Claude Code's headers, a ``claude -p`` run with a time
+limit, the report of a run of configurations, and its check that no configuration saw an error."""
 
 from __future__ import annotations
 
@@ -14,7 +14,20 @@ import attrs
 if TYPE_CHECKING:
     from agentkv_bench.scenarios import Bench
 
-__all__ = ["by_name", "errors_target", "run_claude", "write_run"]
+__all__ = ["by_name", "claude_code_headers", "errors_target", "run_claude", "write_run"]
+
+
+def claude_code_headers(session: str, priority: int, agent_id: str | None = None) -> dict[str, str]:
+    """The headers of a Claude Code request in ``session`` (a sub-agent's with its ``agent_id``)."""
+    headers = {
+        "x-api-key": "bench",
+        "anthropic-version": "2023-06-01",
+        "x-claude-code-session-id": session,
+        "x-agent-priority": str(priority),
+    }
+    if agent_id is not None:
+        headers["x-claude-code-agent-id"] = agent_id
+    return headers
 
 
 async def run_claude(

@@ -19,7 +19,7 @@ from agentkv import MessagesTranslator
 from agentkv.openai_translate import OpenAITranslator
 from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.record import RequestRecord
-from agentkv_bench._runs import by_name, errors_target
+from agentkv_bench._runs import by_name, claude_code_headers, errors_target
 from agentkv_bench.claude_workload import ClaudeSpec, build_claude_workload
 from agentkv_bench.codex_workload import (
     CodexSession,
@@ -114,12 +114,7 @@ def _claude_agents(spec: MixedSpec) -> list[Agent]:
     agents = []
     for index, agent in enumerate(build_claude_workload(claude, salt="mixed").agents):
         user = json.loads(agent.requests[0]["metadata"]["user_id"])
-        headers = {
-            "x-api-key": "bench",
-            "anthropic-version": "2023-06-01",
-            "x-claude-code-session-id": user["session_id"],
-            "x-agent-priority": str(spec.priority(index)),
-        }
+        headers = claude_code_headers(user["session_id"], spec.priority(index))
         agents.append(
             attrs.evolve(
                 agent,

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import anyio
 import attrs
@@ -54,7 +54,7 @@ __all__ = [
 
 Say = Callable[[str], None]
 Outcome = Literal["ok", "error", "disconnected", "bad", "hung"]
-OUTCOMES: tuple[Outcome, ...] = ("ok", "error", "disconnected", "bad", "hung")
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 #: The events that end an Anthropic stream.
 _TERMINAL = ("message_stop", "error")

@@ -23,7 +23,7 @@ from agentkv.anthropic_sse import anthropic_events, encode_event
 from agentkv.reply import BlockClosed, BlockOpened, Delta, Ended, ReplyEvent, Started, Usage
 from agentkv.snapshot import RuntimeSnapshot, unstructure
 from agentkv.tokens import common_prefix
-from agentkv_bench._runs import by_name, errors_target
+from agentkv_bench._runs import by_name, claude_code_headers, errors_target
 from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
 from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sdk_clients
 from agentkv_bench.metrics import PrefillYardstick, difference, read_counters, token_sequences
@@ -43,6 +43,9 @@ _SUBAGENT_TEMPLATE = "claude_code_subagent_request.json"
 _SUBAGENT_WORDS = "Reply with the single word: back"
 SESSION = "5ab0c0de-0000-4000-8000-00000000c0de"
 OTHER_SESSION = "5ab0c0de-0000-4000-8000-0000000001e5"
+#: The steps the targets are about, by name.
+FOREGROUND = "foreground sub-agent (tests)"
+CONTINUATION = "coordinator: continuation"
 #: Claude Code's hand-back frame around a foreground sub-agent's report (as captured).
 _HAND_BACK = (
     "[Subagent hand-back] The text below is the final report of a subagent this session "
@@ -161,18 +164,6 @@ class SubagentsWorkload:
         ]
 
 
-def _headers(session: str, priority: int, sub: str | None = None) -> dict[str, str]:
-    headers = {
-        "x-api-key": "bench",
-        "anthropic-version": "2023-06-01",
-        "x-claude-code-session-id": session,
-        "x-agent-priority": str(priority),
-    }
-    if sub is not None:
-        headers["x-claude-code-agent-id"] = sub
-    return headers
-
-
 def _subagent(template: dict[str, Any], prompt: str, max_tokens: int) -> dict[str, Any]:
     body = copy.deepcopy(template)
     first = body["messages"][0]["content"]
@@ -251,7 +242,7 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
         Step(
             f"background sub-agent ({what.lower()})",
             _subagent(sub, f"Reply with the single word: {word}", spec.max_tokens),
-            _headers(SESSION, priority, sid),
+            claude_code_headers(SESSION, priority, sid),
         )
         for _, sid, what, word in fan_out
     )
@@ -272,20 +263,22 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
     # Another project: its prompt parts from the coordinator's early in the system text.
     other_body["system"][1]["text"] = "Project: billing. " + other_body["system"][1]["text"]
     return SubagentsWorkload(
-        first=Step("coordinator: first request", first, _headers(SESSION, priority)),
-        next_turn=Step("coordinator: after the fan-out", next_body, _headers(SESSION, priority)),
+        first=Step("coordinator: first request", first, claude_code_headers(SESSION, priority)),
+        next_turn=Step(
+            "coordinator: after the fan-out", next_body, claude_code_headers(SESSION, priority)
+        ),
         background=(background[0], background[1]),
         other=Step(
             "other session (background)",
             other_body,
-            _headers(OTHER_SESSION, spec.other_priority),
+            claude_code_headers(OTHER_SESSION, spec.other_priority),
         ),
         foreground=Step(
-            "foreground sub-agent (tests)",
+            FOREGROUND,
             _subagent(sub, fg_prompt, spec.max_tokens),
-            _headers(SESSION, priority, fg_id),
+            claude_code_headers(SESSION, priority, fg_id),
         ),
-        continuation=Step("coordinator: continuation", continuation, _headers(SESSION, priority)),
+        continuation=Step(CONTINUATION, continuation, claude_code_headers(SESSION, priority)),
     )
 
 
@@ -477,18 +470,17 @@ async def run_subagents(
     }
     report["targets"] = targets(report)
     report["total_s"] = round(time.monotonic() - began, 1)
-    shown = [c for c in reports if c["name"] != "alone"]
     await write_report(
-        {**report, "configs": reports},
+        report,
         subagents_table(report),
         bench.out,
         stem="subagents",
         panels=[
             ("wall time (s)", lambda c: c["wall_s"]),
-            ("foreground sub-agent TTFT (s)", lambda c: _ttft(c, workload.foreground) or 0),
-            ("continuation TTFT (s)", lambda c: _ttft(c, workload.continuation) or 0),
+            ("foreground sub-agent TTFT (s)", lambda c: _ttft(c, FOREGROUND) or 0),
+            ("continuation TTFT (s)", lambda c: _ttft(c, CONTINUATION) or 0),
         ]
-        if shown
+        if any(c["name"] != "alone" for c in reports)
         else [],
         title="A coordinator fans out to 3 sub-agents while another session prefills "
         "(lower is better)",
@@ -496,9 +488,9 @@ async def run_subagents(
     return report
 
 
-def _ttft(config: dict[str, Any], step: Step) -> float | None:
-    row = config["steps"].get(step.name)
-    return None if row is None else row["ttft_s"]
+def _ttft(config: dict[str, Any], step: str) -> float | None:
+    ttft: float | None = config["steps"].get(step, {}).get("ttft_s")
+    return ttft
 
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:
@@ -507,19 +499,16 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
     configs = by_name(report["configs"])
     facts = report["facts"]
     out: dict[str, Any] = {}
-    fg_name = "foreground sub-agent (tests)"
-    cont_name = "coordinator: continuation"
     ours = configs.get("agentkv")
     alone = configs.get("alone")
     plain = configs.get("plain")
     warm = configs.get("agentkv-warm")
     if ours and alone:
-        fg = ours["steps"].get(fg_name, {}).get("ttft_s")
-        ref = alone["steps"].get(fg_name, {}).get("ttft_s")
+        fg, ref = _ttft(ours, FOREGROUND), _ttft(alone, FOREGROUND)
         ratio = round(fg / ref, 2) if fg and ref else None
         out["foreground_vs_alone"] = {"value": ratio, "target": 1.5, "met": _le(ratio, 1.5)}
     if ours:
-        ttft = ours["steps"].get(cont_name, {}).get("ttft_s")
+        ttft = _ttft(ours, CONTINUATION)
         rate = ours.get("prefill_tokens_per_s")
         bound = round(facts["continuation_new_tokens"] / rate + 2, 2) if rate else None
         out["continuation_ttft"] = {"value": ttft, "target": bound, "met": _le(ttft, bound)}
@@ -556,7 +545,7 @@ def subagents_table(report: dict[str, Any]) -> str:
     steps = list(dict.fromkeys(names))
 
     def step_ttft(step: str) -> Any:
-        return lambda c: fmt(c["steps"].get(step, {}).get("ttft_s"), " s")
+        return lambda c: fmt(_ttft(c, step), " s")
 
     def computed(c: dict[str, Any]) -> str:
         record = c.get("continuation_record")
@@ -576,8 +565,8 @@ def subagents_table(report: dict[str, Any]) -> str:
     lines = [render_table(configs, rows), ""]
     alone = by_name(report["configs"]).get("alone")
     if alone:
-        fg = alone["steps"].get("foreground sub-agent (tests)", {}).get("ttft_s")
-        lines.append(f"Foreground sub-agent alone on an idle agentkv: first token {fmt(fg, ' s')}.")
+        fg = fmt(_ttft(alone, FOREGROUND), " s")
+        lines.append(f"Foreground sub-agent alone on an idle agentkv: first token {fg}.")
     lines.append(
         f"Minimum prefill {facts['minimum']} tokens (agentkv's layout), without any cache "
         f"{facts['naive']}; the sub-agents share a head of {facts['subagent_head_tokens']} tokens; "
