@@ -26,7 +26,7 @@ from agentkv_bench.claude import _env, make_project
 from agentkv_bench.engines import NO_PREEMPTION, serve_app, start
 from agentkv_bench.metrics import difference, read_counters
 from agentkv_bench.report import fmt, render_table
-from agentkv_bench.scenarios import Bench
+from agentkv_bench.scenarios import Bench, _store
 from agentkv_bench.subagents import agent_call, scripted_sse
 
 __all__ = [
@@ -188,12 +188,10 @@ class FanoutProxy:
 
 
 async def _one(
-    bench: Bench, name: str, claude: Path, project: Path, home: Path, spec: FanoutSpec, store: Path
+    bench: Bench, name: str, claude: Path, project: Path, home: Path, spec: FanoutSpec
 ) -> dict[str, Any]:
     setup = bench.setup
-    store_dir = store if name == "agentkv" else None
-    if store_dir is not None and store_dir.exists():
-        shutil.rmtree(store_dir)
+    store_dir = _store(bench, name, fresh=True, tag="real-cli-fanout")
     async with start(setup, _START[name], store_dir=store_dir, config=NO_PREEMPTION) as engine:
         timeout = httpx.Timeout(spec.timeout, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout) as http:
@@ -254,8 +252,7 @@ async def run_fanout(
             reports = []
             for name in configs:
                 bench.say(f"real-cli-fanout run {run}/{spec.runs}: {name}")
-                store = bench.out / "stores" / "real-cli-fanout"
-                report = await _one(bench, name, claude, project, home, spec, store)
+                report = await _one(bench, name, claude, project, home, spec)
                 bench.say(
                     f"real-cli-fanout run {run}: {name} {report['wall_s']} s, "
                     f"{report['errors']} errors, continuation computed "
