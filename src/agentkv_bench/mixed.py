@@ -347,15 +347,17 @@ def _per_api(
 
 
 async def _api_minimums(
-    engine: Engine, view: Workload, apis: Mapping[str, str], layout: str
-) -> dict[str, int]:
-    out = {}
+    engine: Engine, view: Workload, apis: Mapping[str, str]
+) -> dict[str, dict[str, int]]:
+    """Each API's minimum prefill over its own agents' prompts, in each layout."""
+    out: dict[str, dict[str, int]] = {"client": {}, "agentkv": {}}
     for api in sorted(set(apis.values())):
         agents = tuple(a for a in view.agents if apis[a.name] == api)
         sticks = await yardsticks(
             engine.engine_url, [attrs.evolve(view, agents=agents)], api_key=engine.engine_key
         )
-        out[api] = sticks[layout].minimum
+        for layout, minimums in out.items():
+            minimums[api] = sticks[layout].minimum
     return out
 
 
@@ -381,8 +383,7 @@ async def run_mixed(
         async with start(bench.setup, engine_name, store_dir=store) as engine:
             if not sticks:
                 sticks = await yardsticks(engine.engine_url, [view], api_key=engine.engine_key)
-                for key in ("client", "agentkv"):
-                    api_minimum[key] = await _api_minimums(engine, view, apis, key)
+                api_minimum = await _api_minimums(engine, view, apis)
             log = None
             if engine.runtime is not None:
                 log = TicketLog(engine.runtime, _identities(workload), apis)
