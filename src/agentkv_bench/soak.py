@@ -2,7 +2,8 @@
 
 Clients send short streamed and JSON requests, some dropped on purpose, while the llama-server
 that agentkv-server launched gets SIGKILL; every request must end as an answer or an
-Anthropic-shaped error and the slot table must settle empty (docs/reliability.md#soak).
+Anthropic-shaped error and the slot table must settle empty. The run passes with nothing hung or
+bad, no lease left and the engine back within ``back_limit`` seconds (docs/reliability.md#soak).
 """
 
 from __future__ import annotations
