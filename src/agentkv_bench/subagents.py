@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import Sequence
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
@@ -27,6 +27,9 @@ from agentkv_bench._runs import by_name, claude_code_headers, errors_target
 from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
 from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sdk_clients
 from agentkv_bench.metrics import PrefillYardstick, difference, read_counters, token_sequences
+
+if TYPE_CHECKING:
+    from agentkv_bench.scenarios import Bench
 
 __all__ = [
     "Step",
@@ -403,12 +406,10 @@ def _continuation_record(snapshot: RuntimeSnapshot | None, tokens: int) -> dict[
 
 
 async def run_subagents(
-    bench: Any, spec: SubagentsSpec, configs: Sequence[str] = CONFIGS
+    bench: Bench, spec: SubagentsSpec, configs: Sequence[str] = CONFIGS
 ) -> dict[str, Any]:
-    """Each configuration plays the fan-out on a fresh llama-server; ``subagents.{json,txt,png}``.
-
-    ``bench`` is a :class:`agentkv_bench.scenarios.Bench`.
-    """
+    """Each configuration plays the fan-out on a fresh llama-server; ``subagents.{json,txt,png}``
+    under ``bench.out``."""
     from agentkv.runtime.config import RuntimeConfig
     from agentkv_bench.engines import start
     from agentkv_bench.report import summarize, write_report
