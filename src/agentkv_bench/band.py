@@ -1,23 +1,7 @@
 """The ``band`` scenario: agentkv's own compaction for a client that never compacts, the
-high-water design against incremental compaction, on one long synthetic conversation.
-
-One agent (the official ``anthropic`` SDK, ``x-agent-id: band``) sends a conversation of
-``turns`` turns (32): each user message is ``lines`` lines of notes and "Reply with one word.", each
-reply at most 16 tokens; every request carries the whole history, as a client that does not
-compact sends it. Between turns the client waits until agentkv has no work left (its idle time:
-the background compaction and the prefill of the compacted conversation), and the wait is
-reported. Two configurations, one after the other, each from an empty engine:
-
-- ``high-water``: agentkv's defaults (the whole history but the last messages summarised when a
-  prompt passes three quarters of the slot);
-- ``band``: the same with ``compact_from`` at half the slot (the oldest turns folded into the
-  running summary after each turn past it).
-
-Reported per configuration: each turn's prompt as the engine saw it (after agentkv's rewrite),
-the tokens it computed and the client's time; the band the prompts stayed in once the first
-compaction was in force; the compactions; the prompt tokens llama-server computed over the whole
-conversation (summaries and the prefill of each compacted conversation included, its own
-counters) and the tokens it generated; the time the client waited for agentkv's idle work.
+high-water design against incremental compaction (``compact_from`` at half the slot), on one long
+synthetic conversation; between turns the client waits for agentkv's idle work
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -34,9 +18,10 @@ import httpx
 
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
+from agentkv_bench._runs import write_run
 from agentkv_bench.engines import EngineSetup, agentkv_engine
 from agentkv_bench.metrics import difference, read_counters
-from agentkv_bench.report import Row, fmt, render_table, write_report
+from agentkv_bench.report import Row, fmt, render_table
 from agentkv_bench.scenarios import Bench
 
 __all__ = ["CONFIGS", "BandSpec", "band_table", "run_band"]
@@ -166,17 +151,7 @@ async def run_band(
         bench.say(f"band/{name}: {spec.turns} turns")
         reports.append(await _conversation(name, bench.setup, spec))
         bench.say(f"band/{name}: {reports[-1]['busy_s']} s busy, {reports[-1]['wall_s']} s")
-    result = {
-        "scenario": "band",
-        "spec": attrs.asdict(spec),
-        "slots": bench.setup.slots,
-        "ctx_per_slot": bench.setup.ctx,
-        "model": bench.setup.model.name,
-        "configs": reports,
-        "total_s": round(time.monotonic() - started, 1),
-    }
-    await write_report(result, band_table(result), bench.out, stem="band")
-    return result
+    return await write_run(bench, "band", spec, band_table, started, configs=reports)
 
 
 def band_table(result: dict[str, Any]) -> str:

@@ -1,24 +1,6 @@
 """Claude Code's own compaction: one real ``claude -p`` session that crosses its compaction point
-twice, with a stated think time before each compaction turn, against each configuration.
-
-The session, in one fresh git project per configuration (``--continue`` after the first turn):
-
-1. about 6,600 tokens of notes, then "Reply with the single word: alpha";
-2. "… beta": the context is now past Claude Code's compaction point (it never compacts after a
-   session's first reply);
-3. think time, then "… gamma": the turn begins with Claude Code's compaction (its request, a
-   retry when the reply had no ``<summary>``, then the turn on the compacted conversation);
-4. about 4,000 tokens of notes more, then "… delta": past the point again;
-5. think time, then "… epsilon": the second compaction.
-
-Configurations, one after another, each from nothing (a new project, home and store):
-
-- ``llama-server``: llama-server alone, Claude Code on its own ``/v1/messages``;
-- ``agentkv-noprep``: agentkv with prepared compaction off (``prepare_compaction=False``);
-- ``agentkv``: agentkv on its defaults.
-
-Every configuration gets the same think time. ``--think 0`` shows what is left when there is no
-idle time to hide the work in. What is measured is time, whatever the model writes.
+twice, with the same think time before each compaction turn, against llama-server alone, agentkv
+with prepared compaction off, and agentkv (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -38,11 +20,12 @@ import httpx
 
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.record import request_fields
+from agentkv_bench._runs import run_claude, write_run
 from agentkv_bench.claude import make_project
 from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
 from agentkv_bench.metrics import difference, read_counters
-from agentkv_bench.report import fmt, render_table, write_report
-from agentkv_bench.scenarios import Bench
+from agentkv_bench.report import fmt, render_table
+from agentkv_bench.scenarios import Bench, _store
 from agentkv_server.cli import claude_code_env
 
 __all__ = ["CONFIGS", "CompactionSpec", "compaction_table", "run_compaction"]
@@ -127,13 +110,8 @@ async def _turn(
 ) -> dict[str, Any]:
     command = [str(claude), "-p", prompt] if first else [str(claude), "-p", "--continue", prompt]
     started = time.monotonic()
-    try:
-        with anyio.fail_after(limit_s):
-            done = await anyio.run_process(command, cwd=project, env=env, check=False)
-        said = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
-        rc: int | None = done.returncode
-    except TimeoutError:
-        said, rc = "timed out", None
+    rc, out, err = await run_claude(command, project, env, limit_s)
+    said = out + err
     return {
         "seconds": round(time.monotonic() - started, 2),
         "rc": rc,
@@ -199,8 +177,7 @@ async def run_compaction(
                 async with raw_llama_server(setup.binary, args, log) as url:
                     report = await _session(name, url, url, None, claude, root, spec, setup.ctx)
             else:
-                store = bench.out / "stores" / f"compaction-{name}"
-                shutil.rmtree(store, ignore_errors=True)
+                store = _store(bench, name, fresh=True, tag=f"compaction-{name}")
                 home = root / name / "home"
                 config = NO_PREPARATION if name == "agentkv-noprep" else RuntimeConfig()
                 # The harness's Claude Code has its own home: where its transcripts are.
@@ -221,17 +198,7 @@ async def run_compaction(
         for base in ("llama-server", "agentkv-noprep"):
             other = next((r for r in reports if r["name"] == base), None)
             report[f"vs_{base}"] = _ratios(report, other)
-    result = {
-        "scenario": "compaction",
-        "spec": attrs.asdict(spec),
-        "slots": setup.slots,
-        "ctx_per_slot": setup.ctx,
-        "model": setup.model.name,
-        "configs": reports,
-        "total_s": round(time.monotonic() - started, 1),
-    }
-    await write_report(result, compaction_table(result), bench.out, stem="compaction")
-    return result
+    return await write_run(bench, "compaction", spec, compaction_table, started, configs=reports)
 
 
 def _ratios(report: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float | None]:

@@ -1,27 +1,11 @@
 """Generation at depth: what the engine's settings and speculative decoding do to a reply.
 
-An agent's reply is decoded at the depth of its whole context: Claude Code's first request alone is
-about 11,700 tokens. The workload (``data/decode_workload.json``) is one Python module the agent has
-just read with its ``Read`` tool, and three requests on it, one per kind of reply:
-
-- ``copy``: the module written out again with one rename (an ``Edit``/``Write`` after a ``Read``);
-- ``json``: a JSON object of the shape of a tool call's arguments, written fresh;
-- ``prose``: an explanation, with no code quoted.
-
-At depth ``12k`` the three sit on Claude Code's captured first request (its system prompt and
-tools); at ``1k`` on a one-line system prompt. Every request is greedy (temperature 0), so two
-configurations that compute the same thing write the same bytes.
-
-Two measurements:
-
-- :func:`settings_table` (``python -m agentkv_bench.decode settings``): the raw engine, one launch
-  per setting (KV type, flash attention, batch and ubatch, threads, speculative type). The head
-  the three requests share is computed once per KV layout and saved; every launch restores it, so
-  a setting costs one restore, a prefill of :data:`TAIL` tokens at depth and the decode.
-- :func:`run_decode` (``agentkv-bench --scenario decode``): llama-server alone on its own flags
-  against agentkv as ``agentkv-server`` builds it (:func:`agentkv.runtime.assemble.assemble`, the
-  defaults), side by side in one run: decode tokens/s, draft acceptance, first token, and whether
-  the greedy outputs are identical; one agent, then two decoding at once.
+Three replies (``copy``, ``json``, ``prose``) on a module the agent has just read, at
+depth ``1k`` or ``12k`` (on Claude Code's captured first request). :func:`settings_table`
+(``python -m agentkv_bench.decode settings|spec``) times one raw-engine launch per setting, each
+restoring a saved head; :func:`run_decode` (``--scenario decode``) runs llama-server alone and
+agentkv side by side (docs/benchmarks.md). Every request is greedy, so two configurations that
+compute the same thing write the same bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +27,7 @@ import anyio
 import attrs
 import httpx
 
+from agentkv.runtime.client import LlamaSlotClient
 from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_server
 from agentkv.runtime.model import default_model_path, read_model_shape
 from agentkv.tokens import common_prefix
@@ -75,16 +60,10 @@ def _data(name: str) -> Any:
 def bodies(depth: str, *, max_tokens: int) -> dict[str, dict[str, Any]]:
     """The Messages request of each kind of reply at ``depth`` (greedy, not streamed)."""
     work = _data("decode_workload.json")
-    if depth == "12k":
-        base = copy.deepcopy(_data("claude_code_first_request.json")["body"])
-        read = next(tool for tool in base["tools"] if tool["name"] == "Read")
-    else:
+    base = _data("claude_code_first_request.json")["body"]
+    read = next(tool for tool in base["tools"] if tool["name"] == "Read")
+    if depth != "12k":
         base = {"model": "agentkv-local", "system": "You are a careful coding assistant."}
-        read = next(
-            tool
-            for tool in _data("claude_code_first_request.json")["body"]["tools"]
-            if tool["name"] == "Read"
-        )
         # A short Read tool: its real description alone is about 1,300 tokens.
         base["tools"] = [{**read, "description": "Reads a file from the local filesystem."}]
         base["messages"] = [{"role": "user", "content": f"Read {work['file_name']}."}]
@@ -197,13 +176,12 @@ async def _engine(
 
 def _summary(data: Mapping[str, Any]) -> dict[str, Any]:
     t = data.get("timings", {})
-    draft_n = int(t.get("draft_n", 0) or 0)
     return {
         "prompt_n": t.get("prompt_n"),
         "prefill_tps": round(float(t.get("prompt_per_second", 0.0)), 2),
         "predicted_n": t.get("predicted_n"),
         "decode_tps": round(float(t.get("predicted_per_second", 0.0)), 2),
-        "draft_n": draft_n,
+        "draft_n": int(t.get("draft_n", 0) or 0),
         "draft_accepted": int(t.get("draft_n_accepted", 0) or 0),
         "text": data.get("content", ""),
     }
@@ -230,8 +208,6 @@ async def settings_table(
     for setting in settings:
         async with _engine(model, setting.flags, root, slots=1, ctx=ctx, name=setting.name) as http:
             if not prompts:
-                from agentkv.runtime.client import LlamaSlotClient
-
                 async with LlamaSlotClient(str(http.base_url)) as client:
                     for kind in kinds:
                         prompts[kind] = await client.prompt_tokens(chat[kind])
@@ -582,15 +558,14 @@ def decode_table(report: Mapping[str, Any]) -> str:
     ]
     alone, agentkv = report["llama-server"], report["agentkv"]
     for key, ratio in report["ratios"].items():
+        a, b = alone[key], agentkv[key]
         if isinstance(ratio, dict):
-            a, b = alone[key], agentkv[key]
             lines.append(
                 f"| {key} | {a['decode_tps']} | {b['decode_tps']} | {ratio['decode']}× "
                 f"| {b['draft_accepted']}/{b['draft_tokens']} "
                 f"| {a['first_token_s']} → {b['first_token_s']} s | {ratio['identical']} |"
             )
         else:
-            a, b = alone[key], agentkv[key]
             drafted = sum(r["draft_tokens"] for r in b["replies"])
             accepted = sum(r["draft_accepted"] for r in b["replies"])
             lines.append(

@@ -1,23 +1,10 @@
 """The ``real-cli-fanout`` scenario: the real Claude Code CLI's coordinator starts two sub-agents.
 
-One ``claude -p`` session per run and configuration, through a **harness proxy** in front of
-the configuration:
-
-1. The coordinator's first request goes to the engine with ``max_tokens`` 1: its ~12K-token
-   prompt is computed as it would be for a real reply. The default model cannot be relied on to
-   call Claude Code's ``Agent`` tool, so **the proxy then answers the CLI itself** with a reply
-   of two ``Agent`` calls (foreground: the coordinator waits for both). This is the harness's
-   only script; nothing in agentkv is told anything.
-2. The CLI starts the two sub-agents at once; their requests (``x-claude-code-agent-id``, the
-   coordinator's session) go to the configuration unchanged, and the engine answers them.
-3. With their results, the CLI sends the coordinator's continuation: its first prompt, the
-   ``Agent`` calls, the sub-agents' reports. It goes to the configuration unchanged; the proxy
-   reads llama-server's ``/metrics`` around it (nothing else runs then: the coordinator waited
-   for both sub-agents), which gives how much of its prompt was computed.
-
-Configurations, each on a fresh llama-server and, for agentkv, an empty store: ``llama-server``
-(Claude Code talking to llama-server's own ``/v1/messages``) and ``agentkv`` (the defaults).
-``--runs`` repeats the pair; every run has both, side by side.
+A harness proxy in front of each configuration computes the coordinator's first request on the
+engine (``max_tokens`` 1) and answers the CLI itself with two foreground ``Agent`` calls, its only
+script; the sub-agents and the coordinator's continuation pass unchanged, and llama-server's
+``/metrics`` around the continuation gives how much of it was computed
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,16 +17,16 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
 import attrs
 import httpx
 
 from agentkv.snapshot import unstructure
+from agentkv_bench._runs import by_name, run_claude, write_run
 from agentkv_bench.claude import _env, make_project
 from agentkv_bench.engines import NO_PREEMPTION, serve_app, start
 from agentkv_bench.metrics import difference, read_counters
-from agentkv_bench.report import fmt, render_table, write_report
-from agentkv_bench.scenarios import Bench
+from agentkv_bench.report import fmt, render_table
+from agentkv_bench.scenarios import Bench, _store
 from agentkv_bench.subagents import agent_call, scripted_sse
 
 __all__ = [
@@ -201,12 +188,10 @@ class FanoutProxy:
 
 
 async def _one(
-    bench: Bench, name: str, claude: Path, project: Path, home: Path, spec: FanoutSpec, store: Path
+    bench: Bench, name: str, claude: Path, project: Path, home: Path, spec: FanoutSpec
 ) -> dict[str, Any]:
     setup = bench.setup
-    store_dir = store if name == "agentkv" else None
-    if store_dir is not None and store_dir.exists():
-        shutil.rmtree(store_dir)
+    store_dir = _store(bench, name, fresh=True, tag="real-cli-fanout")
     async with start(setup, _START[name], store_dir=store_dir, config=NO_PREEMPTION) as engine:
         timeout = httpx.Timeout(spec.timeout, connect=10.0)
         async with httpx.AsyncClient(timeout=timeout) as http:
@@ -215,16 +200,9 @@ async def _one(
             async with serve_app(proxy.app(http)) as url:
                 env = _env(url, home, "coordinator", 0, setup.ctx)
                 proxy.origin = started = time.monotonic()
-                rc: int | None
-                try:
-                    with anyio.fail_after(spec.timeout):
-                        done = await anyio.run_process(
-                            [str(claude), "-p", PROMPT], cwd=project, env=env, check=False
-                        )
-                    rc, out = done.returncode, done.stdout.decode(errors="replace")
-                    err = done.stderr.decode(errors="replace")
-                except TimeoutError:
-                    rc, out, err = None, "", "timed out"
+                rc, out, err = await run_claude(
+                    [str(claude), "-p", PROMPT], project, env, spec.timeout
+                )
                 wall = time.monotonic() - started
             counters = difference(
                 await read_counters(http, engine.engine_url, engine.engine_key), before
@@ -274,8 +252,7 @@ async def run_fanout(
             reports = []
             for name in configs:
                 bench.say(f"real-cli-fanout run {run}/{spec.runs}: {name}")
-                store = bench.out / "stores" / "real-cli-fanout"
-                report = await _one(bench, name, claude, project, home, spec, store)
+                report = await _one(bench, name, claude, project, home, spec)
                 bench.say(
                     f"real-cli-fanout run {run}: {name} {report['wall_s']} s, "
                     f"{report['errors']} errors, continuation computed "
@@ -285,25 +262,16 @@ async def run_fanout(
             runs.append({"run": run, "configs": reports})
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {
-        "scenario": "real-cli-fanout",
-        "spec": attrs.asdict(spec),
-        "slots": bench.setup.slots,
-        "ctx_per_slot": bench.setup.ctx,
-        "model": bench.setup.model.name,
-        "runs": runs,
-        "targets": targets(runs),
-        "total_s": round(time.monotonic() - started, 1),
-    }
-    await write_report(result, fanout_table(result), bench.out, stem="real-cli-fanout")
-    return result
+    return await write_run(
+        bench, "real-cli-fanout", spec, fanout_table, started, runs=runs, targets=targets(runs)
+    )
 
 
 def targets(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Every run beats llama-server alone; the continuation computes under 5 %; no error."""
     beats, under, clean = [], [], []
     for run in runs:
-        by = {c["name"]: c for c in run["configs"]}
+        by = by_name(run["configs"])
         ours, alone = by.get("agentkv"), by.get("llama-server")
         if ours is None:
             continue

@@ -1,32 +1,9 @@
 """The ``mixed`` scenario: Claude Code agents and Codex agents on one engine, in one run.
 
-The workload (:func:`build_mixed`), built from requests captured from the real CLIs:
-
-- Claude Code agents (Claude Code 2.1.328's first request, :mod:`agentkv_bench.claude_workload`)
-  stream ``POST /v1/messages`` with Claude Code's own headers (``x-claude-code-session-id``);
-  their second request appends a ``Bash`` call and its result, as Claude Code does;
-- Codex agents (Codex CLI 0.171.0's first request, :mod:`agentkv_bench.codex_workload`) stream
-  ``POST /v1/responses`` with Codex's own headers (``session-id``, ``thread-id``,
-  ``x-codex-turn-metadata``); their second request appends an ``exec_command`` call and its
-  output, as Codex does.
-
-Every agent is a fresh session; all start at once (a 50 ms stagger), each a closed loop of
-``turns`` requests. Priorities (``X-Agent-Priority``, which both CLIs can send): agent *i* of each
-kind gets ``priorities[i % len(priorities)]``, by default P1, P2, so each priority holds one agent
-of each API.
-
-Configurations, each on a fresh llama-server of the same binary, model, slots and context:
-
-- ``direct``: each client talking to llama-server itself (``-m -np -c --metrics``): Claude Code
-  to its own ``/v1/messages``; Codex, for which llama-server has no ``/v1/responses``, through the
-  Chat Completions body a direct client sends, made by the library's own translators
-  (:class:`~agentkv.openai_translate.OpenAITranslator`, then :class:`~agentkv.MessagesTranslator`
-  in the order the client wrote it);
-- ``agentkv``: agentkv in front, store empty, both routes.
-
-Reported: wall time; prefill computed (llama-server's ``/metrics``) against its minimum, in all
-and per API; each agent's first-answer time; and the starvation check over agentkv's tickets of
-both APIs (:func:`starvation`), against the bound proved in :mod:`agentkv.scheduler`.
+Claude Code agents stream ``/v1/messages`` and Codex agents ``/v1/responses``, from requests
+captured from the real CLIs, each with its own headers and priorities; ``direct`` (each client to
+llama-server itself, Codex as Chat Completions) runs against ``agentkv``, and the starvation check
+runs over agentkv's tickets of both APIs (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -42,6 +19,7 @@ from agentkv import MessagesTranslator
 from agentkv.openai_translate import OpenAITranslator
 from agentkv.runtime.lifecycle import Runtime
 from agentkv.runtime.record import RequestRecord
+from agentkv_bench._runs import by_name, claude_code_headers, errors_target
 from agentkv_bench.claude_workload import ClaudeSpec, build_claude_workload
 from agentkv_bench.codex_workload import (
     CodexSession,
@@ -64,6 +42,7 @@ from agentkv_bench.report import (
 )
 from agentkv_bench.scenarios import (
     Bench,
+    _first_answer,
     _hits,
     _machine,
     _slowest_first,
@@ -71,7 +50,7 @@ from agentkv_bench.scenarios import (
     answers_correct,
     measure,
 )
-from agentkv_bench.workload import Agent, Workload
+from agentkv_bench.workload import WORDS, Agent, Workload
 
 __all__ = [
     "CONFIGS",
@@ -120,8 +99,6 @@ class MixedSpec:
 
 
 def _word(index: int) -> str:
-    from agentkv_bench.workload import WORDS
-
     return f"Reply with the single word: {WORDS[index % len(WORDS)]}"
 
 
@@ -137,12 +114,7 @@ def _claude_agents(spec: MixedSpec) -> list[Agent]:
     agents = []
     for index, agent in enumerate(build_claude_workload(claude, salt="mixed").agents):
         user = json.loads(agent.requests[0]["metadata"]["user_id"])
-        headers = {
-            "x-api-key": "bench",
-            "anthropic-version": "2023-06-01",
-            "x-claude-code-session-id": user["session_id"],
-            "x-agent-priority": str(spec.priority(index)),
-        }
+        headers = claude_code_headers(user["session_id"], spec.priority(index))
         agents.append(
             attrs.evolve(
                 agent,
@@ -304,11 +276,9 @@ def starvation(
     """The starvation check over ``tickets`` of every API together.
 
     :mod:`agentkv.scheduler` proves: if ticket U is dispatched while ticket T waits, then
-    ``arrival(U) - arrival(T) <= (priority(T) - priority(U) + tie_window) / aging``. For every
-    such pair (U got its slot before T, by the gateway's dispatch order, after T had arrived)
-    this finds how far U's arrival was from that bound; the check holds when no pair passes it.
-    Also each API's worst wait for a slot, and the window ``(p + tie_window) / aging`` within
-    which the worst-waiting ticket could be overtaken at all.
+    ``arrival(U) - arrival(T) <= (priority(T) - priority(U) + tie_window) / aging``. The check
+    holds when no such pair (by the gateway's dispatch order) passes it; also each API's worst
+    wait for a slot and the window ``(p + tie_window) / aging`` in which it could be overtaken.
     """
     dispatched = [t for t in tickets if t.seq is not None]
     worst_pair: dict[str, Any] | None = None
@@ -377,15 +347,17 @@ def _per_api(
 
 
 async def _api_minimums(
-    engine: Engine, view: Workload, apis: Mapping[str, str], layout: str
-) -> dict[str, int]:
-    out = {}
+    engine: Engine, view: Workload, apis: Mapping[str, str]
+) -> dict[str, dict[str, int]]:
+    """Each API's minimum prefill over its own agents' prompts, in each layout."""
+    out: dict[str, dict[str, int]] = {"client": {}, "agentkv": {}}
     for api in sorted(set(apis.values())):
         agents = tuple(a for a in view.agents if apis[a.name] == api)
         sticks = await yardsticks(
             engine.engine_url, [attrs.evolve(view, agents=agents)], api_key=engine.engine_key
         )
-        out[api] = sticks[layout].minimum
+        for layout, minimums in out.items():
+            minimums[api] = sticks[layout].minimum
     return out
 
 
@@ -411,8 +383,7 @@ async def run_mixed(
         async with start(bench.setup, engine_name, store_dir=store) as engine:
             if not sticks:
                 sticks = await yardsticks(engine.engine_url, [view], api_key=engine.engine_key)
-                for key in ("client", "agentkv"):
-                    api_minimum[key] = await _api_minimums(engine, view, apis, key)
+                api_minimum = await _api_minimums(engine, view, apis)
             log = None
             if engine.runtime is not None:
                 log = TicketLog(engine.runtime, _identities(workload), apis)
@@ -468,7 +439,7 @@ async def run_mixed(
 def targets(report: dict[str, Any]) -> dict[str, Any]:
     """The issue's checks: every agent of both kinds answered, none starved (the scheduler's
     bound held over both APIs), no errors. None: the configuration it needs did not run."""
-    configs = {c["name"]: c for c in report["configs"]}
+    configs = by_name(report["configs"])
     out: dict[str, Any] = {}
     ours = configs.get("agentkv")
     if ours is not None and "starvation" in ours:
@@ -486,16 +457,8 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
             "target": "all",
             "met": len(answered) == len(config["api"]),
         }
-    out["errors"] = {
-        "value": sum(c["errors"] for c in report["configs"]),
-        "target": 0,
-        "met": all(c["errors"] == 0 for c in report["configs"]),
-    }
+    out["errors"] = errors_target(report["configs"])
     return out
-
-
-def _first_answer(agent: str) -> Callable[[dict[str, Any]], str]:
-    return lambda c: fmt(c["agents"].get(agent, {}).get("first_ttft_s"), " s")
 
 
 def _api_cell(api: str, key: str, unit: str = "") -> Callable[[dict[str, Any]], str]:

@@ -1,26 +1,9 @@
 """``soak``: agentkv-server under clients that walk away, with its engine killed mid-run.
 
-The scenario starts ``agentkv-server`` as a user would (its console script, in its own process
-group, on a free port with a temporary prefix store), waits for ``GET /health``, and then:
-
-- ``clients`` clients run at once, ``requests`` short requests each, one after another; each
-  client is its own agent (``X-Agent-Id``) with a priority 0–3 (``X-Agent-Priority``); requests
-  alternate between streamed (SSE) and plain JSON;
-- about ``disconnect`` of the requests are dropped on purpose at a random moment: a stream after a
-  random number of events (or before the first), a JSON request after a random 0–3 s;
-- ``kill_at`` seconds in, the llama-server that agentkv-server launched gets SIGKILL, and
-  ``engine_back_s`` is measured: from the kill until ``/health`` answers 200 again and a small
-  request succeeds;
-- every request has a hard deadline; one still open then is *hung*.
-
-Each request ends as ``ok`` (a whole answer), ``error`` (an Anthropic-shaped error: an HTTP error
-with the ``{"type": "error", "error": {...}}`` body, or an SSE ``error`` event), ``disconnected``
-(on purpose), ``bad`` (anything else: a stream cut without ``message_stop`` or ``error``, another
-error body, a dropped connection) or ``hung``. Once every client is done, the slot table
-(``GET /agentkv/slots``) must settle to no busy slot, no lease and no queued ticket.
-
-The run passes with 0 hung, 0 bad, 0 leaked leases and the engine back within ``back_limit``
-seconds; ``agentkv-bench`` exits non-zero otherwise.
+Clients send short streamed and JSON requests, some dropped on purpose, while the llama-server
+that agentkv-server launched gets SIGKILL; every request must end as an answer or an
+Anthropic-shaped error and the slot table must settle empty. The run passes with nothing hung or
+bad, no lease left and the engine back within ``back_limit`` seconds (docs/reliability.md#soak).
 """
 
 from __future__ import annotations
@@ -38,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import anyio
 import attrs
@@ -47,6 +30,7 @@ from anyio.abc import Process
 from httpx_sse import SSEError, aconnect_sse
 
 from agentkv.runtime.engine import free_port
+from agentkv.runtime.health import probe
 from agentkv.snapshot import RuntimeSnapshot, structure_snapshot, unstructure
 from agentkv_bench.report import fmt, percentile, rounded, write_report
 from agentkv_bench.workload import WORDS
@@ -71,7 +55,7 @@ __all__ = [
 
 Say = Callable[[str], None]
 Outcome = Literal["ok", "error", "disconnected", "bad", "hung"]
-OUTCOMES: tuple[Outcome, ...] = ("ok", "error", "disconnected", "bad", "hung")
+OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 #: The events that end an Anthropic stream.
 _TERMINAL = ("message_stop", "error")
@@ -376,12 +360,10 @@ def server_command(
     """``agentkv-server`` as a user starts it, on ``port`` with its store in ``store_dir``."""
     command = [str(script), "--port", str(port), "--store-dir", str(store_dir)]
     command += ["--slots", str(slots)]
-    if llama_server is not None:
-        command += ["--llama-server", str(llama_server)]
-    if model is not None:
-        command += ["--model", str(model)]
-    if ctx_per_slot is not None:
-        command += ["--ctx-per-slot", str(ctx_per_slot)]
+    given = {"--llama-server": llama_server, "--model": model, "--ctx-per-slot": ctx_per_slot}
+    for flag, value in given.items():
+        if value is not None:
+            command += [flag, str(value)]
     return command
 
 
@@ -436,7 +418,7 @@ async def launched_server(
     try:
         async with httpx.AsyncClient(timeout=5.0) as http:
             with anyio.move_on_after(startup_timeout) as waiting:
-                while not await _healthy(http, url):
+                while (await probe(http, url))[0] != "ready":
                     if process.returncode is not None:
                         raise SystemExit(
                             f"agentkv-bench: agentkv-server exited with {process.returncode}; "
@@ -466,13 +448,6 @@ async def _stop_group(process: Process, grace: float = 30.0) -> None:
         await process.wait()
 
 
-async def _healthy(http: httpx.AsyncClient, url: str) -> bool:
-    try:
-        return (await http.get(url + "/health")).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 async def _health(http: httpx.AsyncClient, url: str) -> dict[str, Any]:
     try:
         body = (await http.get(url + "/health")).json()
@@ -486,12 +461,12 @@ async def _engine_back(
 ) -> float | None:
     """Seconds from ``killed`` (monotonic) until ``/health`` is 200 and a small request gets a
     whole answer; None if that did not happen within ``limit`` seconds."""
-    probe = Planned(client=-1, turn=0, agent="soak-probe", priority=0, stream=False, word="probe")
+    small = Planned(client=-1, turn=0, agent="soak-probe", priority=0, stream=False, word="probe")
     with anyio.move_on_after(max(0.0, killed + limit - time.monotonic())):
         while True:
-            if await _healthy(http, url):
+            if (await probe(http, url))[0] == "ready":
                 exchange = await send_one(
-                    http, url, probe, api_key=api_key, max_tokens=4, deadline=limit
+                    http, url, small, api_key=api_key, max_tokens=4, deadline=limit
                 )
                 if classify(exchange)[0] == "ok":
                     return time.monotonic() - killed
@@ -608,9 +583,8 @@ async def drive_soak(
                     )
                 finally:
                     open_now[0] -= 1
-                outcome, detail = classify(exchange)
-                ended = time.monotonic()
-                results.append(_Result(planned, started - began, ended - started, outcome, detail))
+                seconds = time.monotonic() - started
+                results.append(_Result(planned, started - began, seconds, *classify(exchange)))
 
         async def killer() -> None:
             nonlocal kill

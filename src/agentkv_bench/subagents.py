@@ -1,28 +1,9 @@
 """The ``subagents`` scenario: a Claude Code coordinator fans out to sub-agents in one session.
 
-The workload, built from real Claude Code 2.1.328 requests (the coordinator's first request and a
-general-purpose sub-agent's, shipped as package data):
-
-1. the coordinator's first request (session S, ``X-Agent-Priority`` 0);
-2. its reply starts two **background** sub-agents; as Claude Code does, the coordinator's next
-   request (its ``Agent`` calls and their "started in the background" results) comes at once, and
-   so do the two sub-agents' first requests; a **second session's background agent** (priority 2)
-   starts prefilling its own prompt at the same moment;
-3. the reply to that request starts one **foreground** sub-agent (``run_in_background: false``):
-   the coordinator waits for it;
-4. when it has answered, the coordinator continues with its result.
-
-The default model cannot be relied on to call ``Agent``, so the coordinator's replies are
-**scripted by this harness**: each of its requests runs on the engine (its prompt is computed,
-one token is generated) and the harness then sends what Claude Code would send after the scripted
-reply. Nothing in agentkv is scripted. Sub-agent requests carry ``x-claude-code-agent-id`` and the
-coordinator's session id, as Claude Code sends them.
-
-Configurations side by side, each on a fresh llama-server: ``plain`` (llama-server alone, its own
-``/v1/messages``), ``agentkv-notree`` (agentkv with the agent tree off: every sub-agent is its
-session's agent), ``agentkv`` and ``agentkv-warm`` (agentkv again, on the store the previous run
-left). ``alone`` times the foreground sub-agent's request alone on an idle agentkv: the reference
-for its first token.
+Built from captured Claude Code 2.1.328 requests: two background sub-agents and another
+session's agent start at once, then a foreground sub-agent the coordinator waits for, then the
+coordinator's continuation. The coordinator's replies are scripted by this harness (each of its
+requests still runs on the engine); nothing in agentkv is (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -32,7 +13,7 @@ import json
 import time
 from collections.abc import Sequence
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
@@ -42,9 +23,13 @@ from agentkv.anthropic_sse import anthropic_events, encode_event
 from agentkv.reply import BlockClosed, BlockOpened, Delta, Ended, ReplyEvent, Started, Usage
 from agentkv.snapshot import RuntimeSnapshot, unstructure
 from agentkv.tokens import common_prefix
+from agentkv_bench._runs import by_name, claude_code_headers, errors_target
 from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
 from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sdk_clients
 from agentkv_bench.metrics import PrefillYardstick, difference, read_counters, token_sequences
+
+if TYPE_CHECKING:
+    from agentkv_bench.scenarios import Bench
 
 __all__ = [
     "Step",
@@ -61,6 +46,9 @@ _SUBAGENT_TEMPLATE = "claude_code_subagent_request.json"
 _SUBAGENT_WORDS = "Reply with the single word: back"
 SESSION = "5ab0c0de-0000-4000-8000-00000000c0de"
 OTHER_SESSION = "5ab0c0de-0000-4000-8000-0000000001e5"
+#: The steps the targets are about, by name.
+FOREGROUND = "foreground sub-agent (tests)"
+CONTINUATION = "coordinator: continuation"
 #: Claude Code's hand-back frame around a foreground sub-agent's report (as captured).
 _HAND_BACK = (
     "[Subagent hand-back] The text below is the final report of a subagent this session "
@@ -137,10 +125,8 @@ class SubagentsSpec:
     slots: int = 2
     scale: float = 1.0
     max_tokens: int = 16
-    #: The coordinator's own requests generate this many tokens: their replies are scripted, so
-    #: the engine's only has to show that the prompt was computed. (The default model writes a
-    #: call as JSON text there, which agentkv holds back until the call is whole: with more
-    #: tokens, the client's first token would come at the end of the reply, not of the prefill.)
+    #: Tokens a coordinator request generates (its reply is scripted). With more, the default
+    #: model writes a call as JSON text, which agentkv holds back until whole: a late first token.
     coordinator_max_tokens: int = 1
     coordinator_priority: int = 0
     other_priority: int = 2
@@ -179,18 +165,6 @@ class SubagentsWorkload:
             self.foreground,
             self.continuation,
         ]
-
-
-def _headers(session: str, priority: int, sub: str | None = None) -> dict[str, str]:
-    headers = {
-        "x-api-key": "bench",
-        "anthropic-version": "2023-06-01",
-        "x-claude-code-session-id": session,
-        "x-agent-priority": str(priority),
-    }
-    if sub is not None:
-        headers["x-claude-code-agent-id"] = sub
-    return headers
 
 
 def _subagent(template: dict[str, Any], prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -271,7 +245,7 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
         Step(
             f"background sub-agent ({what.lower()})",
             _subagent(sub, f"Reply with the single word: {word}", spec.max_tokens),
-            _headers(SESSION, priority, sid),
+            claude_code_headers(SESSION, priority, sid),
         )
         for _, sid, what, word in fan_out
     )
@@ -292,20 +266,22 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
     # Another project: its prompt parts from the coordinator's early in the system text.
     other_body["system"][1]["text"] = "Project: billing. " + other_body["system"][1]["text"]
     return SubagentsWorkload(
-        first=Step("coordinator: first request", first, _headers(SESSION, priority)),
-        next_turn=Step("coordinator: after the fan-out", next_body, _headers(SESSION, priority)),
+        first=Step("coordinator: first request", first, claude_code_headers(SESSION, priority)),
+        next_turn=Step(
+            "coordinator: after the fan-out", next_body, claude_code_headers(SESSION, priority)
+        ),
         background=(background[0], background[1]),
         other=Step(
             "other session (background)",
             other_body,
-            _headers(OTHER_SESSION, spec.other_priority),
+            claude_code_headers(OTHER_SESSION, spec.other_priority),
         ),
         foreground=Step(
-            "foreground sub-agent (tests)",
+            FOREGROUND,
             _subagent(sub, fg_prompt, spec.max_tokens),
-            _headers(SESSION, priority, fg_id),
+            claude_code_headers(SESSION, priority, fg_id),
         ),
-        continuation=Step("coordinator: continuation", continuation, _headers(SESSION, priority)),
+        continuation=Step(CONTINUATION, continuation, claude_code_headers(SESSION, priority)),
     )
 
 
@@ -379,11 +355,11 @@ async def fan_out_facts(
     layout), the sub-agents' shared head and the continuation's own new tokens."""
     steps = workload.order()
     tokens = await token_sequences(engine_url, [step.body for step in steps], api_key=engine_key)
-    by_name = dict(zip([step.name for step in steps], tokens, strict=True))
-    subs = [by_name[s.name] for s in (*workload.background, workload.foreground)]
+    by_step = dict(zip([step.name for step in steps], tokens, strict=True))
+    subs = [by_step[s.name] for s in (*workload.background, workload.foreground)]
     head = min(common_prefix(subs[0], other) for other in subs[1:])
-    cont = by_name[workload.continuation.name]
-    before = by_name[workload.next_turn.name]
+    cont = by_step[workload.continuation.name]
+    before = by_step[workload.next_turn.name]
     stick = PrefillYardstick.of(tokens)
     return {
         "minimum": stick.minimum,
@@ -391,7 +367,7 @@ async def fan_out_facts(
         "subagent_head_tokens": head,
         "continuation_tokens": len(cont),
         "continuation_new_tokens": len(cont) - common_prefix(cont, before),
-        "tokens": {name: len(seq) for name, seq in by_name.items()},
+        "tokens": {name: len(seq) for name, seq in by_step.items()},
     }
 
 
@@ -430,12 +406,10 @@ def _continuation_record(snapshot: RuntimeSnapshot | None, tokens: int) -> dict[
 
 
 async def run_subagents(
-    bench: Any, spec: SubagentsSpec, configs: Sequence[str] = CONFIGS
+    bench: Bench, spec: SubagentsSpec, configs: Sequence[str] = CONFIGS
 ) -> dict[str, Any]:
-    """Each configuration plays the fan-out on a fresh llama-server; ``subagents.{json,txt,png}``.
-
-    ``bench`` is a :class:`agentkv_bench.scenarios.Bench`.
-    """
+    """Each configuration plays the fan-out on a fresh llama-server; ``subagents.{json,txt,png}``
+    under ``bench.out``."""
     from agentkv.runtime.config import RuntimeConfig
     from agentkv_bench.engines import start
     from agentkv_bench.report import summarize, write_report
@@ -452,8 +426,6 @@ async def run_subagents(
             store = _store(bench, "agentkv", fresh=name == "agentkv", tag="subagents")
         else:
             store = _store(bench, engine_name, fresh=True, tag=f"subagents-{name}")
-        # agentkv's defaults, pre-emption on (preempt-from 1); "agentkv-notree" changes one:
-        # the agent tree off (--no-agent-tree).
         config = RuntimeConfig(agent_tree=False) if name == "agentkv-notree" else RuntimeConfig()
         async with start(bench.setup, engine_name, store_dir=store, config=config) as engine:
             if facts is None:
@@ -499,18 +471,17 @@ async def run_subagents(
     }
     report["targets"] = targets(report)
     report["total_s"] = round(time.monotonic() - began, 1)
-    shown = [c for c in reports if c["name"] != "alone"]
     await write_report(
-        {**report, "configs": reports},
+        report,
         subagents_table(report),
         bench.out,
         stem="subagents",
         panels=[
             ("wall time (s)", lambda c: c["wall_s"]),
-            ("foreground sub-agent TTFT (s)", lambda c: _ttft(c, workload.foreground) or 0),
-            ("continuation TTFT (s)", lambda c: _ttft(c, workload.continuation) or 0),
+            ("foreground sub-agent TTFT (s)", lambda c: _ttft(c, FOREGROUND) or 0),
+            ("continuation TTFT (s)", lambda c: _ttft(c, CONTINUATION) or 0),
         ]
-        if shown
+        if any(c["name"] != "alone" for c in reports)
         else [],
         title="A coordinator fans out to 3 sub-agents while another session prefills "
         "(lower is better)",
@@ -518,34 +489,27 @@ async def run_subagents(
     return report
 
 
-def _ttft(config: dict[str, Any], step: Step) -> float | None:
-    row = config["steps"].get(step.name)
-    return None if row is None else row["ttft_s"]
-
-
-def _by_name(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in report["configs"]}
+def _ttft(config: dict[str, Any], step: str) -> float | None:
+    ttft: float | None = config["steps"].get(step, {}).get("ttft_s")
+    return ttft
 
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets, each with the figure measured and whether it was met (None: a
     configuration it needs did not run)."""
-    configs = _by_name(report)
+    configs = by_name(report["configs"])
     facts = report["facts"]
     out: dict[str, Any] = {}
-    fg_name = "foreground sub-agent (tests)"
-    cont_name = "coordinator: continuation"
     ours = configs.get("agentkv")
     alone = configs.get("alone")
     plain = configs.get("plain")
     warm = configs.get("agentkv-warm")
     if ours and alone:
-        fg = ours["steps"].get(fg_name, {}).get("ttft_s")
-        ref = alone["steps"].get(fg_name, {}).get("ttft_s")
+        fg, ref = _ttft(ours, FOREGROUND), _ttft(alone, FOREGROUND)
         ratio = round(fg / ref, 2) if fg and ref else None
         out["foreground_vs_alone"] = {"value": ratio, "target": 1.5, "met": _le(ratio, 1.5)}
     if ours:
-        ttft = ours["steps"].get(cont_name, {}).get("ttft_s")
+        ttft = _ttft(ours, CONTINUATION)
         rate = ours.get("prefill_tokens_per_s")
         bound = round(facts["continuation_new_tokens"] / rate + 2, 2) if rate else None
         out["continuation_ttft"] = {"value": ttft, "target": bound, "met": _le(ttft, bound)}
@@ -566,11 +530,7 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
     if warm and plain:
         ratio = round(warm["wall_s"] / plain["wall_s"], 3)
         out["warm_wall_vs_llama_server"] = {"value": ratio, "target": 0.1, "met": ratio <= 0.1}
-    out["errors"] = {
-        "value": sum(c["errors"] for c in report["configs"]),
-        "target": 0,
-        "met": all(c["errors"] == 0 for c in report["configs"]),
-    }
+    out["errors"] = errors_target(report["configs"])
     return out
 
 
@@ -586,7 +546,7 @@ def subagents_table(report: dict[str, Any]) -> str:
     steps = list(dict.fromkeys(names))
 
     def step_ttft(step: str) -> Any:
-        return lambda c: fmt(c["steps"].get(step, {}).get("ttft_s"), " s")
+        return lambda c: fmt(_ttft(c, step), " s")
 
     def computed(c: dict[str, Any]) -> str:
         record = c.get("continuation_record")
@@ -604,10 +564,10 @@ def subagents_table(report: dict[str, Any]) -> str:
     ]
     facts = report["facts"]
     lines = [render_table(configs, rows), ""]
-    alone = _by_name(report).get("alone")
+    alone = by_name(report["configs"]).get("alone")
     if alone:
-        fg = alone["steps"].get("foreground sub-agent (tests)", {}).get("ttft_s")
-        lines.append(f"Foreground sub-agent alone on an idle agentkv: first token {fmt(fg, ' s')}.")
+        fg = fmt(_ttft(alone, FOREGROUND), " s")
+        lines.append(f"Foreground sub-agent alone on an idle agentkv: first token {fg}.")
     lines.append(
         f"Minimum prefill {facts['minimum']} tokens (agentkv's layout), without any cache "
         f"{facts['naive']}; the sub-agents share a head of {facts['subagent_head_tokens']} tokens; "
