@@ -1,16 +1,10 @@
 """What each slot holds and what the prefix store keeps: one owner for both.
 
-Every change to a slot's recorded content goes through :class:`SlotContents`: a park (the slot's
-content saved before it is overwritten), a restore (a saved state loaded into the slot), a
-checkpoint (a shareable head computed alone and saved), a suspended request's progress (saved,
-pinned until the request ends, then dropped), the store's entries deleted, and every slot
-forgotten after an engine restart. It alone also switches the store off when llama-server
-cannot serve it, and every step reads the store as it is *now*, so a store switched off in one
-step is not used by the next.
-
-Leases are not content: :class:`~agentkv.runtime.dispatcher.Dispatcher` hands them out and takes
-them back, and keeps the slot table to itself; it hands this module the table's content writer
-(:class:`~agentkv.slots.ContentWriter`) once, and everyone else a read-only view.
+Every change to a slot's recorded content goes through :class:`SlotContents`: a park, a restore,
+a checkpoint, a suspended request's progress, deleted entries, an engine restart. It alone switches
+the store off when llama-server cannot serve it, and every step reads the store as it is *now*.
+Leases are not content: the :class:`~agentkv.runtime.dispatcher.Dispatcher` keeps the slot table
+and hands this module its content writer (:class:`~agentkv.slots.ContentWriter`) once.
 """
 
 from __future__ import annotations
@@ -218,9 +212,7 @@ class SlotContents:
                     tokens_saved=reuse,
                     seconds_saved=max(0.0, self.costs.prefill.estimate(0, reuse) - seconds),
                 )
-                self.slots.set_content(
-                    lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
-                )
+                self._holds(lease.slot, entry)
                 return True
         self.slots.invalidate(lease.slot)
         return False
@@ -265,15 +257,17 @@ class SlotContents:
                 if entry is not None:
                     break
             if entry is not None:
-                self.slots.set_content(
-                    lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
-                )
+                self._holds(lease.slot, entry)
         except BaseException:
             dispatcher.end_checkpoint(checkpoint)
             raise
         if entry is not None:
             dispatcher.end_checkpoint(checkpoint)
         return entry
+
+    def _holds(self, slot: int, entry: StoreEntry) -> None:
+        """``slot`` now holds what ``entry`` saved."""
+        self.slots.set_content(slot, entry.tokens, stored=entry.id, sections=entry.sections)
 
     async def save_at_stop(self, limit: float) -> int:
         """:meth:`save_for_restart`, bounded by ``limit`` seconds and shielded from the stop's
