@@ -139,10 +139,7 @@ def plan_compaction(
         cut -= 1
     if cut < min_messages:
         return None
-    prefix = fingerprinter.fingerprint({**body, "messages": messages[: head + cut]})
-    return CompactionPlan(
-        agent=agent, cut=cut, key=prefix.blocks[-1], block_index=len(prefix.blocks) - 1
-    )
+    return _plan(agent, body, cut, fingerprinter)
 
 
 def rebase(
@@ -159,12 +156,18 @@ def rebase(
     covered = 0
     for compaction in applied:  # each folds the summary before it
         covered = compaction.plan.cut if covered == 0 else covered + compaction.plan.cut - 1
-    cut = covered + plan.cut - 1
-    messages = list(raw.get("messages") or [])
+    return _plan(plan.agent, raw, covered + plan.cut - 1, fingerprinter)
+
+
+def _plan(
+    agent: str, body: Mapping[str, Any], cut: int, fingerprinter: PrefixFingerprinter
+) -> CompactionPlan:
+    """The plan that replaces the first ``cut`` conversation messages of ``body``."""
+    messages = list(body.get("messages") or [])
     head = _head_length(messages)
-    prefix = fingerprinter.fingerprint({**raw, "messages": messages[: head + cut]})
+    prefix = fingerprinter.fingerprint({**body, "messages": messages[: head + cut]})
     return CompactionPlan(
-        agent=plan.agent, cut=cut, key=prefix.blocks[-1], block_index=len(prefix.blocks) - 1
+        agent=agent, cut=cut, key=prefix.blocks[-1], block_index=len(prefix.blocks) - 1
     )
 
 

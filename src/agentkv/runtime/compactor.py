@@ -1,12 +1,9 @@
 """Running compaction jobs: ask the model for a summary through the scheduler, then warm the slot.
 
-The planning and rewriting are pure (``agentkv.compaction``); this module does the waiting and
-the engine calls. A background job takes a slot only while no agent request waits (the dispatcher's
-background lane), at priority 3.
-
-With a ``summarizer`` (a second, small engine: ``--compaction-model``), the summary is written
-there, one at a time, without taking any slot of the agents' engine; only the prefill of the
-compacted conversation then takes one, in the background lane as before.
+The planning and rewriting are pure (``agentkv.compaction``); this module does the waiting and the
+engine calls, a background job in the dispatcher's background lane at priority 3. With a
+``summarizer`` (a second, small engine: ``--compaction-model``) the summary is written there, one
+at a time, and only the prefill of the compacted conversation takes a slot of the agents' engine.
 """
 
 from __future__ import annotations
@@ -73,10 +70,9 @@ class Compactor:
         the last ``keep_recent``."""
         if self._tasks is None or agent in self._inflight:
             return False
-        job = self._job(agent, raw, share)
-        if job is None or not self.store.begin(agent):
+        job = self._begin(agent, raw, share)
+        if job is None:
             return False
-        self._inflight[agent] = job  # in flight from now on, before its task first runs
         self._tasks.start_soon(self._background, agent, tokens, job)
         return True
 
@@ -86,8 +82,9 @@ class Compactor:
         except AgentKVError as exc:
             log.warning("background compaction for agent %s failed: %s", agent, exc.message)
 
-    def _job(self, agent: str, raw: Mapping[str, Any], share: float | None) -> _Job | None:
-        """The job for ``raw``: planned on the request as the agent's compactions rewrite it."""
+    def _begin(self, agent: str, raw: Mapping[str, Any], share: float | None) -> _Job | None:
+        """The job for ``raw``, planned on the request as the agent's compactions rewrite it, and
+        in flight from now on; None when there is nothing to compact or one is in flight."""
         body, _, applied = self.store.rewrite(agent, raw, self.fingerprinter)
         plan = plan_compaction(
             body,
@@ -98,7 +95,11 @@ class Compactor:
         )
         if plan is None:
             return None
-        return _Job(plan, body, rebase(plan, raw, applied, self.fingerprinter), tuple(applied))
+        job = _Job(plan, body, rebase(plan, raw, applied, self.fingerprinter), tuple(applied))
+        if not self.store.begin(agent):
+            return None
+        self._inflight[agent] = job  # in flight from now on, before its task first runs
+        return job
 
     async def compact(
         self,
@@ -123,10 +124,9 @@ class Compactor:
                 self.dispatcher.promote(job.ticket, priority)
             await job.done.wait()
             return self.store.latest(agent)
-        job = self._job(agent, raw, None)
-        if job is None or not self.store.begin(agent):
+        job = self._begin(agent, raw, None)
+        if job is None:
             return None
-        self._inflight[agent] = job
         return await self._run(agent, tokens, job, priority=priority, background=background)
 
     async def _run(
