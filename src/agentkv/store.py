@@ -11,6 +11,7 @@ in, because entries outlive a restart.
 from __future__ import annotations
 
 import enum
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -107,13 +108,7 @@ class StoreIndex:
     context_ttl: float = 6 * 3600.0
     _entries: dict[str, StoreEntry] = attrs.field(init=False, factory=dict)
     _pins: dict[str, int] = attrs.field(init=False, factory=dict)
-    _counts: dict[str, float] = attrs.field(
-        init=False,
-        factory=lambda: dict.fromkeys(
-            ("saves", "restores", "hits_tokens", "seconds_saved", "evicted", "expired", "refused"),
-            0,
-        ),
-    )
+    _counts: defaultdict[str, float] = attrs.field(init=False, factory=lambda: defaultdict(int))
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -124,12 +124,11 @@ class PrefixStore:
         except (OSError, ValueError):
             saved = None
         if isinstance(saved, dict) and saved.get("version") == _INDEX_VERSION:
+            entries = [r for r in saved.get("entries", []) if isinstance(r, dict)]
             if saved.get("compat") == self.index.compat:
-                records = [r for r in saved.get("entries", []) if isinstance(r, dict)]
+                records = entries
             else:
-                refused = [
-                    str(r.get("id")) for r in saved.get("entries", []) if isinstance(r, dict)
-                ]
+                refused = [str(r.get("id")) for r in entries]
                 log.info(
                     "prefix store: %d entries were made by another engine configuration; "
                     "deleting them",
@@ -257,7 +256,7 @@ class PrefixStore:
 
     async def clear(self, *, agent: str | None = None) -> list[str]:
         """Delete every entry, or every entry of one agent, with its file (entries being restored
-        right now stay). Returns the ids deleted."""
+        stay); the ids deleted."""
         async with self._lock:
             removed = self.index.clear(agent=agent)
             await self._delete(removed)
@@ -441,15 +440,13 @@ async def probe_restore(
     slot: int = 0,
 ) -> RestoreProbe | None:
     """Whether restoring a saved slot gives reuse on this engine: compute ``n_tokens`` into
-    ``slot``, save it into ``directory`` (llama-server's ``--slot-save-path``), erase the slot,
-    restore it, and send a request that extends the same tokens.
+    ``slot``, save it into ``directory`` (llama-server's ``--slot-save-path``), erase, restore,
+    and send a request that extends the same tokens.
 
     The result is kept in ``directory/restore-probe.json`` for the engine configuration
-    ``compat`` (the store index's), so the probe runs once per configuration. None when the
-    engine cannot tell (no slot saving, an error, or ``timeout`` seconds passed): the store then
-    stays on, and every restore is still checked on its own.
-
-    Gives up after 300 s (a large model prefilling on a slow CPU): the answer is then None.
+    ``compat``, so the probe runs once per configuration. None when the engine cannot tell (no
+    slot saving, an error, or 300 s passed: a large model on a slow CPU); the store then stays
+    on, and every restore is still checked on its own.
     """
     record_path = directory / PROBE_FILE
     known = await anyio.to_thread.run_sync(_read_probe, record_path, compat, n_tokens)
