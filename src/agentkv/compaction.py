@@ -1,20 +1,12 @@
 """Context compaction: replace an agent's oldest turns with a summary, on agentkv's side only.
 
-The client owns the conversation and keeps sending all of it. agentkv remembers, per agent, "this
-prefix (by fingerprint) is now represented by this summary", and from then on sends the engine the
-summary plus the untouched recent turns. Everything here is pure: it plans which messages to
-replace, builds the engine request that asks for the summary, and rewrites later requests. The
-server decides when to run it (lowest priority, only when nothing else waits).
-
-Two ways to choose the cut: the high-water design folds all but the last ``keep_recent``
-messages at once; incremental compaction (``fold``) folds only the oldest messages that hold
-about the share of the prompt it must lose to get back under its low mark, the running summary
-(the previous fold's, the first message after the system head) with them.
-
-Rules that keep a compacted conversation valid:
-- the system head and the tool list are never touched;
-- a cut never separates an assistant ``tool_calls`` message from its ``tool`` results;
-- the most recent ``keep_recent`` messages are never summarised.
+The client keeps sending the whole conversation; agentkv remembers, per agent, which prefix (by
+fingerprint) a summary now stands for, and sends the engine the summary and the recent turns. The
+cut folds all but the last ``keep_recent`` messages, or (incremental compaction, ``fold_share``)
+only the oldest messages that hold the share of the prompt it must lose, the running summary with
+them. The system head and the tool list are never touched, a cut never separates an assistant's
+``tool_calls`` from their ``tool`` results, and the last ``keep_recent`` messages are never
+summarised. Pure: the server decides when to run it.
 """
 
 from __future__ import annotations

@@ -230,10 +230,7 @@ class Preparations(Generic[E]):
         if exchange.prepared.key == prepared.key:
             if not exchange.joinable:
                 return None  # being stopped (it gave its slot up): its end counts it
-            if len(chain) > 1:
-                self._waiting[agent] = chain[1:]
-            else:
-                del self._waiting[agent]
+            self._keep(agent, chain[1:])
             served = exchange.done
             exchange.claim(prepared.priority)
             if served:
@@ -268,11 +265,7 @@ class Preparations(Generic[E]):
         chain = self._waiting.get(agent, ())
         if exchange in chain:
             if not ok:  # it gave its slot up, or failed: it will never be served
-                rest = tuple(e for e in chain if e is not exchange)
-                if rest:
-                    self._waiting[agent] = rest
-                else:
-                    del self._waiting[agent]
+                self._keep(agent, tuple(e for e in chain if e is not exchange))
                 self._drop(exchange, "gave_way" if exchange.gave_way else "failed")
             elif running and self.active:
                 self._predict(exchange, after=exchange)  # its retry waits behind it
@@ -403,6 +396,13 @@ class Preparations(Generic[E]):
             agent,
             prepared.boundary or len(prepared.tokens),
         )
+
+    def _keep(self, agent: str, chain: tuple[E, ...]) -> None:
+        """What still waits for ``agent``: ``chain``, or nothing when it is empty."""
+        if chain:
+            self._waiting[agent] = chain
+        else:
+            del self._waiting[agent]
 
     def _drop(self, exchange: E, reason: str) -> None:
         """A prepared exchange will not be served: counted as a miss, stopped if it runs, and
