@@ -168,13 +168,7 @@ def reply_text(reply: Mapping[str, Any]) -> str | None:
 
 
 def _system_texts(system: Any) -> list[str]:
-    if isinstance(system, str):
-        return [system]
-    if isinstance(system, Sequence):
-        return [
-            b["text"] for b in system if isinstance(b, Mapping) and isinstance(b.get("text"), str)
-        ]
-    return []
+    return [b["text"] for b in _blocks(system) if isinstance(b.get("text"), str)]
 
 
 def _engine_system(system: Any) -> list[str]:
