@@ -173,14 +173,23 @@ class SlotContents:
         store = self.store
         if not lease.placement.park or store is None or not lease.evicted:
             return False
-        slots = self.slots
-        previous = slots.table()[lease.slot].sections
-        parked = await self.guard(
-            store.save(lease.slot, EntryKind.CONTEXT, agent=lease.evicted_agent, sections=previous)
+        previous = self.slots.table()[lease.slot].sections
+        return await self._save_context(store, lease.slot, lease.evicted_agent, previous)
+
+    async def _save_context(
+        self,
+        store: PrefixStore,
+        slot: int,
+        agent: str | None,
+        sections: tuple[tuple[str, str], ...],
+    ) -> bool:
+        """Save what ``slot`` holds as ``agent``'s context; True when it was saved."""
+        entry = await self.guard(
+            store.save(slot, EntryKind.CONTEXT, agent=agent, sections=sections)
         )
-        if parked is None:
+        if entry is None:
             return False
-        slots.mark_stored(lease.slot, parked.id)
+        self.slots.mark_stored(slot, entry.id)
         return True
 
     async def restore(self, lease: Lease, tokens: Tokens) -> bool | None:
@@ -283,8 +292,7 @@ class SlotContents:
         if store is None or not await self.client.health():
             return 0
         saved = 0
-        slots = self.slots
-        for row in slots.table():
+        for row in self.slots.table():
             store = self.store  # a failed save may have switched it off
             if store is None:
                 break
@@ -293,11 +301,7 @@ class SlotContents:
             best = store.index.best(row.tokens)
             if best is not None and best[1] >= len(row.tokens):
                 continue
-            entry = await self.guard(
-                store.save(row.slot, EntryKind.CONTEXT, agent=row.agent, sections=row.sections)
-            )
-            if entry is not None:
-                slots.mark_stored(row.slot, entry.id)
+            if await self._save_context(store, row.slot, row.agent, row.sections):
                 saved += 1
         return saved
 
