@@ -125,8 +125,7 @@ def plan_compaction(
     cut = len(conversation) - max(0, keep_recent)
     if share is not None:
         cut = min(cut, _covering(body, conversation, share))
-    # A tool result must stay with the assistant message that called the tool: move the cut back
-    # to that assistant message, so the call and its results stay together in the kept part.
+    # A tool result stays with the assistant message that called the tool, in the kept part.
     while 0 < cut < len(conversation) and conversation[cut].get("role") == "tool":
         cut -= 1
     if cut < min_messages:

@@ -65,9 +65,8 @@ class Compactor:
     ) -> bool:
         """Start a background compaction of ``agent``'s request ``raw`` (as the client sent it,
         an engine body; ``tokens`` long with the agent's compactions applied) unless one is in
-        flight; True if started. With a ``share``, only the oldest messages that hold that share
-        of the prompt are folded into the running summary (incremental compaction), else all but
-        the last ``keep_recent``."""
+        flight; True if started. A ``share`` folds only the oldest messages that hold that share
+        of the prompt (:func:`agentkv.compaction.plan_compaction`)."""
         if self._tasks is None or agent in self._inflight:
             return False
         job = self._begin(agent, raw, share)
@@ -110,14 +109,10 @@ class Compactor:
         priority: int,
         background: bool,
     ) -> Compaction | None:
-        """Summarise the oldest turns of ``raw`` (the client's request, an engine body, with the
-        agent's compactions applied) and remember it for ``agent``.
-
-        The summary is asked for on a leased slot; the same slot is then prefilled with the
-        compacted conversation, so the agent's next request is a prefix hit there. When one is
-        already in flight for the agent (in the background, most likely), it is made as urgent
-        as ``priority`` and its result is returned instead.
-        """
+        """Summarise the oldest turns of ``raw`` (the client's request, an engine body) and
+        remember it for ``agent``; the leased slot is then prefilled with the compacted
+        conversation, so the agent's next request is a prefix hit there. One already in flight
+        for the agent is made as urgent as ``priority`` and its result returned instead."""
         job = self._inflight.get(agent)
         if job is not None:
             if job.ticket is not None:

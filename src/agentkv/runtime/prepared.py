@@ -182,16 +182,13 @@ class Preparations(Generic[E]):
     _joined: int = attrs.field(init=False, default=0)
     _missed: Counter[str] = attrs.field(init=False, factory=Counter)
     _wasted: int = attrs.field(init=False, default=0)
-    #: Conversations after a compaction being computed, by agent (stopped on a miss), the
-    #: least recent dropped first.
+    #: Conversations after a compaction being computed, by agent (stopped on a miss).
     _heads: LRUCache[str, E] = attrs.field(init=False, default=_per_agent)
     _heads_started: int = attrs.field(init=False, default=0)
-    #: The conversation predicted after each agent's compaction, until its next request: that
-    #: request is compared with it, and where it parts is logged.
+    #: The conversation predicted after each agent's compaction, compared with its next request.
     _after: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False, default=_per_agent)
     _heads_missed: int = attrs.field(init=False, default=0)
-    #: The first reply of a compaction whose retry is prepared, by agent: when the retry's reply
-    #: has no summary either, Claude Code goes on with this one.
+    #: The first reply of a compaction whose retry is prepared (used if the retry has no summary).
     _first_replies: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False, default=_per_agent)
 
     @_forecast.default
