@@ -1,20 +1,12 @@
 """Context compaction: replace an agent's oldest turns with a summary, on agentkv's side only.
 
-The client owns the conversation and keeps sending all of it. agentkv remembers, per agent, "this
-prefix (by fingerprint) is now represented by this summary", and from then on sends the engine the
-summary plus the untouched recent turns. Everything here is pure: it plans which messages to
-replace, builds the engine request that asks for the summary, and rewrites later requests. The
-server decides when to run it (lowest priority, only when nothing else waits).
-
-Two ways to choose the cut: the high-water design folds all but the last ``keep_recent``
-messages at once; incremental compaction (``fold``) folds only the oldest messages that hold
-about the share of the prompt it must lose to get back under its low mark, the running summary
-(the previous fold's, the first message after the system head) with them.
-
-Rules that keep a compacted conversation valid:
-- the system head and the tool list are never touched;
-- a cut never separates an assistant ``tool_calls`` message from its ``tool`` results;
-- the most recent ``keep_recent`` messages are never summarised.
+The client keeps sending the whole conversation; agentkv remembers, per agent, which prefix (by
+fingerprint) a summary now stands for, and sends the engine the summary and the recent turns. The
+cut folds all but the last ``keep_recent`` messages, or (incremental compaction, ``fold_share``)
+only the oldest messages that hold the share of the prompt it must lose, the running summary with
+them. The system head and the tool list are never touched, a cut never separates an assistant's
+``tool_calls`` from their ``tool`` results, and the last ``keep_recent`` messages are never
+summarised. Pure: the server decides when to run it.
 """
 
 from __future__ import annotations
@@ -133,16 +125,12 @@ def plan_compaction(
     cut = len(conversation) - max(0, keep_recent)
     if share is not None:
         cut = min(cut, _covering(body, conversation, share))
-    # A tool result must stay with the assistant message that called the tool: move the cut back
-    # to that assistant message, so the call and its results stay together in the kept part.
+    # A tool result stays with the assistant message that called the tool, in the kept part.
     while 0 < cut < len(conversation) and conversation[cut].get("role") == "tool":
         cut -= 1
     if cut < min_messages:
         return None
-    prefix = fingerprinter.fingerprint({**body, "messages": messages[: head + cut]})
-    return CompactionPlan(
-        agent=agent, cut=cut, key=prefix.blocks[-1], block_index=len(prefix.blocks) - 1
-    )
+    return _plan(agent, body, cut, fingerprinter)
 
 
 def rebase(
@@ -159,12 +147,18 @@ def rebase(
     covered = 0
     for compaction in applied:  # each folds the summary before it
         covered = compaction.plan.cut if covered == 0 else covered + compaction.plan.cut - 1
-    cut = covered + plan.cut - 1
-    messages = list(raw.get("messages") or [])
+    return _plan(plan.agent, raw, covered + plan.cut - 1, fingerprinter)
+
+
+def _plan(
+    agent: str, body: Mapping[str, Any], cut: int, fingerprinter: PrefixFingerprinter
+) -> CompactionPlan:
+    """The plan that replaces the first ``cut`` conversation messages of ``body``."""
+    messages = list(body.get("messages") or [])
     head = _head_length(messages)
-    prefix = fingerprinter.fingerprint({**raw, "messages": messages[: head + cut]})
+    prefix = fingerprinter.fingerprint({**body, "messages": messages[: head + cut]})
     return CompactionPlan(
-        agent=plan.agent, cut=cut, key=prefix.blocks[-1], block_index=len(prefix.blocks) - 1
+        agent=agent, cut=cut, key=prefix.blocks[-1], block_index=len(prefix.blocks) - 1
     )
 
 

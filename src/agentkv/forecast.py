@@ -1,29 +1,13 @@
-"""Claude Code's next compaction request, predicted from the request and reply before it.
+"""Claude Code's next request, predicted byte for byte from the request and reply before it.
 
-When Claude Code's context (the last reply's ``usage``: input, cache read, cache creation and
-output tokens) reaches ``window − min(max_tokens, 20000) − 13000``, its next turn begins with a
-compaction request (docs/claude-code.md, "What the compaction request contains"): the previous
-request's body with ``messages`` = the previous messages, the reply as streamed, and one user
-message that is the instruction text, every other field as it was. Only a ``cache_control`` mark
-moves, which the engine never sees. Never after the first reply of a session, and a compaction
-between tool calls (the reply ended in ``tool_use``) carries the tool's result, so it cannot be
-known before the tool has run: only a reply that ended its turn leads to a prediction.
-
-When the compaction's reply has no ``<summary>``, Claude Code asks once more: the same request
-with a paragraph added to the instruction (as Claude Code 2.1.328 words it); that retry is
-predicted from the compaction request and its reply.
-
-When the reply has its summary, the request that follows it is known up to the user's next words
-(:meth:`CompactionForecast.predict_after`): the git status reminder and the summary in Claude
-Code's words, the date, the last assistant message kept verbatim, the attribution reminder, then
-the session's note of deferred tools, agent types and skills, which the session layout puts before
-the words. Files the conversation read come back as reminders too; those are not predicted, so such
-a prediction holds up to the kept message.
-
-:class:`CompactionForecast` recognises Claude Code's requests and its compaction requests, learns
-a new client version's instruction from the first start-of-turn compaction it sees, and predicts
-the compaction body. Pure: values in, values out (the shipped instruction is package data, read
-once).
+Three requests are predicted (docs/claude-code.md, "What the compaction request contains"): the
+compaction request, after a reply that ended its turn with the context (input, cache read, cache
+creation and output tokens) at ``window − min(max_tokens, 20000) − 13000``: the previous request
+with the reply and the instruction appended, every other field as it was (never after a session's
+first reply; one between tool calls carries the tool's result and cannot be known); its retry,
+after a reply without ``<summary>``: the instruction with a paragraph added; and the request after
+the summary, up to the user's next words (:meth:`CompactionForecast.predict_after`; reminders of
+files the conversation read are not predicted). Pure: values in, values out.
 """
 
 from __future__ import annotations
@@ -71,38 +55,27 @@ _BILLING_VERSION = BILLING_HEADER_PREFIX + " cc_version="
 
 
 @functools.cache
-def shipped_instruction() -> str:
-    """The compaction instruction Claude Code 2.1.328 sends (6,912 characters), as shipped."""
-    text = (
-        importlib.resources.files("agentkv")
-        .joinpath("data", "claude_code_compaction.txt")
-        .read_text(encoding="utf-8")
-    )
+def _shipped(name: str) -> str:
+    """A text Claude Code 2.1.328 sends, as shipped in the package data."""
+    text = importlib.resources.files("agentkv").joinpath("data", name).read_text(encoding="utf-8")
     return text.removesuffix("\n")
 
 
-@functools.cache
+def shipped_instruction() -> str:
+    """The compaction instruction Claude Code 2.1.328 sends (6,912 characters)."""
+    return _shipped("claude_code_compaction.txt")
+
+
 def shipped_retry_paragraph() -> str:
     """What Claude Code 2.1.328 adds to the instruction when it asks again after a reply without
-    ``<summary>`` (two newlines, then 394 characters), as shipped."""
-    text = (
-        importlib.resources.files("agentkv")
-        .joinpath("data", "claude_code_compaction_retry.txt")
-        .read_text(encoding="utf-8")
-    )
-    return "\n\n" + text.removesuffix("\n")
+    ``<summary>`` (two newlines, then 394 characters)."""
+    return "\n\n" + _shipped("claude_code_compaction_retry.txt")
 
 
-@functools.cache
 def _after_template() -> str:
     """The summary message that opens the conversation after a compaction (Claude Code 2.1.328),
     with ``{tools}``, ``{summary}`` and ``{transcript}`` to fill."""
-    text = (
-        importlib.resources.files("agentkv")
-        .joinpath("data", "claude_code_after_compaction.txt")
-        .read_text(encoding="utf-8")
-    )
-    return text.removesuffix("\n")
+    return _shipped("claude_code_after_compaction.txt")
 
 
 #: What the request after a compaction opens its summary message with.
@@ -195,13 +168,7 @@ def reply_text(reply: Mapping[str, Any]) -> str | None:
 
 
 def _system_texts(system: Any) -> list[str]:
-    if isinstance(system, str):
-        return [system]
-    if isinstance(system, Sequence):
-        return [
-            b["text"] for b in system if isinstance(b, Mapping) and isinstance(b.get("text"), str)
-        ]
-    return []
+    return [b["text"] for b in _blocks(system) if isinstance(b.get("text"), str)]
 
 
 def _engine_system(system: Any) -> list[str]:
@@ -221,14 +188,8 @@ def is_claude_code(body: Mapping[str, Any]) -> bool:
 
 def _last_text(content: Any) -> str | None:
     """A message's last text: the string, or its last text block."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Sequence):
-        for block in reversed(content):
-            if isinstance(block, Mapping) and block.get("type") == "text":
-                text = block.get("text")
-                return text if isinstance(text, str) else None
-    return None
+    texts = [block.get("text") for block in _blocks(content) if block.get("type") == "text"]
+    return texts[-1] if texts and isinstance(texts[-1], str) else None
 
 
 def _whole_text(content: Any) -> str | None:
@@ -332,6 +293,19 @@ class CompactionForecast:
                     return attrs.evolve(self, config_dir=found.group(1))
         return self
 
+    def _asked(self, body: Mapping[str, Any], reply: Mapping[str, Any]) -> str | None:
+        """The instruction of Claude Code's compaction request ``body`` when its last message is
+        that text alone and ``reply`` ended as Claude Code reads it; else None."""
+        messages = _messages(body)
+        if (
+            not is_claude_code(body)
+            or not self.is_compaction(body)
+            or len(messages) != len(body.get("messages") or ())
+            or reply.get("stop_reason") not in COMPACTION_ENDS
+        ):
+            return None
+        return _whole_text(messages[-1].get("content"))
+
     def predict_retry(
         self, body: Mapping[str, Any], reply: Mapping[str, Any]
     ) -> dict[str, Any] | None:
@@ -339,14 +313,7 @@ class CompactionForecast:
         ``body``, ended its turn without ``<summary>``: the same request with the retry paragraph
         added to the instruction. None for any other request or reply (a retry is not retried,
         and a compaction with added instructions is not predicted)."""
-        messages = _messages(body)
-        if (
-            not is_claude_code(body)
-            or not self.is_compaction(body)
-            or len(messages) != len(body.get("messages") or ())
-            or _whole_text(messages[-1].get("content")) != self.instruction
-            or reply.get("stop_reason") not in COMPACTION_ENDS
-        ):
+        if self._asked(body, reply) != self.instruction:
             return None
         said = reply_text(reply)
         if said is None or has_summary(said):
@@ -369,19 +336,15 @@ class CompactionForecast:
         After a retry whose reply has no summary either, Claude Code goes on with the *first*
         reply (captured: ``retry_twice_differs``): ``first`` is that reply, and without it
         nothing is predicted."""
-        messages = _messages(body)
-        if (
-            self.config_dir is None
-            or not is_claude_code(body)
-            or not self.is_compaction(body)
-            or len(messages) != len(body.get("messages") or ())
-            or _whole_text(messages[-1].get("content"))
-            not in (self.instruction, self.instruction + self.retry_paragraph)
-            or reply.get("stop_reason") not in COMPACTION_ENDS
+        asked = self._asked(body, reply)
+        if self.config_dir is None or asked not in (
+            self.instruction,
+            self.instruction + self.retry_paragraph,
         ):
             return None
+        messages = _messages(body)
         said = reply_text(reply)
-        retried = _whole_text(messages[-1].get("content")) != self.instruction
+        retried = asked != self.instruction
         # A retry cut at the token limit failed too, whatever it holds (captured: retry_cut).
         cut = reply.get("stop_reason") == "max_tokens"
         if retried and (said is None or not has_summary(said) or cut):
@@ -417,9 +380,7 @@ class CompactionForecast:
             .replace("{transcript}", transcript)
             .replace("{summary}", summary_text(said))
         )
-        texts = [
-            t for m in messages if m.get("role") == "user" for t in _block_texts(m.get("content"))
-        ]
+        texts = _role_texts(messages, "user")
         attribution = next((t for t in reversed(texts) if t.startswith(_ATTRIBUTION)), None)
         last = [*([attribution] if attribution is not None else []), NEXT_WORDS]
         date, deferred = note
@@ -444,9 +405,7 @@ class CompactionForecast:
             session = json.loads(user_id)["session_id"] if isinstance(user_id, str) else None
         except (ValueError, KeyError, TypeError):
             session = None
-        notes = [
-            t for m in messages if m.get("role") == "system" for t in _block_texts(m.get("content"))
-        ]
+        notes = _role_texts(messages, "system")
         found = (re.search(r"Primary working directory: ([^\n]+)", t) for t in reversed(notes))
         project = next((f.group(1) for f in found if f is not None), None)
         if not isinstance(session, str) or project is None or self.config_dir is None:
@@ -545,21 +504,24 @@ def _blocks(content: Any) -> list[Mapping[str, Any]]:
     return []
 
 
-def _block_texts(content: Any, kinds: tuple[str, ...] = ("text",)) -> list[str]:
+def _block_texts(content: Any) -> list[str]:
     return [
         b["text"]
         for b in _blocks(content)
-        if b.get("type") in kinds and isinstance(b.get("text"), str)
+        if b.get("type") == "text" and isinstance(b.get("text"), str)
     ]
+
+
+def _role_texts(messages: Sequence[Mapping[str, Any]], role: str) -> list[str]:
+    """The text blocks of every ``role`` message, in order."""
+    return [t for m in messages if m.get("role") == role for t in _block_texts(m.get("content"))]
 
 
 def _note_after(messages: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
     """The date, and the session note that follows the user's words after a compaction: after
     an earlier compaction, the note as it came then; else the session's environment note with
     its environment section moved to the end and its date taken out."""
-    notes = [
-        t for m in messages if m.get("role") == "system" for t in _block_texts(m.get("content"))
-    ]
+    notes = _role_texts(messages, "system")
     dates = [d for t in notes for d in _DATE.findall(t)]
     if not dates:
         return None

@@ -1,29 +1,18 @@
 """The prefix store's index: saved slot states, what tokens each holds, and which to keep.
 
-llama-server can save a slot's KV cache to a file and restore it into any slot in a fraction of a
-second; computing the same tokens again takes minutes on a CPU. The store keeps such files so that
-a prefix is computed once:
-
-- a **prefix** entry holds a prompt head that other requests share (system prompt, tools and a
-  client's session context): a new agent restores it instead of prefilling it;
-- a **context** entry holds one agent's conversation, saved when its slot was given to somebody
-  else, so that the agent finds it again when it comes back;
-- a **suspended** entry holds the progress of a request that gave its slot up to a more urgent
-  one; it is pinned until that request has resumed.
-
-An entry is found by the longest common token prefix with a request (:meth:`StoreIndex.best`).
-The index keeps the total size under a byte budget by evicting the least valuable entries first:
-the value of an entry is the prefill it saves (its tokens) times the chance it is used again,
-estimated from its hits and how long it has been idle. Entries of agents that are gone expire.
-
-Pure: the runtime saves, restores and deletes the files (``agentkv.runtime.store``); this module
-decides and remembers. Times are wall-clock seconds passed in, because entries outlive a restart.
+Entries are a shared ``prefix`` (a prompt head many requests start with), one agent's parked
+``context``, or a ``suspended`` request's progress (pinned until it resumes); a request finds the
+entry sharing its longest token prefix. The index keeps the files under a byte budget, evicting
+first the least valuable: tokens held times the chance of another use (from hits and idle time).
+Pure: ``agentkv.runtime.store`` does the file and engine work; times are wall-clock seconds passed
+in, because entries outlive a restart.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -119,13 +108,7 @@ class StoreIndex:
     context_ttl: float = 6 * 3600.0
     _entries: dict[str, StoreEntry] = attrs.field(init=False, factory=dict)
     _pins: dict[str, int] = attrs.field(init=False, factory=dict)
-    _counts: dict[str, float] = attrs.field(
-        init=False,
-        factory=lambda: dict.fromkeys(
-            ("saves", "restores", "hits_tokens", "seconds_saved", "evicted", "expired", "refused"),
-            0,
-        ),
-    )
+    _counts: defaultdict[str, float] = attrs.field(init=False, factory=lambda: defaultdict(int))
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -259,28 +242,24 @@ class StoreIndex:
 
     def clear(self, *, agent: str | None = None) -> list[StoreEntry]:
         """Forget every entry, or every entry of one agent; pinned entries stay."""
-        doomed = [
-            entry
-            for entry in self._entries.values()
-            if not self.pinned(entry.id) and (agent is None or entry.agent == agent)
-        ]
-        for entry in doomed:
-            del self._entries[entry.id]
-        return doomed
+        return self._remove_where(lambda entry: agent is None or entry.agent == agent)
 
     def expire(self, now: float) -> list[StoreEntry]:
         """Drop the context entries of agents that are gone (unused for ``context_ttl``)."""
-        doomed = [
-            entry
-            for entry in self._entries.values()
-            if entry.kind is EntryKind.CONTEXT
-            and not self.pinned(entry.id)
-            and now - entry.last_used > self.context_ttl
-        ]
-        for entry in doomed:
-            del self._entries[entry.id]
+        doomed = self._remove_where(
+            lambda entry: (
+                entry.kind is EntryKind.CONTEXT and now - entry.last_used > self.context_ttl
+            )
+        )
         self._counts["expired"] += len(doomed)
         return doomed
+
+    def _remove_where(self, doomed: Callable[[StoreEntry], bool]) -> list[StoreEntry]:
+        """Remove the entries, pinned ones excepted, that ``doomed`` picks."""
+        removed = [e for e in self._entries.values() if not self.pinned(e.id) and doomed(e)]
+        for entry in removed:
+            del self._entries[entry.id]
+        return removed
 
     def _evict_to_budget(self, now: float, keep: str) -> list[StoreEntry]:
         removed: list[StoreEntry] = []

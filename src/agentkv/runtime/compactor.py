@@ -1,12 +1,9 @@
 """Running compaction jobs: ask the model for a summary through the scheduler, then warm the slot.
 
-The planning and rewriting are pure (``agentkv.compaction``); this module does the waiting and
-the engine calls. A background job takes a slot only while no agent request waits (the dispatcher's
-background lane), at priority 3.
-
-With a ``summarizer`` (a second, small engine: ``--compaction-model``), the summary is written
-there, one at a time, without taking any slot of the agents' engine; only the prefill of the
-compacted conversation then takes one, in the background lane as before.
+The planning and rewriting are pure (``agentkv.compaction``); this module does the waiting and the
+engine calls, a background job in the dispatcher's background lane at priority 3. With a
+``summarizer`` (a second, small engine: ``--compaction-model``) the summary is written there, one
+at a time, and only the prefill of the compacted conversation takes a slot of the agents' engine.
 """
 
 from __future__ import annotations
@@ -68,15 +65,13 @@ class Compactor:
     ) -> bool:
         """Start a background compaction of ``agent``'s request ``raw`` (as the client sent it,
         an engine body; ``tokens`` long with the agent's compactions applied) unless one is in
-        flight; True if started. With a ``share``, only the oldest messages that hold that share
-        of the prompt are folded into the running summary (incremental compaction), else all but
-        the last ``keep_recent``."""
+        flight; True if started. A ``share`` folds only the oldest messages that hold that share
+        of the prompt (:func:`agentkv.compaction.plan_compaction`)."""
         if self._tasks is None or agent in self._inflight:
             return False
-        job = self._job(agent, raw, share)
-        if job is None or not self.store.begin(agent):
+        job = self._begin(agent, raw, share)
+        if job is None:
             return False
-        self._inflight[agent] = job  # in flight from now on, before its task first runs
         self._tasks.start_soon(self._background, agent, tokens, job)
         return True
 
@@ -86,8 +81,9 @@ class Compactor:
         except AgentKVError as exc:
             log.warning("background compaction for agent %s failed: %s", agent, exc.message)
 
-    def _job(self, agent: str, raw: Mapping[str, Any], share: float | None) -> _Job | None:
-        """The job for ``raw``: planned on the request as the agent's compactions rewrite it."""
+    def _begin(self, agent: str, raw: Mapping[str, Any], share: float | None) -> _Job | None:
+        """The job for ``raw``, planned on the request as the agent's compactions rewrite it, and
+        in flight from now on; None when there is nothing to compact or one is in flight."""
         body, _, applied = self.store.rewrite(agent, raw, self.fingerprinter)
         plan = plan_compaction(
             body,
@@ -98,7 +94,11 @@ class Compactor:
         )
         if plan is None:
             return None
-        return _Job(plan, body, rebase(plan, raw, applied, self.fingerprinter), tuple(applied))
+        job = _Job(plan, body, rebase(plan, raw, applied, self.fingerprinter), tuple(applied))
+        if not self.store.begin(agent):
+            return None
+        self._inflight[agent] = job  # in flight from now on, before its task first runs
+        return job
 
     async def compact(
         self,
@@ -109,24 +109,19 @@ class Compactor:
         priority: int,
         background: bool,
     ) -> Compaction | None:
-        """Summarise the oldest turns of ``raw`` (the client's request, an engine body, with the
-        agent's compactions applied) and remember it for ``agent``.
-
-        The summary is asked for on a leased slot; the same slot is then prefilled with the
-        compacted conversation, so the agent's next request is a prefix hit there. When one is
-        already in flight for the agent (in the background, most likely), it is made as urgent
-        as ``priority`` and its result is returned instead.
-        """
+        """Summarise the oldest turns of ``raw`` (the client's request, an engine body) and
+        remember it for ``agent``; the leased slot is then prefilled with the compacted
+        conversation, so the agent's next request is a prefix hit there. One already in flight
+        for the agent is made as urgent as ``priority`` and its result returned instead."""
         job = self._inflight.get(agent)
         if job is not None:
             if job.ticket is not None:
                 self.dispatcher.promote(job.ticket, priority)
             await job.done.wait()
             return self.store.latest(agent)
-        job = self._job(agent, raw, None)
-        if job is None or not self.store.begin(agent):
+        job = self._begin(agent, raw, None)
+        if job is None:
             return None
-        self._inflight[agent] = job
         return await self._run(agent, tokens, job, priority=priority, background=background)
 
     async def _run(

@@ -1,16 +1,10 @@
 """What each slot holds and what the prefix store keeps: one owner for both.
 
-Every change to a slot's recorded content goes through :class:`SlotContents`: a park (the slot's
-content saved before it is overwritten), a restore (a saved state loaded into the slot), a
-checkpoint (a shareable head computed alone and saved), a suspended request's progress (saved,
-pinned until the request ends, then dropped), the store's entries deleted, and every slot
-forgotten after an engine restart. It alone also switches the store off when llama-server
-cannot serve it, and every step reads the store as it is *now*, so a store switched off in one
-step is not used by the next.
-
-Leases are not content: :class:`~agentkv.runtime.dispatcher.Dispatcher` hands them out and takes
-them back, and keeps the slot table to itself; it hands this module the table's content writer
-(:class:`~agentkv.slots.ContentWriter`) once, and everyone else a read-only view.
+Every change to a slot's recorded content goes through :class:`SlotContents`: a park, a restore,
+a checkpoint, a suspended request's progress, deleted entries, an engine restart. It alone switches
+the store off when llama-server cannot serve it, and every step reads the store as it is *now*.
+Leases are not content: the :class:`~agentkv.runtime.dispatcher.Dispatcher` keeps the slot table
+and hands this module its content writer (:class:`~agentkv.slots.ContentWriter`) once.
 """
 
 from __future__ import annotations
@@ -81,9 +75,8 @@ class SlotContents:
         later: Callable[..., bool] = lambda *_: False,
     ) -> SlotContents:
         """The cache of one engine, with the store its config asks for (``store_dir``), bound
-        to the engine configuration ``compat``."""
+        to the engine configuration ``compat``; an engine without slot files has none."""
         config, store = dispatcher.config, None
-        # An engine without slot files (one that places requests itself) has no store.
         if config.store_dir is not None and client.slot_files:
             index = StoreIndex(
                 budget=config.store_budget, compat=compat, context_ttl=config.store_context_ttl
@@ -111,19 +104,14 @@ class SlotContents:
                 log.info("prefix store: %d entries refused and deleted", len(refused))
 
     async def guard(self, work: Awaitable[_T]) -> _T | None:
-        """Run a store operation; None when it failed. Never fatal to the request, unless the
-        engine is restarting (its slots are gone).
-
-        A store the engine cannot serve (an error status) is switched off. A link that failed
-        says nothing about the store: the store stays on."""
+        """Run a store operation; None when it failed, never fatal to the request unless the
+        engine is restarting (its slots are gone). A store the engine cannot serve (an error
+        status) is switched off; a link that failed (twice: the client retried) leaves it on."""
         try:
             return await work
         except EngineRestartingError:
-            raise  # the slots are lost with the engine; the request is retried by the client
+            raise
         except (EngineUnavailableError, EngineTimeoutError) as exc:
-            # The link failed twice (the client already sent it once more): the request goes on
-            # without the store this time — a failed restore prefills, a failed save keeps the
-            # state in its slot.
             log.warning("a prefix store operation failed; going on without it: %s", exc.message)
             return None
         except EngineError as exc:
@@ -185,21 +173,29 @@ class SlotContents:
         store = self.store
         if not lease.placement.park or store is None or not lease.evicted:
             return False
-        slots = self.slots
-        previous = slots.table()[lease.slot].sections
-        parked = await self.guard(
-            store.save(lease.slot, EntryKind.CONTEXT, agent=lease.evicted_agent, sections=previous)
+        previous = self.slots.table()[lease.slot].sections
+        return await self._save_context(store, lease.slot, lease.evicted_agent, previous)
+
+    async def _save_context(
+        self,
+        store: PrefixStore,
+        slot: int,
+        agent: str | None,
+        sections: tuple[tuple[str, str], ...],
+    ) -> bool:
+        """Save what ``slot`` holds as ``agent``'s context; True when it was saved."""
+        entry = await self.guard(
+            store.save(slot, EntryKind.CONTEXT, agent=agent, sections=sections)
         )
-        if parked is None:
+        if entry is None:
             return False
-        slots.mark_stored(lease.slot, parked.id)
+        self.slots.mark_stored(slot, entry.id)
         return True
 
     async def restore(self, lease: Lease, tokens: Tokens) -> bool | None:
-        """Load the saved state placement chose for a prompt of ``tokens``, verified.
-
-        None when placement chose no restore; True when the slot now holds the entry; False when
-        it did not work (the slot then counts as empty and the prompt is prefilled)."""
+        """Load the saved state placement chose for a prompt of ``tokens``, verified: None when
+        placement chose no restore, True when the slot now holds the entry, False when it did
+        not work (the slot then counts as empty and the prompt is prefilled)."""
         placement = lease.placement
         if placement.source is not Source.STORE:
             return None
@@ -218,9 +214,7 @@ class SlotContents:
                     tokens_saved=reuse,
                     seconds_saved=max(0.0, self.costs.prefill.estimate(0, reuse) - seconds),
                 )
-                self.slots.set_content(
-                    lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
-                )
+                self._holds(lease.slot, entry)
                 return True
         self.slots.invalidate(lease.slot)
         return False
@@ -232,13 +226,12 @@ class SlotContents:
         sections: tuple[tuple[str, str], ...],
         computed: Callable[[Mapping[str, Any]], object] | None = None,
     ) -> StoreEntry | None:
-        """Compute the shareable head alone and save it, so that other agents restore it; the
-        entry saved, or None. ``computed`` is told the engine's ``timings`` of the head's
-        computation (the request it belongs to counts those tokens as its own).
+        """Compute the shareable head alone and save it for other agents to restore; the entry
+        saved, or None. ``computed`` is told the engine's ``timings`` of the head's computation.
 
-        Requests waiting for the head are let go when it is saved. When the save failed the slot
-        still holds the head: they keep waiting until this request gives the slot back, and then
-        reuse it there (``Dispatcher.release``)."""
+        Requests waiting for the head are let go when it is saved; when the save failed they wait
+        for this request to give the slot back, and reuse the head there
+        (``Dispatcher.release``)."""
         dispatcher = self.dispatcher
         if self.store is None:
             dispatcher.end_checkpoint(checkpoint)
@@ -265,15 +258,17 @@ class SlotContents:
                 if entry is not None:
                     break
             if entry is not None:
-                self.slots.set_content(
-                    lease.slot, entry.tokens, stored=entry.id, sections=entry.sections
-                )
+                self._holds(lease.slot, entry)
         except BaseException:
             dispatcher.end_checkpoint(checkpoint)
             raise
         if entry is not None:
             dispatcher.end_checkpoint(checkpoint)
         return entry
+
+    def _holds(self, slot: int, entry: StoreEntry) -> None:
+        """``slot`` now holds what ``entry`` saved."""
+        self.slots.set_content(slot, entry.tokens, stored=entry.id, sections=entry.sections)
 
     async def save_at_stop(self, limit: float) -> int:
         """:meth:`save_for_restart`, bounded by ``limit`` seconds and shielded from the stop's
@@ -289,19 +284,15 @@ class SlotContents:
         return saved
 
     async def save_for_restart(self) -> int:
-        """At a clean stop: save what each idle slot holds that the store does not have (any
-        token past the longest entry it begins with, however few: a turn's follow-up is often a
-        few dozen tokens), as that agent's context, so that its next turn after a restart
-        restores it and computes only its own new tokens. The number saved.
-
-        Nothing is tried when the engine no longer answers (a Ctrl-C in a terminal reaches
-        llama-server too)."""
+        """At a clean stop: save, as its agent's context, what each idle slot holds past the
+        longest entry it begins with (however few tokens: a turn's follow-up is often a few
+        dozen), so that the next turn after a restart restores it. The number saved; nothing is
+        tried when the engine no longer answers (a Ctrl-C in a terminal reaches it too)."""
         store = self.store
         if store is None or not await self.client.health():
             return 0
         saved = 0
-        slots = self.slots
-        for row in slots.table():
+        for row in self.slots.table():
             store = self.store  # a failed save may have switched it off
             if store is None:
                 break
@@ -310,21 +301,15 @@ class SlotContents:
             best = store.index.best(row.tokens)
             if best is not None and best[1] >= len(row.tokens):
                 continue
-            entry = await self.guard(
-                store.save(row.slot, EntryKind.CONTEXT, agent=row.agent, sections=row.sections)
-            )
-            if entry is not None:
-                slots.mark_stored(row.slot, entry.id)
+            if await self._save_context(store, row.slot, row.agent, row.sections):
                 saved += 1
         return saved
 
     # -- a suspended request's progress -----------------------------------------------------------
 
     async def save_progress(self, slot: int, agent: str) -> tuple[Tokens | None, StoreEntry | None]:
-        """After a suspension: keep what the slot computed (the prompt so far, or the prompt and
-        the reply so far), pinned in the store until :meth:`forget_progress`.
-
-        Returns what the slot holds now, for the lease's release (None: unknown), and the entry
+        """After a suspension: keep what the slot computed, pinned in the store until
+        :meth:`forget_progress`. Returns what the slot holds now (None: unknown) and the entry
         that holds it (None when nothing was saved)."""
         store = self.store
         if store is None:

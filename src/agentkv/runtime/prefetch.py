@@ -1,18 +1,11 @@
 """Fan-out prefetch: when a reply ends in ``Agent`` calls, start on the sub-agents' head at once.
 
-A sub-agent's first request starts with its head: the sub-agent system prompt of its type, its
-ten tools and the session context (:mod:`agentkv.agents`). Sub-agents of one type in one tree
-share it, so once one has been seen the next fan-out's head is known before its requests arrive.
-When a reply agentkv streams ends its turn in ``Agent`` calls, :class:`Prefetcher` looks up, for
-each call's ``subagent_type``, the first request of a sub-agent of that type seen earlier in this
-tree; if its head is neither in a slot nor in the prefix store, it queues that request again, at
-the parent's priority and generating one token, so that the head is computed and saved as a
-checkpoint (the dispatcher plans it as for any long uncached head). The sub-agents' own requests
-then wait for that checkpoint, lending it their urgency, and restore it.
-
-It predicts only what was seen: nothing for a tree's first fan-out of a type, nothing for a
-``fork`` (which shares its parent's context, not a head), and nothing when the head is already
-cached (its sub-agents restore it on arrival) or there is no store to save it in.
+Sub-agents of one type in one tree share a head (their system prompt, tools and the session
+context: :mod:`agentkv.agents`). When a reply ends its turn in ``Agent`` calls, :class:`Prefetcher`
+queues again, for each call's ``subagent_type``, the first request of that type seen in the tree,
+at the parent's priority and generating one token, unless its head is cached already: the head is
+computed and saved as a checkpoint, and the sub-agents' requests wait for it and restore it.
+Nothing is predicted for a tree's first fan-out of a type, for a ``fork``, or without a store.
 """
 
 from __future__ import annotations
@@ -71,20 +64,20 @@ class Prefetcher:
         agent = prepared.agent
         first = agent not in self._seen
         self._seen[agent] = None
+        kind = place.subagent_type if place is not None else None
         if (
             not first
             or not ok
             or place is None
             or place.parent is None
             or place.root is None
-            or place.subagent_type in (None, _FORK)
+            or kind is None
+            or kind == _FORK
             or prepared.boundary is None
             or prepared.boundary < self.split_min
         ):
             return
-        key = (place.root, place.subagent_type)
-        assert key[1] is not None
-        self._heads[(key[0], key[1])] = prepared
+        self._heads[(place.root, kind)] = prepared
 
     def finished(
         self,

@@ -1,29 +1,14 @@
 """Claude Code's compaction request, generated in idle time and served when it comes as predicted.
 
-When a Claude Code agent's reply ends its turn past the compaction point, its next request is
-known (:mod:`agentkv.forecast`): the previous request, the reply and the instruction. The runtime
-then prepares that request and queues it as background work (the dispatcher's background lane,
-priority 3: it gets a slot only while no agent request waits, and gives its slot up to one that
-finds none free). Each agent's next request decides:
-
-- the same request key (the same engine request: :func:`agentkv.runtime.admission.request_key`):
-  the client gets the prepared exchange, finished (served whole) or still running (it joins:
-  everything generated so far at once, then live), and it runs at the client's priority from then;
-- another request: a miss. The prepared exchange is cancelled if it still runs, and the tokens it
-  generated are counted as wasted (``not_compaction``: the agent sent no compaction; ``differs``:
-  a compaction request, not the predicted one).
-
-When a compaction's reply (prepared or not) ends without ``<summary>``, Claude Code's retry is
-known too, and is prepared the same way; a prepared compaction's retry waits behind it, so that
-the agent's next two requests are served in turn. When a prepared reply has its summary, the
-conversation that follows the compaction is known up to the user's next words
-(:meth:`~agentkv.forecast.CompactionForecast.predict_after`): that prompt is computed in idle time
-too (generating one token, its head saved to the prefix store as any long shared head is), so
-that the turn after the compaction computes only its own words.
-
-Prepared replies wait for their client ``wait`` seconds at most, one chain per agent,
-``max_waiting`` agents at once (the oldest dropped first). :class:`Preparations` owns all of it;
-the runtime tells it when a request is submitted and when an exchange ends.
+When a Claude Code agent's turn ends past the compaction point, its next request is known
+(:mod:`agentkv.forecast`) and is prepared as background work (priority 3: a slot only while no
+agent request waits). The agent's next request with the same request key
+(:func:`agentkv.runtime.admission.request_key`) gets the prepared exchange, finished or joined while
+it runs, at the client's priority; any other request is a miss, and the tokens generated are
+counted as wasted. A compaction reply without ``<summary>`` has its retry prepared behind it; one
+with its summary has the conversation after it computed in idle time, up to the user's next words
+(:meth:`~agentkv.forecast.CompactionForecast.predict_after`). Prepared replies wait ``wait``
+seconds at most, one chain per agent, ``max_waiting`` agents at once (the oldest dropped first).
 """
 
 from __future__ import annotations
@@ -148,16 +133,21 @@ class _Waiting(TTLCache[str, tuple[E, ...]]):
 
     def expire(self, time: float | None = None) -> list[tuple[str, tuple[E, ...]]]:
         expired = list(super().expire(time))
-        for _, chain in expired:
-            for exchange in chain:
-                self._dropped(exchange, "expired")
+        for item in expired:
+            self._expired(item)
         return expired
 
     def popitem(self) -> tuple[str, tuple[E, ...]]:
-        agent, chain = super().popitem()
-        for exchange in chain:
+        return self._expired(super().popitem())
+
+    def _expired(self, item: tuple[str, tuple[E, ...]]) -> tuple[str, tuple[E, ...]]:
+        for exchange in item[1]:
             self._dropped(exchange, "expired")
-        return agent, chain
+        return item
+
+
+#: A cache by agent, as large as the agents waiting at once.
+_per_agent: Any = attrs.Factory(lambda self: LRUCache(maxsize=self.max_waiting), takes_self=True)
 
 
 @attrs.define(eq=False)
@@ -192,29 +182,14 @@ class Preparations(Generic[E]):
     _joined: int = attrs.field(init=False, default=0)
     _missed: Counter[str] = attrs.field(init=False, factory=Counter)
     _wasted: int = attrs.field(init=False, default=0)
-    #: Conversations after a compaction being computed, by agent (stopped on a miss), the
-    #: least recent dropped first.
-    _heads: LRUCache[str, E] = attrs.field(init=False)
+    #: Conversations after a compaction being computed, by agent (stopped on a miss).
+    _heads: LRUCache[str, E] = attrs.field(init=False, default=_per_agent)
     _heads_started: int = attrs.field(init=False, default=0)
-    #: The conversation predicted after each agent's compaction, until its next request: that
-    #: request is compared with it, and where it parts is logged.
-    _after: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False)
+    #: The conversation predicted after each agent's compaction, compared with its next request.
+    _after: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False, default=_per_agent)
     _heads_missed: int = attrs.field(init=False, default=0)
-    #: The first reply of a compaction whose retry is prepared, by agent: when the retry's reply
-    #: has no summary either, Claude Code goes on with this one.
-    _first_replies: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False)
-
-    @_heads.default
-    def _heads_default(self) -> LRUCache[str, E]:
-        return LRUCache(maxsize=self.max_waiting)
-
-    @_after.default
-    def _after_default(self) -> LRUCache[str, Mapping[str, Any]]:
-        return LRUCache(maxsize=self.max_waiting)
-
-    @_first_replies.default
-    def _first_replies_default(self) -> LRUCache[str, Mapping[str, Any]]:
-        return LRUCache(maxsize=self.max_waiting)
+    #: The first reply of a compaction whose retry is prepared (used if the retry has no summary).
+    _first_replies: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False, default=_per_agent)
 
     @_forecast.default
     def _forecast_default(self) -> CompactionForecast:
@@ -252,10 +227,7 @@ class Preparations(Generic[E]):
         if exchange.prepared.key == prepared.key:
             if not exchange.joinable:
                 return None  # being stopped (it gave its slot up): its end counts it
-            if len(chain) > 1:
-                self._waiting[agent] = chain[1:]
-            else:
-                del self._waiting[agent]
+            self._keep(agent, chain[1:])
             served = exchange.done
             exchange.claim(prepared.priority)
             if served:
@@ -290,11 +262,7 @@ class Preparations(Generic[E]):
         chain = self._waiting.get(agent, ())
         if exchange in chain:
             if not ok:  # it gave its slot up, or failed: it will never be served
-                rest = tuple(e for e in chain if e is not exchange)
-                if rest:
-                    self._waiting[agent] = rest
-                else:
-                    del self._waiting[agent]
+                self._keep(agent, tuple(e for e in chain if e is not exchange))
                 self._drop(exchange, "gave_way" if exchange.gave_way else "failed")
             elif running and self.active:
                 self._predict(exchange, after=exchange)  # its retry waits behind it
@@ -425,6 +393,13 @@ class Preparations(Generic[E]):
             agent,
             prepared.boundary or len(prepared.tokens),
         )
+
+    def _keep(self, agent: str, chain: tuple[E, ...]) -> None:
+        """What still waits for ``agent``: ``chain``, or nothing when it is empty."""
+        if chain:
+            self._waiting[agent] = chain
+        else:
+            del self._waiting[agent]
 
     def _drop(self, exchange: E, reason: str) -> None:
         """A prepared exchange will not be served: counted as a miss, stopped if it runs, and

@@ -1,22 +1,14 @@
 """The prefix store on disk: llama-server's slot files, indexed by the tokens they hold.
 
-:class:`agentkv.store.StoreIndex` decides; this module does the file and engine work around it:
+:class:`agentkv.store.StoreIndex` decides; this module saves slots into the store directory
+(llama-server's ``--slot-save-path``), indexes each file by the tokens its header holds, checks
+header and restored count on every restore (a file that fails is deleted and the slot erased, so a
+wrong state never reaches a client), and keeps ``index.json`` next to the files, bound to one
+engine configuration (entries made under another are refused and deleted). Files and directory
+are readable by their owner only: a KV state is as sensitive as the transcript it encodes.
 
-- ``save``: llama-server writes a slot to a file (``POST /slots/{id}?action=save``) in its
-  ``--slot-save-path``, which is the store directory. The file's header carries the exact tokens
-  the slot held, so the entry is indexed by what is really there, not by what agentkv assumed.
-- ``restore``: before a file is restored its header is checked against the index, and after the
-  restore the count llama-server reports is checked too; a file that fails either is deleted and
-  the slot is erased, so a wrong state never reaches a client (the caller then prefills).
-- the index is written to ``index.json`` next to the files, so entries survive a restart. Each
-  index is bound to one engine configuration (model file hash, llama-server build, context per
-  slot, KV cache type): entries made under another are refused and deleted, never restored.
-- files and the directory are readable by their owner only: a saved KV state is as sensitive as
-  the transcript it encodes. Files in the directory that no index knows are deleted at startup.
-
-:func:`probe_restore` checks once per engine configuration that a restore gives reuse at all:
-on sliding-window and hybrid models llama-server restores the tokens but may recompute them all
-on the next request, and then a store only costs time.
+:func:`probe_restore` checks once per engine configuration that a restore gives reuse at all: on
+sliding-window and hybrid models llama-server may recompute every restored token.
 """
 
 from __future__ import annotations
@@ -132,12 +124,11 @@ class PrefixStore:
         except (OSError, ValueError):
             saved = None
         if isinstance(saved, dict) and saved.get("version") == _INDEX_VERSION:
+            entries = [r for r in saved.get("entries", []) if isinstance(r, dict)]
             if saved.get("compat") == self.index.compat:
-                records = [r for r in saved.get("entries", []) if isinstance(r, dict)]
+                records = entries
             else:
-                refused = [
-                    str(r.get("id")) for r in saved.get("entries", []) if isinstance(r, dict)
-                ]
+                refused = [str(r.get("id")) for r in entries]
                 log.info(
                     "prefix store: %d entries were made by another engine configuration; "
                     "deleting them",
@@ -154,8 +145,7 @@ class PrefixStore:
         known = {entry.id for entry in self.index.entries()}
         for path in self.directory.glob(f"{_FILE_PREFIX}*.bin"):
             if path.stem not in known:
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                _unlink(path)
         self._write_index_sync()
         return refused
 
@@ -203,9 +193,7 @@ class PrefixStore:
         async with self._lock:
             final = self.directory / f"{entry.id}.bin"
             await anyio.to_thread.run_sync(_publish, path, final)
-            removed = self.index.add(entry, now)
-            await self._delete(removed)
-            await anyio.to_thread.run_sync(self._write_index_sync)
+            await self._delete(self.index.add(entry, now))
         log.debug(
             "saved slot %d: %d tokens, %d bytes in %.3f s as %s",
             slot,
@@ -239,21 +227,19 @@ class PrefixStore:
                 return None
             except EngineError as exc:
                 log.warning("prefix store: restoring %s failed (%s); deleted", entry.id, exc)
-                await self._erase(slot)
-                await self.drop(entry.id)
-                return None
-            self.restore_seconds += time.monotonic() - started
-            if int(reply.get("n_restored", -1)) != entry.n_tokens:
+            else:
+                self.restore_seconds += time.monotonic() - started
+                if int(reply.get("n_restored", -1)) == entry.n_tokens:
+                    return reply
                 log.warning(
                     "prefix store: %s restored %s tokens, expected %d; deleted",
                     entry.id,
                     reply.get("n_restored"),
                     entry.n_tokens,
                 )
-                await self._erase(slot)
-                await self.drop(entry.id)
-                return None
-            return reply
+            await self._erase(slot)
+            await self.drop(entry.id)
+            return None
         finally:
             self.index.unpin(entry.id)
 
@@ -267,15 +253,13 @@ class PrefixStore:
         async with self._lock:
             entry = self.index.remove(entry_id_)
             await self._delete([entry] if entry is not None else [])
-            await anyio.to_thread.run_sync(self._write_index_sync)
 
     async def clear(self, *, agent: str | None = None) -> list[str]:
         """Delete every entry, or every entry of one agent, with its file (entries being restored
-        right now stay). Returns the ids deleted."""
+        stay); the ids deleted."""
         async with self._lock:
             removed = self.index.clear(agent=agent)
             await self._delete(removed)
-            await anyio.to_thread.run_sync(self._write_index_sync)
         return [entry.id for entry in removed]
 
     async def expire(self) -> int:
@@ -284,7 +268,6 @@ class PrefixStore:
             removed = self.index.expire(self.wall())
             if removed:
                 await self._delete(removed)
-                await anyio.to_thread.run_sync(self._write_index_sync)
         return len(removed)
 
     async def _erase(self, slot: int) -> None:
@@ -292,8 +275,10 @@ class PrefixStore:
             await self.client.erase_slot(slot)
 
     async def _delete(self, entries: list[StoreEntry]) -> None:
+        """Delete the files of entries the index no longer has, and write the index."""
         for entry in entries:
             await anyio.to_thread.run_sync(_unlink, self.directory / f"{entry.id}.bin")
+        await anyio.to_thread.run_sync(self._write_index_sync)
 
     def _write_index_sync(self) -> None:
         data = {
@@ -301,11 +286,7 @@ class PrefixStore:
             "compat": self.index.compat,
             "entries": [entry.to_record() for entry in self.index.entries()],
         }
-        temp = self.directory / f".{INDEX_FILE}.{secrets.token_hex(4)}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(temp, self.directory / INDEX_FILE)
+        _write_json(self.directory / INDEX_FILE, data)
 
     def snapshot(self) -> StoreSnapshot:
         """The store's size, counters and entries (most valuable first), for the operator."""
@@ -459,15 +440,13 @@ async def probe_restore(
     slot: int = 0,
 ) -> RestoreProbe | None:
     """Whether restoring a saved slot gives reuse on this engine: compute ``n_tokens`` into
-    ``slot``, save it into ``directory`` (llama-server's ``--slot-save-path``), erase the slot,
-    restore it, and send a request that extends the same tokens.
+    ``slot``, save it into ``directory`` (llama-server's ``--slot-save-path``), erase, restore,
+    and send a request that extends the same tokens.
 
     The result is kept in ``directory/restore-probe.json`` for the engine configuration
-    ``compat`` (the store index's), so the probe runs once per configuration. None when the
-    engine cannot tell (no slot saving, an error, or ``timeout`` seconds passed): the store then
-    stays on, and every restore is still checked on its own.
-
-    Gives up after 300 s (a large model prefilling on a slow CPU): the answer is then None.
+    ``compat``, so the probe runs once per configuration. None when the engine cannot tell (no
+    slot saving, an error, or 300 s passed: a large model on a slow CPU); the store then stays
+    on, and every restore is still checked on its own.
     """
     record_path = directory / PROBE_FILE
     known = await anyio.to_thread.run_sync(_read_probe, record_path, compat, n_tokens)
@@ -502,8 +481,13 @@ def _read_probe(path: Path, compat: str, n_tokens: int) -> RestoreProbe | None:
 
 def _write_probe(path: Path, record: dict[str, Any]) -> None:
     _private_dir(path.parent)
+    _write_json(path, record)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` at once (a temporary file renamed), readable by its owner only."""
     temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
+        json.dump(data, f)
     os.replace(temp, path)
