@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 import attrs
@@ -20,12 +20,17 @@ import attrs
 from agentkv import InvalidRequestError
 
 __all__ = [
+    "CODEX_TURN_METADATA",
     "DEFAULT_PRIORITY",
     "MAX_AGENT_ID",
     "MAX_SUBAGENT_ID",
+    "CodexTurn",
     "agent_identity",
     "agent_priority",
     "clean_agent_id",
+    "codex_subagent",
+    "codex_turn",
+    "openai_agent_identity",
     "subagent_id",
 ]
 
@@ -77,16 +82,25 @@ def agent_identity(headers: Mapping[str, str], body: Mapping[str, Any], client: 
     ``user_…_session_<uuid>``); the client's address; ``anonymous``. A source that is missing,
     empty, or empty once cleaned is skipped.
     """
-    for name in ("x-agent-id", "x-claude-code-session-id"):
-        value = clean_agent_id(headers.get(name, ""))
+
+    def sources() -> Iterator[str | None]:
+        yield headers.get("x-agent-id")
+        yield headers.get("x-claude-code-session-id")
+        metadata = body.get("metadata")
+        user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+        if isinstance(user_id, str) and 0 < len(user_id) <= _MAX_USER_ID:
+            yield _session_from_user_id(user_id)
+
+    return _first_identity(sources(), client)
+
+
+def _first_identity(sources: Iterable[str | None], client: str | None) -> str:
+    """The first source that is not empty once cleaned, else the client's address, else
+    ``anonymous``."""
+    for source in sources:
+        value = clean_agent_id(source) if source else None
         if value:
             return value
-    metadata = body.get("metadata")
-    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
-    if isinstance(user_id, str) and 0 < len(user_id) <= _MAX_USER_ID:
-        session = _session_from_user_id(user_id)
-        if session:
-            return session
     return (clean_agent_id(client) if client else None) or "anonymous"
 
 
@@ -119,9 +133,9 @@ def _session_from_user_id(user_id: str) -> str | None:
     if isinstance(parsed, Mapping):
         # The JSON form: its session_id or nothing (the legacy pattern would find "session_id").
         session = parsed.get("session_id")
-        return clean_agent_id(session) if isinstance(session, str) else None
+        return session if isinstance(session, str) else None
     found = _SESSION_IN_USER_ID.search(user_id)
-    return clean_agent_id(found.group(1)) if found else None
+    return found.group(1) if found else None
 
 
 def agent_priority(headers: Mapping[str, str], default: int = DEFAULT_PRIORITY) -> int:
@@ -143,14 +157,6 @@ def agent_priority(headers: Mapping[str, str], default: int = DEFAULT_PRIORITY) 
 
 
 # -- OpenAI-side clients (Codex, the openai SDK, Chat Completions agents) --------------------------
-
-__all__ += [
-    "CODEX_TURN_METADATA",
-    "CodexTurn",
-    "codex_subagent",
-    "codex_turn",
-    "openai_agent_identity",
-]
 
 #: Codex's per-request JSON header: its session, thread and agent (``/root`` for the main agent).
 CODEX_TURN_METADATA = "x-codex-turn-metadata"
@@ -190,19 +196,11 @@ def codex_turn(headers: Mapping[str, str]) -> CodexTurn | None:
     if not isinstance(parsed, Mapping):
         return None
 
-    def field(name: str) -> str | None:
+    fields: dict[str, str | None] = {}
+    for name in attrs.fields_dict(CodexTurn):
         value = parsed.get(name)
-        return clean_agent_id(value) if isinstance(value, str) else None
-
-    return CodexTurn(
-        session_id=field("session_id"),
-        thread_id=field("thread_id"),
-        agent_name=field("agent_name"),
-        turn_id=field("turn_id"),
-        request_kind=field("request_kind"),
-        parent_thread_id=field("parent_thread_id"),
-        subagent_kind=field("subagent_kind"),
-    )
+        fields[name] = clean_agent_id(value) if isinstance(value, str) else None
+    return CodexTurn(**fields)
 
 
 def openai_agent_identity(
@@ -215,24 +213,19 @@ def openai_agent_identity(
     ``prompt_cache_key``, then ``user`` (what other clients send to tell conversations or users
     apart); the client's address; ``anonymous``. Every value is cleaned by :func:`clean_agent_id`.
     """
-    explicit = clean_agent_id(headers.get("x-agent-id", ""))
-    if explicit:
-        return explicit
-    turn = codex_turn(headers)
-    candidates = [
-        turn.thread_id if turn else None,
-        headers.get("thread-id"),
-        turn.session_id if turn else None,
-        headers.get("session-id"),
-    ]
-    for name in ("prompt_cache_key", "user"):
-        value = body.get(name)
-        candidates.append(value if isinstance(value, str) and len(value) <= _MAX_USER_ID else None)
-    for candidate in candidates:
-        value = clean_agent_id(candidate) if candidate else None
-        if value:
-            return value
-    return (clean_agent_id(client) if client else None) or "anonymous"
+
+    def sources() -> Iterator[str | None]:
+        yield headers.get("x-agent-id")
+        turn = codex_turn(headers)
+        yield turn.thread_id if turn else None
+        yield headers.get("thread-id")
+        yield turn.session_id if turn else None
+        yield headers.get("session-id")
+        for name in ("prompt_cache_key", "user"):
+            value = body.get(name)
+            yield value if isinstance(value, str) and len(value) <= _MAX_USER_ID else None
+
+    return _first_identity(sources(), client)
 
 
 def codex_subagent(headers: Mapping[str, str]) -> tuple[str, str] | None:
