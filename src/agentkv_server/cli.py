@@ -65,8 +65,7 @@ _GROUPS = (
 
 
 def _base_type(annotation: Any) -> Any:
-    """``int`` for ``int | None``, ``Path`` for ``tuple[Path, ...]``; the annotation itself
-    otherwise."""
+    """``int`` for ``int | None``, ``Path`` for ``tuple[Path, ...]``, else the annotation."""
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
         return args[0] if len(args) == 1 else str
@@ -275,14 +274,11 @@ def claude_code_env(
 ) -> str:
     """The lines a user pastes into the shell that starts Claude Code.
 
-    Claude Code does not know a local model: it gets one model id for every tier (so sub-agents
-    and helpers never ask for a model whose window it believes is larger), the slot's real window
-    (so it compacts before a slot overflows), a bounded reply length, and no traffic to
-    Anthropic's own services. ``timeout`` is the runtime's ``client_timeout``: agentkv ends every
-    reply within it, and Claude Code waits that long.
-
-    The API key itself is never printed (these lines end up in logs): with a key configured, the
-    line reads it from ``$AGENTKV_API_KEY``, which the user sets in that shell too.
+    Claude Code does not know a local model: it gets one model id for every tier (so no helper
+    asks for a model whose window it believes larger), the slot's real window (so it compacts
+    before a slot overflows), a bounded reply length, and no traffic to Anthropic's services.
+    ``timeout`` is the runtime's ``client_timeout``: agentkv ends every reply within it. The key
+    itself is never printed (these lines end up in logs): the line reads ``$AGENTKV_API_KEY``.
     """
     lines = [
         f"export ANTHROPIC_BASE_URL={url}",
@@ -536,10 +532,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return store_main(argv[1:])
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format)
-    if args.slots < 1:
-        raise SystemExit("agentkv-server: --slots must be at least 1")
-    if args.engines < 1:
-        raise SystemExit("agentkv-server: --engines must be at least 1")
+    for option in ("slots", "engines"):
+        if getattr(args, option) < 1:
+            raise SystemExit(f"agentkv-server: --{option} must be at least 1")
     try:
         _from_args(EngineSettings, args)
     except ValueError as exc:
