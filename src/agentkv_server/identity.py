@@ -1,10 +1,8 @@
 """Who is asking and how urgent it is: agent identity and priority from headers and body.
 
-An agent id is client input that ends up in the slot table, in log lines and (hashed) in the name
-of a parked-context file. So every id is cleaned before it is used: control and format characters
-(newlines, ANSI escapes, bidi overrides) and unpaired surrogates are dropped, and an id longer than
-:data:`MAX_AGENT_ID` characters becomes a short, stable digest form. An id that is empty once
-cleaned does not count, and the next source is asked.
+An agent id is client input that ends up in the slot table, in log lines and (hashed) in file
+names, so every id is cleaned (:func:`clean_agent_id`) before use; one that is empty once cleaned
+does not count, and the next source is asked.
 """
 
 from __future__ import annotations
@@ -53,10 +51,9 @@ MAX_SUBAGENT_ID: Final = 64
 def clean_agent_id(raw: str) -> str | None:
     """``raw`` as printable text of at most :data:`MAX_AGENT_ID` characters, or None if empty.
 
-    Only printable characters stay (``str.isprintable``: no control or format characters, no
-    surrogates, no line breaks), with surrounding spaces stripped. A longer result is replaced
-    by its first 40 characters, ``…#`` and 12 hex digits of its SHA-256: the same raw id always
-    gives the same result, and different long ids stay apart.
+    Only printable characters stay (no control or format characters such as newlines, ANSI
+    escapes or bidi overrides, no surrogates), stripped. A longer result becomes its first 40
+    characters, ``…#`` and 12 hex digits of its SHA-256: stable, and long ids stay apart.
     """
     scanned = raw[:_SCAN]
     text = (scanned if scanned.isprintable() else "".join(filter(str.isprintable, scanned))).strip()
@@ -108,16 +105,15 @@ def subagent_id(headers: Mapping[str, str]) -> str | None:
     """The sub-agent a request comes from inside its session, or None for the session's own.
 
     Claude Code sends ``x-claude-code-agent-id`` on every request of a sub-agent (its ``Agent``
-    tool), and none on the coordinator's. The id is cleaned like an agent id, and one longer
-    than :data:`MAX_SUBAGENT_ID` characters is shortened the same way; it never contains ``/``,
-    which separates it from its root in the agent's name.
+    tool), and none on the coordinator's.
     """
     raw = headers.get("x-claude-code-agent-id")
     return _sub_id(raw) if raw else None
 
 
 def _sub_id(raw: str) -> str | None:
-    """A sub-agent id cleaned like an agent id, without ``/``, at most MAX_SUBAGENT_ID long."""
+    """A sub-agent id cleaned and shortened like an agent id, at most MAX_SUBAGENT_ID long, without
+    ``/`` (which separates it from its root in the agent's name)."""
     value = clean_agent_id(raw.replace("/", "_"))
     if value is None or len(value) <= MAX_SUBAGENT_ID:
         return value
@@ -168,11 +164,9 @@ _MAX_TURN_METADATA = 16384
 class CodexTurn:
     """What Codex says about a request in ``x-codex-turn-metadata`` (cleaned; None when absent).
 
-    ``thread_id`` names one conversation: for a fresh ``codex exec`` it equals ``session_id``, and
-    a sub-agent that Codex spawns (``multi_agent_v1.spawn_agent``) has a thread of its own in the
-    same session, with ``parent_thread_id`` naming the spawning thread and ``subagent_kind``
-    (``thread_spawn``) saying how it came to be (Codex 0.171.0). ``agent_name`` is ``/root`` for
-    both.
+    ``thread_id`` names one conversation (a fresh ``codex exec``'s equals ``session_id``); a
+    sub-agent Codex spawns has its own thread in the same session, ``parent_thread_id`` naming the
+    spawning one and ``subagent_kind`` (``thread_spawn``) how it came to be (Codex 0.171.0).
     """
 
     session_id: str | None = None
@@ -231,9 +225,8 @@ def openai_agent_identity(
 def codex_subagent(headers: Mapping[str, str]) -> tuple[str, str] | None:
     """``(root, sub-agent id)`` for a sub-agent that Codex spawned, else None.
 
-    Codex names the spawning thread in ``parent_thread_id`` (``x-codex-turn-metadata``): the
-    sub-agent hangs under that thread's agent (under ``X-Agent-Id`` when the client names one, as
-    Claude Code's sub-agents hang under their coordinator's), with its own thread as its id.
+    The sub-agent hangs under the agent of the spawning thread (``parent_thread_id``), or under
+    ``X-Agent-Id`` when the client names one, with its own thread as its id.
     """
     turn = codex_turn(headers)
     if turn is None or not turn.parent_thread_id or not turn.thread_id:
