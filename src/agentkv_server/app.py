@@ -151,7 +151,8 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     """``work``'s result, or None when the client disconnects first (``work`` is cancelled: an
     abandoned count never reaches the engine's templating queue, an abandoned reply is no
     longer waited for)."""
-    outcome: dict[str, Any] = {}
+    value: T | None = None
+    error: AgentKVError | None = None
 
     async def watch_disconnect(scope: anyio.CancelScope) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -161,13 +162,13 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch_disconnect, tg.cancel_scope)
         try:
-            outcome["value"] = await work
+            value = await work
         except AgentKVError as exc:  # raised below, not wrapped in a task group's error
-            outcome["error"] = exc
+            error = exc
         tg.cancel_scope.cancel()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
+    if error is not None:
+        raise error
+    return value
 
 
 class _Routes:
