@@ -371,18 +371,14 @@ def _connection_settings(args: argparse.Namespace) -> dict[str, Any]:
                 # Leave descriptors for llama-server connections, slot files and logs.
                 max_connections = max(16, min(max_connections, soft // 2))
     return {
-        # Idle keep-alive connections are closed after this long; Claude Code reconnects freely.
-        "timeout_keep_alive": args.keep_alive_timeout,
-        # More connections (or running requests) than this get 503 at once, before the process
-        # runs out of file descriptors and stops accepting.
+        "timeout_keep_alive": args.keep_alive_timeout,  # Claude Code reconnects freely
+        # 503 at once, before the process runs out of file descriptors and stops accepting.
         "limit_concurrency": max_connections,
-        # The h11 parser (even where httptools is installed, so that the header limit below
-        # holds), with a deadline for request headers, which uvicorn lacks.
+        # h11 even where httptools is installed, so that the header limit below holds.
         "http": h11_with_header_timeout(args.header_timeout),
-        # Request line and headers may take at most 64 KiB (uvicorn's default is 16 KiB); the
-        # body has its own limit (--max-body-bytes).
+        # uvicorn's default is 16 KiB; the body has its own limit (--max-body-bytes).
         "h11_max_incomplete_event_size": 64 * 1024,
-        # On shutdown, open streams get this long to finish before they are cut.
+        # Open streams get this long on shutdown before they are cut.
         "timeout_graceful_shutdown": 10,
     }
 
@@ -431,8 +427,7 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises a caught SIGINT/SIGTERM once it has stopped serving, which would end
-        # this process before it stops the llama-server it launched. Here a signal is only a
-        # request to shut down; the engine is stopped on the way out.
+        # this process before it stops the llama-server it launched: here it only asks to stop.
         if threading.current_thread() is not threading.main_thread():
             yield
             return
