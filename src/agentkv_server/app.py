@@ -1,12 +1,10 @@
 """The Starlette app: the Anthropic Messages API (and OpenAI's Responses and Chat Completions) in
 front of an agentkv runtime.
 
-This layer keeps to HTTP: routes, authentication, body limits, agent identity and framing. A
-request's whole life (queue, slot, restore, stream, retry, release) is the runtime's
-(:mod:`agentkv.runtime.lifecycle`); a route prepares a request, submits it and frames the events
-the runtime yields, as SSE or as one JSON message. The OpenAI routes translate their body into a
-Messages body first (:mod:`agentkv.openai_translate`) and the events back into their own stream
-(:mod:`agentkv.openai_sse`); they share the whole lifecycle, and answer errors in OpenAI's shape.
+This layer keeps to HTTP (routes, authentication, body limits, agent identity, framing); a
+request's whole life is the runtime's (:mod:`agentkv.runtime.lifecycle`). The OpenAI routes
+translate their body into a Messages body first and the events back into their own stream, and
+answer errors in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -85,8 +83,8 @@ def error_response(exc: AgentKVError, *, openai: bool = False) -> JSONResponse:
 OPENAI_PATHS = frozenset({"/v1/responses", "/v1/chat/completions"})
 
 
-def _speaks_openai(request: Request) -> bool:
-    return request.url.path.rstrip("/") in OPENAI_PATHS
+def _speaks_openai(path: str) -> bool:
+    return path.rstrip("/") in OPENAI_PATHS
 
 
 async def _frames(exchange: Exchange) -> AsyncIterator[bytes]:
@@ -141,22 +139,20 @@ async def _all_events(exchange: Exchange) -> list[ReplyEvent]:
     return events
 
 
-async def _whole(request: Request, exchange: Exchange) -> Response:
-    """The non-streaming reply; a client that disconnects stops waiting for it."""
-    try:
-        message = await _unless_gone(request, exchange.message())
-    except AgentKVError as exc:
-        return error_response(exc)
-    if message is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(message)
+async def _answer(
+    request: Request, work: Awaitable[T], answer: Callable[[T], Response]
+) -> Response:
+    """``answer(await work)``; 499 when the client disconnects first (nobody reads that)."""
+    value = await _unless_gone(request, work)
+    return Response(status_code=499) if value is None else answer(value)
 
 
 async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     """``work``'s result, or None when the client disconnects first (``work`` is cancelled: an
     abandoned count never reaches the engine's templating queue, an abandoned reply is no
     longer waited for)."""
-    outcome: dict[str, Any] = {}
+    value: T | None = None
+    error: AgentKVError | None = None
 
     async def watch_disconnect(scope: anyio.CancelScope) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -166,13 +162,13 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(watch_disconnect, tg.cancel_scope)
         try:
-            outcome["value"] = await work
+            value = await work
         except AgentKVError as exc:  # raised below, not wrapped in a task group's error
-            outcome["error"] = exc
+            error = exc
         tg.cancel_scope.cancel()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
+    if error is not None:
+        raise error
+    return value
 
 
 class _Routes:
@@ -208,7 +204,10 @@ class _Routes:
             return StreamingResponse(
                 _frames(exchange), media_type="text/event-stream", headers=_SSE_HEADERS
             )
-        return await _whole(request, exchange)
+        try:
+            return await _answer(request, exchange.message(), JSONResponse)
+        except AgentKVError as exc:
+            return error_response(exc)
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses`` (Codex, the openai SDK): translated, then the same lifecycle."""
@@ -248,11 +247,12 @@ class _Routes:
             return StreamingResponse(
                 frames(exchange, assembler), media_type="text/event-stream", headers=_SSE_HEADERS
             )
-        events = await _unless_gone(request, _all_events(exchange))
-        if events is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        assembler.feed(events)
-        return JSONResponse(whole(assembler))
+
+        def answer(events: list[ReplyEvent]) -> Response:
+            assembler.feed(events)
+            return JSONResponse(whole(assembler))
+
+        return await _answer(request, _all_events(exchange), answer)
 
     async def _prepare_openai(
         self, request: Request, body: Mapping[str, Any], translated: OpenAIRequest
@@ -280,10 +280,10 @@ class _Routes:
     async def count_tokens(self, request: Request) -> Response:
         self.check_auth(request)
         body = await read_json(request, self.config.body_limits)
-        counted = await _unless_gone(request, self.runtime.admission.count_tokens(body))
-        if counted is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse({"input_tokens": counted})
+        counting = self.runtime.admission.count_tokens(body)
+        return await _answer(
+            request, counting, lambda tokens: JSONResponse({"input_tokens": tokens})
+        )
 
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
@@ -363,7 +363,7 @@ async def _agentkv_error(request: Request, exc: Exception) -> Response:
     metrics = getattr(request.app.state, "metrics", None)
     if isinstance(metrics, ServerMetrics):
         metrics.refuse(request.url.path, exc)
-    return error_response(exc, openai=_speaks_openai(request))
+    return error_response(exc, openai=_speaks_openai(request.url.path))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -372,7 +372,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         return error_response(NotFoundError(f"no route for {request.method} {request.url.path}"))
     if exc.status_code == 405:
         err = InvalidRequestError(f"method {request.method} is not allowed on {request.url.path}")
-        body = openai_error(err) if _speaks_openai(request) else err.to_anthropic()
+        body = openai_error(err) if _speaks_openai(request.url.path) else err.to_anthropic()
         return JSONResponse(body, status_code=405)
     return JSONResponse(
         {"type": "error", "error": {"type": "api_error", "message": str(exc.detail)}},
@@ -383,7 +383,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.error("unexpected error in %s", request.url.path, exc_info=exc)
     error = AgentKVError("internal error in agentkv; see the server log")
-    return error_response(error, openai=_speaks_openai(request))
+    return error_response(error, openai=_speaks_openai(request.url.path))
 
 
 def create_app(
@@ -449,7 +449,7 @@ class _HostCheck:
                 error = InvalidRequestError(
                     f"Host {host!r} is not one this server answers to (--allowed-hosts)"
                 )
-                openai = str(scope.get("path", "")).rstrip("/") in OPENAI_PATHS
+                openai = _speaks_openai(str(scope.get("path", "")))
                 await error_response(error, openai=openai)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

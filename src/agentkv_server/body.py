@@ -1,22 +1,11 @@
-"""The one place a request body is read and parsed.
+"""The one place a request body is read and parsed: :func:`read_json` refuses, with a 400 (413 for
+size) in the Anthropic error shape, what would otherwise fail later and deeper.
 
-Everything a client sends as JSON passes :func:`read_json` before any other code sees it. It
-refuses, with a 400 (413 for size) in the Anthropic error shape, what would otherwise fail later
-and deeper, as a 500 or inside llama-server:
-
-- a content type other than ``application/json`` (a browser's "simple" cross-site request can only
-  send ``text/plain``, form data or no type at all, and must not reach the engine);
-- a body over the size limit, an empty body, a body that is not UTF-8 or not JSON;
-- ``NaN``, ``Infinity`` and numbers too large for a double (``1e400``): httpx refuses to send them
-  to the engine, and other JSON readers reject them;
-- nesting deeper than the limit (and the ``RecursionError`` Python's parser raises long before a
-  hostile body's depth of 100,000);
-- strings, object keys included, with an unpaired surrogate (``"\\ud800"``): they cannot be
-  encoded as UTF-8, so every later encode (the engine request, the response, a log line) fails;
-- a top level that is not an object.
-
-The check is one iterative walk over the parsed value (no recursion, no path strings unless
-something is wrong), so its cost is a small fraction of ``json.loads`` itself.
+That is: a content type other than ``application/json`` (a browser's "simple" cross-site request
+cannot send it); a body too large, empty, not UTF-8 or not JSON; ``NaN``, ``Infinity`` and numbers
+too large for a double (httpx refuses to send them to the engine); nesting deeper than the limit;
+strings or keys with an unpaired surrogate (every later UTF-8 encode would fail); a top level that
+is not an object. The check is one iterative walk, a small fraction of ``json.loads``'s cost.
 """
 
 from __future__ import annotations

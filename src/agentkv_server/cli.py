@@ -65,8 +65,7 @@ _GROUPS = (
 
 
 def _base_type(annotation: Any) -> Any:
-    """``int`` for ``int | None``, ``Path`` for ``tuple[Path, ...]``; the annotation itself
-    otherwise."""
+    """``int`` for ``int | None``, ``Path`` for ``tuple[Path, ...]``, else the annotation."""
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
         return args[0] if len(args) == 1 else str
@@ -275,14 +274,11 @@ def claude_code_env(
 ) -> str:
     """The lines a user pastes into the shell that starts Claude Code.
 
-    Claude Code does not know a local model: it gets one model id for every tier (so sub-agents
-    and helpers never ask for a model whose window it believes is larger), the slot's real window
-    (so it compacts before a slot overflows), a bounded reply length, and no traffic to
-    Anthropic's own services. ``timeout`` is the runtime's ``client_timeout``: agentkv ends every
-    reply within it, and Claude Code waits that long.
-
-    The API key itself is never printed (these lines end up in logs): with a key configured, the
-    line reads it from ``$AGENTKV_API_KEY``, which the user sets in that shell too.
+    Claude Code does not know a local model: it gets one model id for every tier (so no helper
+    asks for a model whose window it believes larger), the slot's real window (so it compacts
+    before a slot overflows), a bounded reply length, and no traffic to Anthropic's services.
+    ``timeout`` is the runtime's ``client_timeout``: agentkv ends every reply within it. The key
+    itself is never printed (these lines end up in logs): the line reads ``$AGENTKV_API_KEY``.
     """
     lines = [
         f"export ANTHROPIC_BASE_URL={url}",
@@ -375,18 +371,14 @@ def _connection_settings(args: argparse.Namespace) -> dict[str, Any]:
                 # Leave descriptors for llama-server connections, slot files and logs.
                 max_connections = max(16, min(max_connections, soft // 2))
     return {
-        # Idle keep-alive connections are closed after this long; Claude Code reconnects freely.
-        "timeout_keep_alive": args.keep_alive_timeout,
-        # More connections (or running requests) than this get 503 at once, before the process
-        # runs out of file descriptors and stops accepting.
+        "timeout_keep_alive": args.keep_alive_timeout,  # Claude Code reconnects freely
+        # 503 at once, before the process runs out of file descriptors and stops accepting.
         "limit_concurrency": max_connections,
-        # The h11 parser (even where httptools is installed, so that the header limit below
-        # holds), with a deadline for request headers, which uvicorn lacks.
+        # h11 even where httptools is installed, so that the header limit below holds.
         "http": h11_with_header_timeout(args.header_timeout),
-        # Request line and headers may take at most 64 KiB (uvicorn's default is 16 KiB); the
-        # body has its own limit (--max-body-bytes).
+        # uvicorn's default is 16 KiB; the body has its own limit (--max-body-bytes).
         "h11_max_incomplete_event_size": 64 * 1024,
-        # On shutdown, open streams get this long to finish before they are cut.
+        # Open streams get this long on shutdown before they are cut.
         "timeout_graceful_shutdown": 10,
     }
 
@@ -435,8 +427,7 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises a caught SIGINT/SIGTERM once it has stopped serving, which would end
-        # this process before it stops the llama-server it launched. Here a signal is only a
-        # request to shut down; the engine is stopped on the way out.
+        # this process before it stops the llama-server it launched: here it only asks to stop.
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -536,10 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return store_main(argv[1:])
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format)
-    if args.slots < 1:
-        raise SystemExit("agentkv-server: --slots must be at least 1")
-    if args.engines < 1:
-        raise SystemExit("agentkv-server: --engines must be at least 1")
+    for option in ("slots", "engines"):
+        if getattr(args, option) < 1:
+            raise SystemExit(f"agentkv-server: --{option} must be at least 1")
     try:
         _from_args(EngineSettings, args)
     except ValueError as exc:

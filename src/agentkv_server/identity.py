@@ -1,10 +1,8 @@
 """Who is asking and how urgent it is: agent identity and priority from headers and body.
 
-An agent id is client input that ends up in the slot table, in log lines and (hashed) in the name
-of a parked-context file. So every id is cleaned before it is used: control and format characters
-(newlines, ANSI escapes, bidi overrides) and unpaired surrogates are dropped, and an id longer than
-:data:`MAX_AGENT_ID` characters becomes a short, stable digest form. An id that is empty once
-cleaned does not count, and the next source is asked.
+An agent id is client input that ends up in the slot table, in log lines and (hashed) in file
+names, so every id is cleaned (:func:`clean_agent_id`) before use; one that is empty once cleaned
+does not count, and the next source is asked.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 import attrs
@@ -20,12 +18,17 @@ import attrs
 from agentkv import InvalidRequestError
 
 __all__ = [
+    "CODEX_TURN_METADATA",
     "DEFAULT_PRIORITY",
     "MAX_AGENT_ID",
     "MAX_SUBAGENT_ID",
+    "CodexTurn",
     "agent_identity",
     "agent_priority",
     "clean_agent_id",
+    "codex_subagent",
+    "codex_turn",
+    "openai_agent_identity",
     "subagent_id",
 ]
 
@@ -48,10 +51,9 @@ MAX_SUBAGENT_ID: Final = 64
 def clean_agent_id(raw: str) -> str | None:
     """``raw`` as printable text of at most :data:`MAX_AGENT_ID` characters, or None if empty.
 
-    Only printable characters stay (``str.isprintable``: no control or format characters, no
-    surrogates, no line breaks), with surrounding spaces stripped. A longer result is replaced
-    by its first 40 characters, ``…#`` and 12 hex digits of its SHA-256: the same raw id always
-    gives the same result, and different long ids stay apart.
+    Only printable characters stay (no control or format characters such as newlines, ANSI
+    escapes or bidi overrides, no surrogates), stripped. A longer result becomes its first 40
+    characters, ``…#`` and 12 hex digits of its SHA-256: stable, and long ids stay apart.
     """
     scanned = raw[:_SCAN]
     text = (scanned if scanned.isprintable() else "".join(filter(str.isprintable, scanned))).strip()
@@ -77,16 +79,25 @@ def agent_identity(headers: Mapping[str, str], body: Mapping[str, Any], client: 
     ``user_…_session_<uuid>``); the client's address; ``anonymous``. A source that is missing,
     empty, or empty once cleaned is skipped.
     """
-    for name in ("x-agent-id", "x-claude-code-session-id"):
-        value = clean_agent_id(headers.get(name, ""))
+
+    def sources() -> Iterator[str | None]:
+        yield headers.get("x-agent-id")
+        yield headers.get("x-claude-code-session-id")
+        metadata = body.get("metadata")
+        user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+        if isinstance(user_id, str) and 0 < len(user_id) <= _MAX_USER_ID:
+            yield _session_from_user_id(user_id)
+
+    return _first_identity(sources(), client)
+
+
+def _first_identity(sources: Iterable[str | None], client: str | None) -> str:
+    """The first source that is not empty once cleaned, else the client's address, else
+    ``anonymous``."""
+    for source in sources:
+        value = clean_agent_id(source) if source else None
         if value:
             return value
-    metadata = body.get("metadata")
-    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
-    if isinstance(user_id, str) and 0 < len(user_id) <= _MAX_USER_ID:
-        session = _session_from_user_id(user_id)
-        if session:
-            return session
     return (clean_agent_id(client) if client else None) or "anonymous"
 
 
@@ -94,16 +105,15 @@ def subagent_id(headers: Mapping[str, str]) -> str | None:
     """The sub-agent a request comes from inside its session, or None for the session's own.
 
     Claude Code sends ``x-claude-code-agent-id`` on every request of a sub-agent (its ``Agent``
-    tool), and none on the coordinator's. The id is cleaned like an agent id, and one longer
-    than :data:`MAX_SUBAGENT_ID` characters is shortened the same way; it never contains ``/``,
-    which separates it from its root in the agent's name.
+    tool), and none on the coordinator's.
     """
     raw = headers.get("x-claude-code-agent-id")
     return _sub_id(raw) if raw else None
 
 
 def _sub_id(raw: str) -> str | None:
-    """A sub-agent id cleaned like an agent id, without ``/``, at most MAX_SUBAGENT_ID long."""
+    """A sub-agent id cleaned and shortened like an agent id, at most MAX_SUBAGENT_ID long, without
+    ``/`` (which separates it from its root in the agent's name)."""
     value = clean_agent_id(raw.replace("/", "_"))
     if value is None or len(value) <= MAX_SUBAGENT_ID:
         return value
@@ -119,9 +129,9 @@ def _session_from_user_id(user_id: str) -> str | None:
     if isinstance(parsed, Mapping):
         # The JSON form: its session_id or nothing (the legacy pattern would find "session_id").
         session = parsed.get("session_id")
-        return clean_agent_id(session) if isinstance(session, str) else None
+        return session if isinstance(session, str) else None
     found = _SESSION_IN_USER_ID.search(user_id)
-    return clean_agent_id(found.group(1)) if found else None
+    return found.group(1) if found else None
 
 
 def agent_priority(headers: Mapping[str, str], default: int = DEFAULT_PRIORITY) -> int:
@@ -144,14 +154,6 @@ def agent_priority(headers: Mapping[str, str], default: int = DEFAULT_PRIORITY) 
 
 # -- OpenAI-side clients (Codex, the openai SDK, Chat Completions agents) --------------------------
 
-__all__ += [
-    "CODEX_TURN_METADATA",
-    "CodexTurn",
-    "codex_subagent",
-    "codex_turn",
-    "openai_agent_identity",
-]
-
 #: Codex's per-request JSON header: its session, thread and agent (``/root`` for the main agent).
 CODEX_TURN_METADATA = "x-codex-turn-metadata"
 #: Longest ``x-codex-turn-metadata`` read (Codex's is about 900 characters).
@@ -162,11 +164,9 @@ _MAX_TURN_METADATA = 16384
 class CodexTurn:
     """What Codex says about a request in ``x-codex-turn-metadata`` (cleaned; None when absent).
 
-    ``thread_id`` names one conversation: for a fresh ``codex exec`` it equals ``session_id``, and
-    a sub-agent that Codex spawns (``multi_agent_v1.spawn_agent``) has a thread of its own in the
-    same session, with ``parent_thread_id`` naming the spawning thread and ``subagent_kind``
-    (``thread_spawn``) saying how it came to be (Codex 0.171.0). ``agent_name`` is ``/root`` for
-    both.
+    ``thread_id`` names one conversation (a fresh ``codex exec``'s equals ``session_id``); a
+    sub-agent Codex spawns has its own thread in the same session, ``parent_thread_id`` naming the
+    spawning one and ``subagent_kind`` (``thread_spawn``) how it came to be (Codex 0.171.0).
     """
 
     session_id: str | None = None
@@ -190,19 +190,11 @@ def codex_turn(headers: Mapping[str, str]) -> CodexTurn | None:
     if not isinstance(parsed, Mapping):
         return None
 
-    def field(name: str) -> str | None:
+    fields: dict[str, str | None] = {}
+    for name in attrs.fields_dict(CodexTurn):
         value = parsed.get(name)
-        return clean_agent_id(value) if isinstance(value, str) else None
-
-    return CodexTurn(
-        session_id=field("session_id"),
-        thread_id=field("thread_id"),
-        agent_name=field("agent_name"),
-        turn_id=field("turn_id"),
-        request_kind=field("request_kind"),
-        parent_thread_id=field("parent_thread_id"),
-        subagent_kind=field("subagent_kind"),
-    )
+        fields[name] = clean_agent_id(value) if isinstance(value, str) else None
+    return CodexTurn(**fields)
 
 
 def openai_agent_identity(
@@ -215,32 +207,26 @@ def openai_agent_identity(
     ``prompt_cache_key``, then ``user`` (what other clients send to tell conversations or users
     apart); the client's address; ``anonymous``. Every value is cleaned by :func:`clean_agent_id`.
     """
-    explicit = clean_agent_id(headers.get("x-agent-id", ""))
-    if explicit:
-        return explicit
-    turn = codex_turn(headers)
-    candidates = [
-        turn.thread_id if turn else None,
-        headers.get("thread-id"),
-        turn.session_id if turn else None,
-        headers.get("session-id"),
-    ]
-    for name in ("prompt_cache_key", "user"):
-        value = body.get(name)
-        candidates.append(value if isinstance(value, str) and len(value) <= _MAX_USER_ID else None)
-    for candidate in candidates:
-        value = clean_agent_id(candidate) if candidate else None
-        if value:
-            return value
-    return (clean_agent_id(client) if client else None) or "anonymous"
+
+    def sources() -> Iterator[str | None]:
+        yield headers.get("x-agent-id")
+        turn = codex_turn(headers)
+        yield turn.thread_id if turn else None
+        yield headers.get("thread-id")
+        yield turn.session_id if turn else None
+        yield headers.get("session-id")
+        for name in ("prompt_cache_key", "user"):
+            value = body.get(name)
+            yield value if isinstance(value, str) and len(value) <= _MAX_USER_ID else None
+
+    return _first_identity(sources(), client)
 
 
 def codex_subagent(headers: Mapping[str, str]) -> tuple[str, str] | None:
     """``(root, sub-agent id)`` for a sub-agent that Codex spawned, else None.
 
-    Codex names the spawning thread in ``parent_thread_id`` (``x-codex-turn-metadata``): the
-    sub-agent hangs under that thread's agent (under ``X-Agent-Id`` when the client names one, as
-    Claude Code's sub-agents hang under their coordinator's), with its own thread as its id.
+    The sub-agent hangs under the agent of the spawning thread (``parent_thread_id``), or under
+    ``X-Agent-Id`` when the client names one, with its own thread as its id.
     """
     turn = codex_turn(headers)
     if turn is None or not turn.parent_thread_id or not turn.thread_id:

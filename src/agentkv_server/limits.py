@@ -1,16 +1,9 @@
-"""Connection limits the HTTP server itself lacks: deadlines for request headers and bodies.
+"""Deadlines uvicorn lacks: for request headers (:func:`h11_with_header_timeout`) and bodies
+(:class:`BodyTimeoutMiddleware`).
 
-uvicorn bounds header size (``h11_max_incomplete_event_size``), idle keep-alive connections
-(``timeout_keep_alive``) and the number of connections (``limit_concurrency``), but not how long a
-client may take to send its request: a client dribbling one byte a second holds its connection
+uvicorn bounds header size, idle keep-alive connections and the number of connections, but not
+how long a client may take to send its request: one dribbling a byte a second holds its connection
 (and, once its headers are in, a task) forever.
-
-- :func:`h11_with_header_timeout` is uvicorn's h11 protocol with a deadline for the request line
-  and headers: a connection that has not sent them whole within the deadline (counted from the
-  connection, or from the first byte of a keep-alive connection's next request) is closed.
-- :class:`BodyTimeoutMiddleware` gives every request ``timeout`` seconds, from the moment its
-  headers are in, to deliver its whole body; a late one is cut with 408 and the connection is
-  closed.
 """
 
 from __future__ import annotations
@@ -44,12 +37,12 @@ class RequestTimeoutError(AgentKVError):
 
 
 class BodyTimeoutMiddleware:
-    """ASGI middleware: a request's body must arrive within ``timeout`` seconds, else 408.
+    """ASGI middleware: a request's body must arrive within ``timeout`` seconds of its headers,
+    else 408 and the connection is closed.
 
-    The deadline covers reading the body only; waiting for a client's disconnect afterwards (a
-    long streamed reply) is not limited. The app sees :class:`RequestTimeoutError` raised from
-    ``receive`` and answers it like any agentkv error; if the app lets it through, the middleware
-    sends the 408 itself (when no response has started).
+    Only reading the body is limited, not waiting for a disconnect afterwards. The app sees
+    :class:`RequestTimeoutError` raised from ``receive`` and answers it like any agentkv error; if
+    it lets it through, the middleware sends the 408 itself (when no response has started).
     """
 
     def __init__(self, app: ASGIApp, *, timeout: float) -> None:
@@ -111,7 +104,9 @@ async def _send_error(send: Send, exc: AgentKVError) -> None:
 
 
 class _HeaderDeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request headers arrive too slowly."""
+    """uvicorn's h11 protocol, closing a connection whose request line and headers have not all
+    come within the deadline (counted from the connection, or from the first byte of a keep-alive
+    connection's next request)."""
 
     header_timeout: float = 10.0
     _header_timer: asyncio.TimerHandle | None = None

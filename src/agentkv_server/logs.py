@@ -1,12 +1,9 @@
 """What the server writes to its log, and how.
 
-- At the default level (``info``) the log is one line per finished request (the runtime's
-  :mod:`~agentkv.runtime.record` line), warnings and errors, and the startup block. httpx's line
-  per engine call (health polls, ``/tokenize``, ``/apply-template``, slot saves) and uvicorn's
-  startup chatter and access lines appear only with ``--log-level debug``.
-- ``--log-format json`` writes one JSON object per line: ``time``, ``level``, ``logger``,
-  ``message``, plus ``request`` (the request line's facts) or ``startup`` (the startup block's)
-  when the record carries them.
+At ``info`` the log is one line per finished request, warnings, errors and the startup block;
+httpx's line per engine call and uvicorn's chatter and access lines only come with ``debug``.
+``--log-format json`` writes one JSON object per line: ``time``, ``level``, ``logger``, ``message``,
+plus ``request`` or ``startup`` when the record carries them.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """``GET /metrics``: the runtime in Prometheus' text format, through ``prometheus-client``.
 
-Two kinds of series:
-
-- **per request**, fed by the runtime's request listener when a request ends: requests by status
-  and priority, TTFT, duration and queue-wait histograms per priority, prompt tokens reused and
-  computed (as llama-server reported them), output tokens, tool-call retries, suspensions,
-  requests cut short, client retries that joined a running request, and the seconds lost to
-  prompts that left the cache (when a record says where);
-- **read at scrape time** from the runtime's state by a collector: slots by state, tokens each
-  slot holds, queue depth and longest wait, checkpoints, slot placements by source, the prefix
-  store, compactions, prepared compactions (prepared, served, joined, missed by reason, tokens
-  wasted), the engine's measured speeds and engine restarts.
-
-Each app gets its own :class:`~prometheus_client.CollectorRegistry`, so several apps (tests, or
-more than one engine in a process) never collide. No series is labelled by agent: agent ids are
-client input and unbounded; every label here takes a handful of values.
+Per-request series are fed by the runtime's request listener when a request ends; the rest are read
+from the runtime's state at scrape time by a collector. Each app has its own registry, so several
+apps in a process never collide. No series is labelled by agent (agent ids are client input and
+unbounded); every label takes a handful of values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -54,11 +43,6 @@ _SECTIONS = ("system", "tools", "tool", "message", "messages")
 _STATES = ("idle", "prefilling", "decoding", "out")
 
 
-def _status(record: RequestRecord) -> str:
-    """``ok``, ``cancelled`` or the Anthropic error type (``overloaded_error``…): few values."""
-    return record.outcome
-
-
 def _section_kind(section: object) -> str:
     word = str(section).split(" ", 1)[0].lower() if section else ""
     return word if word in _SECTIONS else "other"
@@ -69,108 +53,96 @@ class ServerMetrics:
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
-        self.registry = CollectorRegistry()
+        self.registry = registry = CollectorRegistry()
         #: The engine's restarts so far, from the supervisor's status when there is one (in a
         #: pool of engines, every engine's summed).
         self.engine_restarts: Callable[[], int] = lambda: runtime.client.restarts
-        r = self.registry
-        self.requests = Counter(
+
+        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+            return Counter(name, doc, labels, registry=registry)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(name, doc, ["priority"], buckets=buckets, registry=registry)
+
+        self.requests = counter(
             "agentkv_requests",
             "Requests that ran (were queued), by how they ended: ok, cancelled or the error type",
             ["status", "priority"],
-            registry=r,
         )
-        self.refused = Counter(
+        self.refused = counter(
             "agentkv_refused_requests",
             "Messages requests answered with an error before they were queued (bad request, "
             "prompt too long, queue full, authentication), by error type",
             ["type"],
-            registry=r,
         )
-        self.ttft = Histogram(
+        self.ttft = histogram(
             "agentkv_ttft_seconds",
             "Time from arrival to the first output event, queue wait included",
-            ["priority"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.duration = Histogram(
+        self.duration = histogram(
             "agentkv_request_duration_seconds",
             "Time from arrival to the end of the reply",
-            ["priority"],
-            buckets=_DURATION_BUCKETS,
-            registry=r,
+            _DURATION_BUCKETS,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = histogram(
             "agentkv_queue_wait_seconds",
             "Time from arrival until the request got its slot",
-            ["priority"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = counter(
             "agentkv_prompt_tokens",
             "Prompt tokens of finished requests as llama-server reported them: reused from its "
             "KV cache (cache_n) or computed (prompt_n)",
             ["kind"],
-            registry=r,
         )
-        self.output_tokens = Counter(
-            "agentkv_output_tokens", "Tokens generated for finished requests", registry=r
+        self.output_tokens = counter(
+            "agentkv_output_tokens", "Tokens generated for finished requests"
         )
-        self.draft_tokens = Counter(
+        self.draft_tokens = counter(
             "agentkv_draft_tokens",
             "Speculative decoding of finished requests, as llama-server reported it: tokens "
             "drafted, and those the model accepted (accepted / drafted is the acceptance rate)",
             ["kind"],
-            registry=r,
         )
-        self.tool_retries = Counter(
+        self.tool_retries = counter(
             "agentkv_tool_call_retries",
             "Replies whose tool call could not be repaired and were asked for again, constrained",
-            registry=r,
         )
-        self.suspensions = Counter(
+        self.suspensions = counter(
             "agentkv_suspensions",
             "Times a request gave its slot up to a more urgent one and resumed later",
-            registry=r,
         )
-        self.stopped = Counter(
+        self.stopped = counter(
             "agentkv_stopped_requests",
             "Replies agentkv cut short, by reason (deadline: the client's timeout was near; "
             "repetition: a degenerate loop)",
             ["reason"],
-            registry=r,
         )
-        self.joined = Counter(
+        self.joined = counter(
             "agentkv_joined_retries",
             "Client retries of a running or just finished request that joined it instead of "
             "computing it again",
-            registry=r,
         )
-        self.divergence_seconds = Counter(
+        self.divergence_seconds = counter(
             "agentkv_cache_miss_seconds",
             "Estimated prefill seconds spent after a prompt left the best cached candidate, by "
             "the kind of section it left it in (system, tools, tool, message, other)",
             ["section"],
-            registry=r,
         )
-        self.subagent_requests = Counter(
+        self.subagent_requests = counter(
             "agentkv_subagent_requests",
             "Requests of sub-agents (Claude Code's Agent tool), by whether their parent waited "
             "for them (they ran at its priority) or not (background, less urgent)",
             ["waited_on"],
-            registry=r,
         )
-        self.registry.register(_RuntimeCollector(self))
+        registry.register(_RuntimeCollector(self))
         runtime.add_listener(self.observe)
-
-    # -- per request ------------------------------------------------------------------------------
 
     def observe(self, record: RequestRecord) -> None:
         """Count one finished request (the runtime's listener)."""
         priority = str(record.priority)
-        self.requests.labels(_status(record), priority).inc()
+        self.requests.labels(record.outcome, priority).inc()
         if record.ttft_s is not None:
             self.ttft.labels(priority).observe(record.ttft_s)
         if record.total_s is not None:
@@ -190,10 +162,9 @@ class ServerMetrics:
             self.stopped.labels(record.stopped).inc()
         if record.attached > 1:
             self.joined.inc(record.attached - 1)
-        if getattr(record, "parent", None):
-            waited = getattr(record, "waited_on", None)
-            self.subagent_requests.labels("true" if waited else "false").inc()
-        divergence = getattr(record, "divergence", None)
+        if record.parent:
+            self.subagent_requests.labels("true" if record.waited_on else "false").inc()
+        divergence = record.divergence
         if isinstance(divergence, dict):
             seconds = divergence.get("seconds")
             if isinstance(seconds, int | float) and seconds > 0:
@@ -205,8 +176,6 @@ class ServerMetrics:
         """A Messages request was answered with an error before it reached the queue."""
         if path.startswith("/v1/messages") and not path.endswith("/count_tokens"):
             self.refused.labels(exc.error_type).inc()
-
-    # -- the scrape -------------------------------------------------------------------------------
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -256,47 +225,60 @@ class _RuntimeCollector(Collector):
         )
 
 
+def _gauge(name: str, doc: str, value: float | Mapping[str, float], label: str = "") -> Metric:
+    return _family(GaugeMetricFamily, name, doc, value, label)
+
+
+def _counter(name: str, doc: str, value: float | Mapping[str, float], label: str = "") -> Metric:
+    return _family(CounterMetricFamily, name, doc, value, label)
+
+
+def _family(
+    kind: type[GaugeMetricFamily | CounterMetricFamily],
+    name: str,
+    doc: str,
+    value: float | Mapping[str, float],
+    label: str,
+) -> Metric:
+    """One sample, or one sample per entry of ``value`` (in order) labelled ``label``."""
+    if not isinstance(value, Mapping):
+        return kind(name, doc, value=value)
+    family = kind(name, doc, labels=[label])
+    for key, each in value.items():
+        family.add_metric([key], each)
+    return family
+
+
 def _prompt_answers(stats: PromptStats) -> Iterator[Metric]:
-    yield _by_source(
+    yield _counter(
         "agentkv_templated_prompts",
         "Prompts templated for placement and length checks: kept from before, or asked of the "
         "engine",
         {"kept": stats.templates_kept, "engine": stats.templates_asked},
+        label="source",
     )
-    yield _by_source(
+    yield _counter(
         "agentkv_tokenized_prompts",
         "Prompts tokenized: kept from before, from a kept prompt's tokens and the rest (pieces), "
         "or asked of the engine whole",
         {"kept": stats.tokens_kept, "pieces": stats.tokens_pieces, "whole": stats.tokens_whole},
+        label="source",
     )
-
-
-def _by_source(name: str, doc: str, counts: dict[str, int]) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=["source"])
-    for source, count in counts.items():
-        family.add_metric([source], count)
-    return family
-
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(name, doc, value=value)
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(name, doc, value=value)
 
 
 def _slots(rows: Sequence[SlotRow]) -> Iterator[Metric]:
-    states = GaugeMetricFamily("agentkv_slots", "Engine slots by state", labels=["state"])
-    for state in _STATES:
-        states.add_metric([state], sum(1 for row in rows if row.state == state))
-    yield states
-    held = GaugeMetricFamily(
-        "agentkv_slot_tokens", "Tokens of KV cache each slot holds", labels=["slot"]
+    yield _gauge(
+        "agentkv_slots",
+        "Engine slots by state",
+        {state: sum(1 for row in rows if row.state == state) for state in _STATES},
+        label="state",
     )
-    for row in rows:
-        held.add_metric([str(row.slot)], row.tokens)
-    yield held
+    yield _gauge(
+        "agentkv_slot_tokens",
+        "Tokens of KV cache each slot holds",
+        {str(row.slot): row.tokens for row in rows},
+        label="slot",
+    )
 
 
 def _queue(snapshot: RuntimeSnapshot) -> Iterator[Metric]:
@@ -325,27 +307,19 @@ def _queue(snapshot: RuntimeSnapshot) -> Iterator[Metric]:
 
 
 def _placements(stats: Placements) -> Iterator[Metric]:
-    placements = CounterMetricFamily(
+    yield _counter(
         "agentkv_placements",
         "Slots handed out, by where the cached part of the prompt came from: the slot's own "
         "KV cache, the prefix store, or none (computed from scratch)",
-        labels=["source"],
+        {"slot": stats.from_slot, "store": stats.from_store, "none": stats.cold},
+        label="source",
     )
-    for source, count in (
-        ("slot", stats.from_slot),
-        ("store", stats.from_store),
-        ("none", stats.cold),
-    ):
-        placements.add_metric([source], count)
-    yield placements
-    planned = CounterMetricFamily(
+    yield _counter(
         "agentkv_planned_prompt_tokens",
         "Prompt tokens agentkv expected to reuse or compute when it chose each slot",
-        labels=["kind"],
+        {"reused": stats.planned_reused_tokens, "computed": stats.planned_computed_tokens},
+        label="kind",
     )
-    planned.add_metric(["reused"], stats.planned_reused_tokens)
-    planned.add_metric(["computed"], stats.planned_computed_tokens)
-    yield planned
     yield _counter(
         "agentkv_leases_reclaimed",
         "Slots taken back by the watchdog from requests that held them too long",
@@ -375,20 +349,17 @@ def _store(store: StoreSnapshot) -> Iterator[Metric]:
 
 
 def _tree(rows: Sequence[AgentView]) -> Iterator[Metric]:
-    agents = GaugeMetricFamily(
+    yield _gauge(
         "agentkv_agents",
         "Agents known to the agent tree: coordinators (a session or X-Agent-Id) and the "
         "sub-agents they started, by whether their parent waits for them",
-        labels=["kind"],
+        {
+            "coordinator": sum(1 for row in rows if row.parent is None),
+            "subagent_waited_on": sum(1 for row in rows if row.parent and row.waited_on),
+            "subagent_background": sum(1 for row in rows if row.parent and not row.waited_on),
+        },
+        label="kind",
     )
-    agents.add_metric(["coordinator"], sum(1 for row in rows if row.parent is None))
-    agents.add_metric(
-        ["subagent_waited_on"], sum(1 for row in rows if row.parent and row.waited_on)
-    )
-    agents.add_metric(
-        ["subagent_background"], sum(1 for row in rows if row.parent and not row.waited_on)
-    )
-    yield agents
     yield _gauge(
         "agentkv_agents_waiting_for_subagents",
         "Agents waiting for their sub-agents now (their context is kept warm)",
@@ -428,15 +399,13 @@ def _prepared(stats: PreparedStats) -> Iterator[Metric]:
         "Prepared compactions whose request came as predicted while they still ran: joined",
         stats.joined,
     )
-    missed = CounterMetricFamily(
+    yield _counter(
         "agentkv_prepared_compactions_missed",
         "Prepared compactions never served, by reason (not_compaction: the agent's next request "
         "was none; differs: another compaction request; expired, gave_way, failed, replaced)",
-        labels=["reason"],
+        stats.missed,
+        label="reason",
     )
-    for reason, count in stats.missed.items():
-        missed.add_metric([reason], count)
-    yield missed
     yield _counter(
         "agentkv_prepared_compaction_wasted_tokens",
         "Tokens generated for prepared compactions that were never served (in idle time)",

@@ -1,10 +1,9 @@
-"""``/agentkv/``: the live page, shipped as package data (``static/``): HTML, JS and CSS, no build
-step and nothing fetched from elsewhere, so it works offline.
+"""``/agentkv/``: the live page, shipped as package data (``static/``: HTML, JS and CSS, no build
+step, nothing fetched from elsewhere).
 
-The files hold no data, so they are served without the API key: a browser cannot send
-``x-api-key`` when it loads a page. Everything the page shows comes from ``GET /agentkv/slots``,
-which the page polls once a second with the key as a header; when a key is needed, the page asks
-for it once and keeps it in the tab's ``sessionStorage`` (gone when the tab closes).
+Its files hold no data, so they are served without the API key (a browser cannot send
+``x-api-key`` when it loads a page). The page polls ``GET /agentkv/slots`` once a second with the
+key, which it asks for once and keeps in the tab's ``sessionStorage``.
 """
 
 from __future__ import annotations
