@@ -20,6 +20,8 @@ import anyio
 import attrs
 import httpx
 
+from agentkv.tokens import common_prefix
+
 __all__ = ["FakeLlama", "Reply", "read_state", "render", "tokenize", "write_state"]
 
 #: A reply: text, cut into ``chunk_chars`` pieces, or the streamed pieces themselves.
@@ -124,11 +126,11 @@ class FakeLlama:
             return httpx.Response(200, json={"modalities": {"vision": self.vision}})
         if path in ("/v1/chat/completions", "/apply-template") and self._refuses_images(request):
             # As llama-server without a multimodal projector answers (measured, b11434).
-            message = (
+            return _error(
+                500,
                 "image input is not supported - hint: if this is unexpected, "
-                "you may need to provide the mmproj"
+                "you may need to provide the mmproj",
             )
-            return httpx.Response(500, json={"error": {"code": 500, "message": message}})
         if path == "/v1/chat/completions":
             return self._chat(json.loads(request.content))
         if path == "/apply-template":
@@ -168,12 +170,7 @@ class FakeLlama:
 
     def _run_prompt(self, slot: int, tokens: list[int]) -> tuple[int, int]:
         """Reuse the slot's cache for the common prefix, as llama-server does: (cache, computed)."""
-        held = self.cache.get(slot, [])
-        cache_n = 0
-        for a, b in zip(held, tokens, strict=False):
-            if a != b:
-                break
-            cache_n += 1
+        cache_n = common_prefix(self.cache.get(slot, []), tokens)
         cache_n = min(cache_n, max(0, len(tokens) - 1))  # at least one token is evaluated
         self.cache[slot] = list(tokens)
         self.computed += len(tokens) - cache_n
@@ -183,10 +180,7 @@ class FakeLlama:
         if self.record:
             self.requests.append(body)
         if self.fail_status is not None:
-            return httpx.Response(
-                self.fail_status,
-                json={"error": {"code": self.fail_status, "message": "injected failure"}},
-            )
+            return _error(self.fail_status, "injected failure")
         slot = int(body.get("id_slot", -1))
         cache_n, prompt_n = self._run_prompt(slot, tokenize(render(body)))
         reply = self.script.pop(0) if self.script else self.reply
@@ -236,12 +230,7 @@ class FakeLlama:
             self.cache.pop(slot, None)
             return httpx.Response(200, json={"id_slot": slot, "n_erased": 0})
         if self.save_dir is None:
-            return httpx.Response(
-                501,
-                json={
-                    "error": {"code": 501, "message": "This server does not support slots action"}
-                },
-            )
+            return _error(501, "This server does not support slots action")
         path = self.save_dir / filename
         if action == "save":
             tokens = self.cache.get(slot, [])
@@ -258,9 +247,7 @@ class FakeLlama:
         if action == "restore":
             restored = read_state(path)
             if restored is None:
-                return httpx.Response(
-                    400, json={"error": {"code": 400, "message": "Unable to restore slot"}}
-                )
+                return _error(400, "Unable to restore slot")
             self.cache[slot] = restored if self.restore_reuses else []
             return httpx.Response(
                 200,
@@ -271,7 +258,7 @@ class FakeLlama:
                     "n_read": path.stat().st_size,
                 },
             )
-        return httpx.Response(400, json={"error": {"code": 400, "message": "bad action"}})
+        return _error(400, "bad action")
 
     def _final(self, text: str, prompt_n: int, cache_n: int = 0) -> dict[str, Any]:
         return {
@@ -342,6 +329,11 @@ class FakeLlama:
         self.active[slot] -= 1
         yield _sse(final)
         yield b"data: [DONE]\n\n"
+
+
+def _error(status: int, message: str) -> httpx.Response:
+    """An error as llama-server answers it."""
+    return httpx.Response(status, json={"error": {"code": status, "message": message}})
 
 
 def _sse(data: dict[str, Any]) -> bytes:
