@@ -28,7 +28,14 @@ import attrs
 import httpx
 
 from agentkv.snapshot import unstructure
-from agentkv_bench.engines import NO_PREEMPTION, EngineSetup, agentkv_engine, raw_llama_server
+from agentkv_bench.engines import (
+    NO_PREEMPTION,
+    Engine,
+    EngineSetup,
+    agentkv_engine,
+    llama_server_args,
+    raw_llama_server,
+)
 from agentkv_bench.metrics import difference, read_counters
 from agentkv_bench.report import fmt, render_table, write_report
 from agentkv_bench.scenarios import Bench
@@ -173,28 +180,19 @@ async def run_real_cli(
             # The warm run asks for other words: only what is really shared can be reused.
             first_word = spec.agents * spec.sessions if name == "agentkv-warm" else 0
             if name == "llama-server":
-                args = ["-m", str(setup.model), "-np", str(setup.slots)]
-                args += ["-c", str(setup.slots * setup.ctx), "--no-kv-unified", "--metrics"]
+                args = [*llama_server_args(setup, "plain"), "--no-kv-unified"]
                 log = setup.log_dir / "llama-server-real-cli.log"
                 async with raw_llama_server(setup.binary, args, log) as url:
+                    llama_server = Engine(name, url, url, " ".join(args))
                     report = await _measure(
-                        name, url, url, None, claude, project, home, spec, setup, first_word
+                        llama_server, claude, project, home, spec, setup.ctx, first_word
                     )
             else:
                 async with agentkv_engine(
                     setup, store_dir=store, config=NO_PREEMPTION, name=name
                 ) as engine:
                     report = await _measure(
-                        name,
-                        engine.url,
-                        engine.engine_url,
-                        engine.engine_key,
-                        claude,
-                        project,
-                        home,
-                        spec,
-                        setup,
-                        first_word,
+                        engine, claude, project, home, spec, setup.ctx, first_word
                     )
                     if engine.runtime is not None:
                         placements = engine.runtime.snapshot().placements
@@ -221,25 +219,24 @@ async def run_real_cli(
 
 
 async def _measure(
-    name: str,
-    url: str,
-    engine_url: str,
-    engine_key: str | None,
+    engine: Engine,
     claude: Path,
     project: Path,
     home: Path,
     spec: CliSpec,
-    setup: EngineSetup,
+    ctx: int,
     first_word: int,
 ) -> dict[str, Any]:
+    """One configuration's sessions, and llama-server's counters over them."""
+    url, key = engine.engine_url, engine.engine_key
     async with httpx.AsyncClient() as http:
-        before = await read_counters(http, engine_url, engine_key)
-        wall, sessions = await _run_agents(claude, project, home, url, spec, setup.ctx, first_word)
-        counters = difference(await read_counters(http, engine_url, engine_key), before)
+        before = await read_counters(http, url, key)
+        wall, sessions = await _run_agents(claude, project, home, engine.url, spec, ctx, first_word)
+        counters = difference(await read_counters(http, url, key), before)
     rows = [row for agent in sessions.values() for row in agent]
     return {
-        "name": name,
-        "label": _LABELS.get(name, name),
+        "name": engine.name,
+        "label": _LABELS.get(engine.name, engine.name),
         "wall_s": round(wall, 1),
         "sessions": sessions,
         "correct": sum(1 for row in rows if row["correct"]),
