@@ -66,6 +66,14 @@ _CTX = {"agents": 4096, "band": 4096}
 _CTX_DEFAULT = 32768
 
 
+def _configs_help() -> str:
+    """Each scenario's configurations, scenarios with the same ones named together."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for scenario, configs in _CONFIGS.items():
+        groups.setdefault(configs, []).append(scenario)
+    return "; ".join(f"{', '.join(names)}: {','.join(c)}" for c, names in groups.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="agentkv-bench",
@@ -142,14 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help=f"context per slot (agents, band 4096, otherwise {_CTX_DEFAULT})",
     )
-    parser.add_argument(
-        "--configs",
-        help="comma list of configurations (agents, claude: plain,tuned,agentkv; priority: "
-        "alone,plain,tuned,agentkv,agentkv-preempt; subagents: alone,plain,agentkv-notree,agentkv,"
-        "agentkv-warm; mixed: direct,agentkv; real-cli: llama-server,agentkv,agentkv-warm; "
-        "real-cli-fanout: llama-server,agentkv; compaction: llama-server,agentkv-noprep,agentkv; "
-        "band: high-water,band)",
-    )
+    parser.add_argument("--configs", help=f"comma list of configurations ({_configs_help()})")
     parser.add_argument(
         "--tuned-args",
         default=" ".join(TUNED_ARGS),
