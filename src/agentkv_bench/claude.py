@@ -14,12 +14,13 @@ same for every configuration, so the prompts differ only where the sessions do.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,20 @@ async def _run_agents(
     return time.monotonic() - started, results
 
 
+@contextlib.asynccontextmanager
+async def _engine(setup: EngineSetup, name: str, store: Path) -> AsyncIterator[Engine]:
+    """llama-server alone (``--no-kv-unified``), or agentkv on ``store``."""
+    if name != "llama-server":
+        config = NO_PREEMPTION
+        async with agentkv_engine(setup, store_dir=store, config=config, name=name) as engine:
+            yield engine
+        return
+    args = [*llama_server_args(setup, "plain"), "--no-kv-unified"]
+    log = setup.log_dir / "llama-server-real-cli.log"
+    async with raw_llama_server(setup.binary, args, log) as url:
+        yield Engine(name, url, url, " ".join(args))
+
+
 async def run_real_cli(
     bench: Bench, spec: CliSpec, *, claude: Path, configs: Sequence[str] = CONFIGS
 ) -> dict[str, Any]:
@@ -179,24 +194,10 @@ async def run_real_cli(
             bench.say(f"real-cli/{name}: {spec.agents} agents × {spec.sessions} sessions")
             # The warm run asks for other words: only what is really shared can be reused.
             first_word = spec.agents * spec.sessions if name == "agentkv-warm" else 0
-            if name == "llama-server":
-                args = [*llama_server_args(setup, "plain"), "--no-kv-unified"]
-                log = setup.log_dir / "llama-server-real-cli.log"
-                async with raw_llama_server(setup.binary, args, log) as url:
-                    llama_server = Engine(name, url, url, " ".join(args))
-                    report = await _measure(
-                        llama_server, claude, project, home, spec, setup.ctx, first_word
-                    )
-            else:
-                async with agentkv_engine(
-                    setup, store_dir=store, config=NO_PREEMPTION, name=name
-                ) as engine:
-                    report = await _measure(
-                        engine, claude, project, home, spec, setup.ctx, first_word
-                    )
-                    if engine.runtime is not None:
-                        placements = engine.runtime.snapshot().placements
-                        report["placements"] = unstructure(placements)
+            async with _engine(setup, name, store) as engine:
+                report = await _measure(engine, claude, project, home, spec, setup.ctx, first_word)
+                if engine.runtime is not None:
+                    report["placements"] = unstructure(engine.runtime.snapshot().placements)
             reports.append(report)
             bench.say(f"real-cli/{name}: {report['wall_s']} s, {report['correct']} right")
     finally:
