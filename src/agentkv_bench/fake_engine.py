@@ -289,12 +289,11 @@ class FakeLlama:
         self.active[slot] = self.active.get(slot, 0) + 1
         self.max_per_slot = max(self.max_per_slot, self.active[slot])
         if self.prefill_delay:
-            # The prefill in steps; with ``return_progress``, llama-server's progress chunks.
+            # The prefill in steps; with ``return_progress``, llama-server's progress chunks: a
+            # bare role delta, and the slot's prompt so far (cached tokens included; last whole).
             steps = 4
-            for step in range(steps + 1):  # the last one whole, as llama-server sends it
+            for step in range(steps + 1):
                 if progress:
-                    done = prompt_n * step // steps
-                    # As llama-server sends them: a bare role delta, and the progress.
                     role = {"role": "assistant", "content": None}
                     yield _sse(
                         {
@@ -302,8 +301,7 @@ class FakeLlama:
                             "prompt_progress": {
                                 "total": cache_n + prompt_n,
                                 "cache": cache_n,
-                                # the slot's prompt so far, the cached tokens included
-                                "processed": cache_n + done,
+                                "processed": cache_n + prompt_n * step // steps,
                             },
                         }
                     )

@@ -204,13 +204,12 @@ def _ttft_row(priority: str) -> tuple[str, Callable[[dict[str, Any]], str]]:
 
 def agents_table(report: dict[str, Any]) -> str:
     configs = report["configs"]
-    priorities = sorted({p for c in configs for p in c["ttft"]})
     rows = [
         ("wall time", lambda c: fmt(c["wall_s"], " s")),
         ("prefill computed (tokens)", lambda c: fmt(c["prefill_computed"])),
         ("prefill / minimum", lambda c: fmt(c["prefill_ratio"], "×")),
         ("cache-hit ratio", lambda c: fmt(c["cache_hit_ratio"])),
-        *(_ttft_row(p) for p in priorities),
+        *(_ttft_row(p) for p in sorted({p for c in configs for p in c["ttft"]})),
         ("longest wait", lambda c: fmt(c["longest_wait_s"], " s")),
         ("output tokens / s", lambda c: fmt(c["output_tokens_per_s"])),
         ("errors", lambda c: fmt(c["errors"])),
@@ -519,9 +518,8 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
 
 def priority_table(report: dict[str, Any]) -> str:
     configs = report["configs"]
-    priorities = sorted({p for c in configs for p in c["ttft"]})
     rows = [
-        *(_ttft_row(p) for p in priorities),
+        *(_ttft_row(p) for p in sorted({p for c in configs for p in c["ttft"]})),
         ("wall time (incl. warm-up)", lambda c: fmt(c["wall_s"], " s")),
         ("prefill computed (tokens)", lambda c: fmt(c["prefill_computed"])),
         ("computed twice (computed − minimum)", lambda c: fmt(c["computed_twice"])),
