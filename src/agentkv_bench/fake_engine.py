@@ -134,11 +134,10 @@ class FakeLlama:
         if path == "/v1/chat/completions":
             return self._chat(json.loads(request.content))
         if path == "/apply-template":
-            body = json.loads(request.content)
-            return httpx.Response(200, json={"prompt": render(body)})
+            return httpx.Response(200, json={"prompt": render(json.loads(request.content))})
         if path == "/tokenize":
-            body = json.loads(request.content)
-            return httpx.Response(200, json={"tokens": tokenize(body["content"])})
+            text = json.loads(request.content)["content"]
+            return httpx.Response(200, json={"tokens": tokenize(text)})
         if path == "/completion":
             return self._completion(json.loads(request.content))
         if path.startswith("/slots/") and request.method == "POST":
@@ -235,30 +234,16 @@ class FakeLlama:
         if action == "save":
             tokens = self.cache.get(slot, [])
             write_state(path, tokens)
-            return httpx.Response(
-                200,
-                json={
-                    "id_slot": slot,
-                    "filename": filename,
-                    "n_saved": len(tokens),
-                    "n_written": path.stat().st_size,
-                },
-            )
-        if action == "restore":
+            counts = {"n_saved": len(tokens), "n_written": path.stat().st_size}
+        elif action == "restore":
             restored = read_state(path)
             if restored is None:
                 return _error(400, "Unable to restore slot")
             self.cache[slot] = restored if self.restore_reuses else []
-            return httpx.Response(
-                200,
-                json={
-                    "id_slot": slot,
-                    "filename": filename,
-                    "n_restored": len(restored),
-                    "n_read": path.stat().st_size,
-                },
-            )
-        return _error(400, "bad action")
+            counts = {"n_restored": len(restored), "n_read": path.stat().st_size}
+        else:
+            return _error(400, "bad action")
+        return httpx.Response(200, json={"id_slot": slot, "filename": filename, **counts})
 
     def _final(self, text: str, prompt_n: int, cache_n: int = 0) -> dict[str, Any]:
         return {
