@@ -63,9 +63,9 @@ def _fewer_tools(tools: list[Any], scale: float) -> list[Any]:
 def shrink(body: dict[str, Any], scale: float) -> dict[str, Any]:
     """``body`` with its long texts cut to ``scale`` of their length and fewer tools (the
     structure, the order of the parts and the user's words are kept)."""
-    if scale >= 1:
-        return copy.deepcopy(body)
     out = copy.deepcopy(body)
+    if scale >= 1:
+        return out
     for block in out.get("system", [])[1:]:
         block["text"] = _cut(block["text"], scale)
     out["tools"] = _fewer_tools(out.get("tools", []), scale)
@@ -100,9 +100,7 @@ def fresh_request(
         user = json.loads(metadata["user_id"])
         user["session_id"] = session_id
         metadata["user_id"] = json.dumps(user, separators=(",", ":"))
-    body["max_tokens"] = max_tokens
-    body["temperature"] = 0.0
-    body["stream"] = True
+    body.update(max_tokens=max_tokens, temperature=0.0, stream=True)
     return body
 
 

@@ -111,9 +111,7 @@ def fresh_codex_request(
         metadata["x-codex-turn-metadata"] = json.dumps(inner, separators=(",", ":"))
         if "x-codex-window-id" in metadata:
             metadata["x-codex-window-id"] = f"{session.session_id}:0"
-    body["max_output_tokens"] = max_tokens
-    body["temperature"] = 0.0
-    body["stream"] = True
+    body.update(max_output_tokens=max_tokens, temperature=0.0, stream=True)
     return body
 
 

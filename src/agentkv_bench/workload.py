@@ -123,11 +123,7 @@ class Workload:
 
 
 def _text(rng: random.Random, words: int) -> str:
-    out: list[str] = []
-    for i in range(words):
-        word = rng.choice(_WORDS)
-        out.append(word + ("." if i % 12 == 11 else ""))
-    return " ".join(out)
+    return " ".join(rng.choice(_WORDS) + ("." if i % 12 == 11 else "") for i in range(words))
 
 
 def _code(rng: random.Random, words: int) -> str:
