@@ -14,12 +14,13 @@ same for every configuration, so the prompts differ only where the sessions do.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,14 @@ import attrs
 import httpx
 
 from agentkv.snapshot import unstructure
-from agentkv_bench.engines import NO_PREEMPTION, EngineSetup, agentkv_engine, raw_llama_server
+from agentkv_bench.engines import (
+    NO_PREEMPTION,
+    Engine,
+    EngineSetup,
+    agentkv_engine,
+    llama_server_args,
+    raw_llama_server,
+)
 from agentkv_bench.metrics import difference, read_counters
 from agentkv_bench.report import fmt, render_table, write_report
 from agentkv_bench.scenarios import Bench
@@ -155,6 +163,20 @@ async def _run_agents(
     return time.monotonic() - started, results
 
 
+@contextlib.asynccontextmanager
+async def _engine(setup: EngineSetup, name: str, store: Path) -> AsyncIterator[Engine]:
+    """llama-server alone (``--no-kv-unified``), or agentkv on ``store``."""
+    if name != "llama-server":
+        config = NO_PREEMPTION
+        async with agentkv_engine(setup, store_dir=store, config=config, name=name) as engine:
+            yield engine
+        return
+    args = [*llama_server_args(setup, "plain"), "--no-kv-unified"]
+    log = setup.log_dir / "llama-server-real-cli.log"
+    async with raw_llama_server(setup.binary, args, log) as url:
+        yield Engine(name, url, url, " ".join(args))
+
+
 async def run_real_cli(
     bench: Bench, spec: CliSpec, *, claude: Path, configs: Sequence[str] = CONFIGS
 ) -> dict[str, Any]:
@@ -172,33 +194,10 @@ async def run_real_cli(
             bench.say(f"real-cli/{name}: {spec.agents} agents × {spec.sessions} sessions")
             # The warm run asks for other words: only what is really shared can be reused.
             first_word = spec.agents * spec.sessions if name == "agentkv-warm" else 0
-            if name == "llama-server":
-                args = ["-m", str(setup.model), "-np", str(setup.slots)]
-                args += ["-c", str(setup.slots * setup.ctx), "--no-kv-unified", "--metrics"]
-                log = setup.log_dir / "llama-server-real-cli.log"
-                async with raw_llama_server(setup.binary, args, log) as url:
-                    report = await _measure(
-                        name, url, url, None, claude, project, home, spec, setup, first_word
-                    )
-            else:
-                async with agentkv_engine(
-                    setup, store_dir=store, config=NO_PREEMPTION, name=name
-                ) as engine:
-                    report = await _measure(
-                        name,
-                        engine.url,
-                        engine.engine_url,
-                        engine.engine_key,
-                        claude,
-                        project,
-                        home,
-                        spec,
-                        setup,
-                        first_word,
-                    )
-                    if engine.runtime is not None:
-                        placements = engine.runtime.snapshot().placements
-                        report["placements"] = unstructure(placements)
+            async with _engine(setup, name, store) as engine:
+                report = await _measure(engine, claude, project, home, spec, setup.ctx, first_word)
+                if engine.runtime is not None:
+                    report["placements"] = unstructure(engine.runtime.snapshot().placements)
             reports.append(report)
             bench.say(f"real-cli/{name}: {report['wall_s']} s, {report['correct']} right")
     finally:
@@ -221,25 +220,24 @@ async def run_real_cli(
 
 
 async def _measure(
-    name: str,
-    url: str,
-    engine_url: str,
-    engine_key: str | None,
+    engine: Engine,
     claude: Path,
     project: Path,
     home: Path,
     spec: CliSpec,
-    setup: EngineSetup,
+    ctx: int,
     first_word: int,
 ) -> dict[str, Any]:
+    """One configuration's sessions, and llama-server's counters over them."""
+    url, key = engine.engine_url, engine.engine_key
     async with httpx.AsyncClient() as http:
-        before = await read_counters(http, engine_url, engine_key)
-        wall, sessions = await _run_agents(claude, project, home, url, spec, setup.ctx, first_word)
-        counters = difference(await read_counters(http, engine_url, engine_key), before)
+        before = await read_counters(http, url, key)
+        wall, sessions = await _run_agents(claude, project, home, engine.url, spec, ctx, first_word)
+        counters = difference(await read_counters(http, url, key), before)
     rows = [row for agent in sessions.values() for row in agent]
     return {
-        "name": name,
-        "label": _LABELS.get(name, name),
+        "name": engine.name,
+        "label": _LABELS.get(engine.name, engine.name),
         "wall_s": round(wall, 1),
         "sessions": sessions,
         "correct": sum(1 for row in rows if row["correct"]),

@@ -35,15 +35,20 @@ __all__ = [
     "shrink",
 ]
 
-_TEMPLATE = "claude_code_first_request.json"
-#: The user's words in the captured request; every fresh session replaces them.
+#: The user's words in the captured requests; every fresh session replaces them.
 _CAPTURED_WORDS = "Reply with the single word: alpha"
+
+
+def _captured(name: str) -> dict[str, Any]:
+    """A capture shipped as package data (a new copy on every call)."""
+    text = resources.files("agentkv_bench").joinpath("data", name).read_text("utf-8")
+    captured: dict[str, Any] = json.loads(text)
+    return captured
 
 
 def claude_template() -> dict[str, Any]:
     """The captured first request of a fresh Claude Code session (a new copy on every call)."""
-    text = resources.files("agentkv_bench").joinpath("data", _TEMPLATE).read_text("utf-8")
-    body: dict[str, Any] = json.loads(text)["body"]
+    body: dict[str, Any] = _captured("claude_code_first_request.json")["body"]
     return body
 
 
@@ -51,17 +56,19 @@ def _cut(text: str, scale: float) -> str:
     return text if scale >= 1 else text[: max(40, int(len(text) * scale))]
 
 
+def _fewer_tools(tools: list[Any], scale: float) -> list[Any]:
+    return tools[: max(1, math.ceil(len(tools) * scale))]
+
+
 def shrink(body: dict[str, Any], scale: float) -> dict[str, Any]:
     """``body`` with its long texts cut to ``scale`` of their length and fewer tools (the
     structure, the order of the parts and the user's words are kept)."""
-    if scale >= 1:
-        return copy.deepcopy(body)
     out = copy.deepcopy(body)
+    if scale >= 1:
+        return out
     for block in out.get("system", [])[1:]:
         block["text"] = _cut(block["text"], scale)
-    tools = out.get("tools", [])
-    keep = max(1, math.ceil(len(tools) * scale))
-    out["tools"] = tools[:keep]
+    out["tools"] = _fewer_tools(out.get("tools", []), scale)
     for tool in out["tools"]:
         tool["description"] = _cut(tool.get("description", ""), scale)
     for message in out["messages"]:
@@ -93,9 +100,7 @@ def fresh_request(
         user = json.loads(metadata["user_id"])
         user["session_id"] = session_id
         metadata["user_id"] = json.dumps(user, separators=(",", ":"))
-    body["max_tokens"] = max_tokens
-    body["temperature"] = 0.0
-    body["stream"] = True
+    body.update(max_tokens=max_tokens, temperature=0.0, stream=True)
     return body
 
 

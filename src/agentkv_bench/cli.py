@@ -61,9 +61,39 @@ _CONFIGS = {
     "compaction": ("llama-server", "agentkv-noprep", "agentkv"),
     "band": ("high-water", "band"),
 }
+#: The size flags and their help, in the order ``--help`` lists them; all but
+#: :data:`_FRACTIONAL` take whole numbers.
+_SIZES = {
+    "--agents": "agents (agents 6, claude 3; quick 3; mixed: of each kind, 2)",
+    "--slots": "llama-server slots (default 2)",
+    "--turns": "agents, mixed: requests per agent (default 4; quick 2; mixed 2); band: turns (24)",
+    "--sessions": "claude: fresh sessions per agent (default 2)",
+    "--followups": "claude: follow-up turns per session (default 0; quick 1)",
+    "--scale": "claude, restart, priority, subagents, mixed: length of the captured prompts' "
+    "texts, 1 = as captured (~11.6K tokens for Claude Code; quick 0.125)",
+    "--rounds": "priority: P0 arrivals (default 3; quick 2)",
+    "--subagents": "priority: sub-agents (default 2)",
+    "--runs": "real-cli-fanout: runs (default 3; quick 1)",
+    "--delay": "priority: seconds from the sub-agents' start to P0's arrival",
+    "--think": "compaction: seconds of think time before each compaction turn (default 150)",
+    "--clients": "soak: concurrent clients (default 16; quick 4)",
+    "--requests": "soak: requests per client (default 3; quick 2)",
+    "--disconnect": "soak: share of requests dropped on purpose at a random moment (default 0.3)",
+    "--kill-at": "soak: seconds from the clients' start to the engine's SIGKILL "
+    "(default 20; quick 10)",
+}
+_FRACTIONAL = {"--scale", "--delay", "--think", "--disconnect", "--kill-at"}
 #: Context per slot: the synthetic prompts are short; Claude Code's first request is ~11.8K.
 _CTX = {"agents": 4096, "band": 4096}
 _CTX_DEFAULT = 32768
+
+
+def _configs_help() -> str:
+    """Each scenario's configurations, scenarios with the same ones named together."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for scenario, configs in _CONFIGS.items():
+        groups.setdefault(configs, []).append(scenario)
+    return "; ".join(f"{', '.join(names)}: {','.join(c)}" for c, names in groups.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,48 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--quick", action="store_true", help="the small CI-sized version")
     size = parser.add_argument_group("size")
-    size.add_argument(
-        "--agents", type=int, help="agents (agents 6, claude 3; quick 3; mixed: of each kind, 2)"
-    )
-    size.add_argument("--slots", type=int, help="llama-server slots (default 2)")
-    size.add_argument(
-        "--turns",
-        type=int,
-        help="agents, mixed: requests per agent (default 4; quick 2; mixed 2); band: turns (24)",
-    )
-    size.add_argument("--sessions", type=int, help="claude: fresh sessions per agent (default 2)")
-    size.add_argument(
-        "--followups", type=int, help="claude: follow-up turns per session (default 0; quick 1)"
-    )
-    size.add_argument(
-        "--scale",
-        type=float,
-        help="claude, restart, priority, subagents, mixed: length of the captured prompts' texts, "
-        "1 = as captured (~11.6K tokens for Claude Code; quick 0.125)",
-    )
-    size.add_argument("--rounds", type=int, help="priority: P0 arrivals (default 3; quick 2)")
-    size.add_argument("--subagents", type=int, help="priority: sub-agents (default 2)")
-    size.add_argument("--runs", type=int, help="real-cli-fanout: runs (default 3; quick 1)")
-    size.add_argument(
-        "--delay", type=float, help="priority: seconds from the sub-agents' start to P0's arrival"
-    )
-    size.add_argument(
-        "--think",
-        type=float,
-        help="compaction: seconds of think time before each compaction turn (default 150)",
-    )
-    size.add_argument("--clients", type=int, help="soak: concurrent clients (default 16; quick 4)")
-    size.add_argument("--requests", type=int, help="soak: requests per client (default 3; quick 2)")
-    size.add_argument(
-        "--disconnect",
-        type=float,
-        help="soak: share of requests dropped on purpose at a random moment (default 0.3)",
-    )
-    size.add_argument(
-        "--kill-at",
-        type=float,
-        help="soak: seconds from the clients' start to the engine's SIGKILL (default 20; quick 10)",
-    )
+    for flag, text in _SIZES.items():
+        size.add_argument(flag, type=float if flag in _FRACTIONAL else int, help=text)
     size.add_argument(
         "--seed",
         type=int,
@@ -142,14 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help=f"context per slot (agents, band 4096, otherwise {_CTX_DEFAULT})",
     )
-    parser.add_argument(
-        "--configs",
-        help="comma list of configurations (agents, claude: plain,tuned,agentkv; priority: "
-        "alone,plain,tuned,agentkv,agentkv-preempt; subagents: alone,plain,agentkv-notree,agentkv,"
-        "agentkv-warm; mixed: direct,agentkv; real-cli: llama-server,agentkv,agentkv-warm; "
-        "real-cli-fanout: llama-server,agentkv; compaction: llama-server,agentkv-noprep,agentkv; "
-        "band: high-water,band)",
-    )
+    parser.add_argument("--configs", help=f"comma list of configurations ({_configs_help()})")
     parser.add_argument(
         "--tuned-args",
         default=" ".join(TUNED_ARGS),

@@ -1,28 +1,23 @@
 """Codex-shaped requests, built from a real Codex CLI request (shipped as package data).
 
 The template is the first ``POST /v1/responses`` of a fresh ``codex exec`` session (Codex CLI
-0.171.0, a custom model provider with ``wire_api = "responses"``), with its identity headers:
-``session-id``, ``thread-id`` and ``x-codex-turn-metadata`` (a JSON with the session, thread,
-agent name, turn and request kind). A fresh session of another agent in the same project is that
-request with other user words and new ids; the next request of the turn appends the model's
-``function_call`` item and its ``function_call_output``, as Codex appends them (it keeps the whole
-history in ``input``: ``store`` is false and it sends no ``previous_response_id``).
-
-``scale`` below 1 shortens the long texts (the developer instructions, tool descriptions) and keeps
-fewer tools, the way :func:`agentkv_bench.claude_workload.shrink` shortens Claude Code's.
+0.171.0, a custom provider with ``wire_api = "responses"``) with its identity headers
+(``session-id``, ``thread-id``, ``x-codex-turn-metadata``). Another agent's fresh session is that
+request with other user words and new ids; the next request of a turn appends the model's
+``function_call`` and its ``function_call_output`` to ``input``, as Codex does (``store`` is false
+and it sends no ``previous_response_id``). ``scale`` below 1 shortens it as
+:func:`agentkv_bench.claude_workload.shrink` shortens Claude Code's.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
-from importlib import resources
 from typing import Any
 
 import attrs
 
-from agentkv_bench.claude_workload import _cut
+from agentkv_bench.claude_workload import _CAPTURED_WORDS, _captured, _cut, _fewer_tools
 
 __all__ = [
     "CodexSession",
@@ -32,17 +27,13 @@ __all__ = [
     "shrink_codex",
 ]
 
-_TEMPLATE = "codex_first_request.json"
-#: The user's words in the captured request; every fresh session replaces them.
-_CAPTURED_WORDS = "Reply with the single word: alpha"
 #: Headers of the capture that carry the session (they are given the new session's ids).
 _ID_HEADERS = ("session-id", "thread-id", "x-client-request-id")
 
 
 def codex_template() -> tuple[dict[str, Any], dict[str, str]]:
     """The captured first request of a fresh Codex session and its headers (new copies)."""
-    text = resources.files("agentkv_bench").joinpath("data", _TEMPLATE).read_text("utf-8")
-    captured = json.loads(text)
+    captured = _captured("codex_first_request.json")
     return captured["body"], dict(captured["headers"])
 
 
@@ -63,8 +54,7 @@ def shrink_codex(body: dict[str, Any], scale: float) -> dict[str, Any]:
         if item.get("type") == "message" and item.get("role") == "developer":
             for part in item["content"]:
                 part["text"] = _cut(part["text"], scale)
-    tools = out.get("tools", [])
-    out["tools"] = tools[: max(1, math.ceil(len(tools) * scale))]
+    out["tools"] = _fewer_tools(out.get("tools", []), scale)
     for tool in out["tools"]:
         _shrink_tool(tool, scale)
     return out
@@ -117,18 +107,11 @@ def fresh_codex_request(
     if isinstance(metadata, dict):
         inner = json.loads(metadata.get("x-codex-turn-metadata", "{}"))
         inner.update(session._ids(inner))
-        metadata.update(
-            session_id=session.session_id,
-            thread_id=session.session_id,
-            turn_id=session.turn_id,
-            root_turn_id=session.turn_id,
-        )
+        metadata.update(session._ids({}))
         metadata["x-codex-turn-metadata"] = json.dumps(inner, separators=(",", ":"))
         if "x-codex-window-id" in metadata:
             metadata["x-codex-window-id"] = f"{session.session_id}:0"
-    body["max_output_tokens"] = max_tokens
-    body["temperature"] = 0.0
-    body["stream"] = True
+    body.update(max_output_tokens=max_tokens, temperature=0.0, stream=True)
     return body
 
 

@@ -1,11 +1,9 @@
 """The client side: agents as closed loops of streamed requests, timed per request.
 
-The same code drives every configuration, through the official SDKs (:class:`Clients`). An agent
-speaks one API (:data:`ROUTES`): Anthropic Messages (``POST /v1/messages``, Claude Code, with the
-``anthropic`` SDK), OpenAI Responses (``POST /v1/responses``, Codex) or Chat Completions
-(``POST /v1/chat/completions``), both with the ``openai`` SDK. A captured body is sent as it is:
-the fields an SDK method names are passed to it, the rest as ``extra_body``, and the agent's
-headers (agentkv's ``X-Agent-Id`` / ``X-Agent-Priority``, a client's own) as ``extra_headers``.
+The same code drives every configuration, through the official SDKs (:class:`Clients`): an agent
+speaks Anthropic Messages (Claude Code's), OpenAI Responses (Codex's) or Chat Completions
+(:data:`ROUTES`). A captured body is sent as it is: the fields an SDK method names are passed to
+it, the rest as ``extra_body``, and the agent's headers as ``extra_headers``.
 
 TTFT is submit → the SDK's first streamed event of content (text or a tool call's input): agentkv
 sends ``message_start`` / ``response.created`` at once and llama-server only when it starts
@@ -174,28 +172,22 @@ async def sdk_clients(
     request sent on one it is closing fails; a fresh loopback connection per request costs ~1 ms.
     """
     keep = connections if keep_alive else 0
-    # Each SDK's own HTTP library's Limits (the type of its default limits).
-    a_limits = type(anthropic.DEFAULT_CONNECTION_LIMITS)(
-        max_connections=connections, max_keepalive_connections=keep
-    )
-    o_limits = type(openai.DEFAULT_CONNECTION_LIMITS)(
-        max_connections=connections, max_keepalive_connections=keep
-    )
+
+    def options(sdk: Any) -> dict[str, Any]:
+        # The SDK's own HTTP library's Limits (the type of its default limits).
+        limits = type(sdk.DEFAULT_CONNECTION_LIMITS)(
+            max_connections=connections, max_keepalive_connections=keep
+        )
+        return {
+            "api_key": "bench",
+            "max_retries": 0,
+            "timeout": sdk.Timeout(request_timeout, connect=10.0),
+            "http_client": sdk.DefaultAsyncHttpxClient(limits=limits),
+        }
+
     async with (
-        anthropic.AsyncAnthropic(
-            base_url=url,
-            api_key="bench",
-            max_retries=0,
-            timeout=anthropic.Timeout(request_timeout, connect=10.0),
-            http_client=anthropic.DefaultAsyncHttpxClient(limits=a_limits),
-        ) as messages,
-        openai.AsyncOpenAI(
-            base_url=url + "/v1",
-            api_key="bench",
-            max_retries=0,
-            timeout=openai.Timeout(request_timeout, connect=10.0),
-            http_client=openai.DefaultAsyncHttpxClient(limits=o_limits),
-        ) as other,
+        anthropic.AsyncAnthropic(base_url=url, **options(anthropic)) as messages,
+        openai.AsyncOpenAI(base_url=url + "/v1", **options(openai)) as other,
     ):
         yield Clients(messages, other)
 

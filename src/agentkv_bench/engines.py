@@ -1,13 +1,9 @@
 """The configurations under test, each a running server: llama-server alone, or agentkv in front.
 
 - ``plain``: llama-server with its own defaults (``-m -np -c --metrics``), driven through its own
-  ``/v1/messages``;
-- ``tuned``: the same plus :data:`TUNED_ARGS`;
-- ``agentkv``: agentkv as ``agentkv-server`` builds it, :func:`agentkv.runtime.assemble.assemble`
-  with the defaults (only the binary, model, slots, context per slot and store directory are
-  given) but pre-emption off unless a scenario asks for it (:data:`NO_PREEMPTION`), and, for
-  clients replayed by the harness, no prepared compaction (:data:`REPLAYED`); its Starlette app,
-  served by uvicorn on loopback.
+  ``/v1/messages``; ``tuned``: the same plus :data:`TUNED_ARGS`;
+- ``agentkv``: agentkv as ``agentkv-server`` builds it (:func:`agentkv_engine`), its app served by
+  uvicorn on loopback.
 
 Every configuration is a fresh llama-server process, so every in-memory cache starts cold; a
 prefix store directory (agentkv's only) is the one thing that may outlive a restart.
@@ -49,17 +45,14 @@ __all__ = [
 #: keep evicted prompts in host RAM and restore them (explicitly sized; the default is 8 GiB).
 TUNED_ARGS: tuple[str, ...] = ("-sps", "0", "--cache-ram", "4096")
 
-#: The one default of agentkv's that its configurations change, unless a scenario gives its own
-#: settings (``priority``'s ``agentkv-preempt`` and ``subagents`` run agentkv's defaults):
-#: pre-emption off (the default is ``--preempt-from 1``). A suspended request is sent to
-#: llama-server again when it resumes, so with pre-emption llama-server counts more prompt tokens
-#: than the workload's prompts hold, and the configurations would not be sent the same.
+#: agentkv's defaults but pre-emption off (the default is ``--preempt-from 1``), unless a scenario
+#: asks for it: a suspended request is sent to llama-server again when it resumes, so llama-server
+#: would count more prompt tokens than the workload's prompts hold.
 NO_PREEMPTION = RuntimeConfig(preempt_from=None)
-#: What the configurations whose clients the harness replays change besides: no prepared
-#: compaction (the default is on). A replayed Claude Code request never comes back as the
-#: compaction a real Claude Code would send next, so every preparation would be a miss: background
-#: work the real client would not cause, and one more ticket in the queue. The scenarios with the
-#: real CLI (``real-cli``, ``real-cli-fanout``) keep it on.
+#: For clients the harness replays, also no prepared compaction (the default is on): a replayed
+#: request never comes back as the compaction a real Claude Code would send next, so every
+#: preparation would be background work the real client would not cause. The real-CLI scenarios
+#: keep it on.
 REPLAYED = RuntimeConfig(preempt_from=None, prepare_compaction=False)
 
 LABELS = {

@@ -20,6 +20,8 @@ import anyio
 import attrs
 import httpx
 
+from agentkv.tokens import common_prefix
+
 __all__ = ["FakeLlama", "Reply", "read_state", "render", "tokenize", "write_state"]
 
 #: A reply: text, cut into ``chunk_chars`` pieces, or the streamed pieces themselves.
@@ -124,19 +126,18 @@ class FakeLlama:
             return httpx.Response(200, json={"modalities": {"vision": self.vision}})
         if path in ("/v1/chat/completions", "/apply-template") and self._refuses_images(request):
             # As llama-server without a multimodal projector answers (measured, b11434).
-            message = (
+            return _error(
+                500,
                 "image input is not supported - hint: if this is unexpected, "
-                "you may need to provide the mmproj"
+                "you may need to provide the mmproj",
             )
-            return httpx.Response(500, json={"error": {"code": 500, "message": message}})
         if path == "/v1/chat/completions":
             return self._chat(json.loads(request.content))
         if path == "/apply-template":
-            body = json.loads(request.content)
-            return httpx.Response(200, json={"prompt": render(body)})
+            return httpx.Response(200, json={"prompt": render(json.loads(request.content))})
         if path == "/tokenize":
-            body = json.loads(request.content)
-            return httpx.Response(200, json={"tokens": tokenize(body["content"])})
+            text = json.loads(request.content)["content"]
+            return httpx.Response(200, json={"tokens": tokenize(text)})
         if path == "/completion":
             return self._completion(json.loads(request.content))
         if path.startswith("/slots/") and request.method == "POST":
@@ -168,12 +169,7 @@ class FakeLlama:
 
     def _run_prompt(self, slot: int, tokens: list[int]) -> tuple[int, int]:
         """Reuse the slot's cache for the common prefix, as llama-server does: (cache, computed)."""
-        held = self.cache.get(slot, [])
-        cache_n = 0
-        for a, b in zip(held, tokens, strict=False):
-            if a != b:
-                break
-            cache_n += 1
+        cache_n = common_prefix(self.cache.get(slot, []), tokens)
         cache_n = min(cache_n, max(0, len(tokens) - 1))  # at least one token is evaluated
         self.cache[slot] = list(tokens)
         self.computed += len(tokens) - cache_n
@@ -183,10 +179,7 @@ class FakeLlama:
         if self.record:
             self.requests.append(body)
         if self.fail_status is not None:
-            return httpx.Response(
-                self.fail_status,
-                json={"error": {"code": self.fail_status, "message": "injected failure"}},
-            )
+            return _error(self.fail_status, "injected failure")
         slot = int(body.get("id_slot", -1))
         cache_n, prompt_n = self._run_prompt(slot, tokenize(render(body)))
         reply = self.script.pop(0) if self.script else self.reply
@@ -236,42 +229,21 @@ class FakeLlama:
             self.cache.pop(slot, None)
             return httpx.Response(200, json={"id_slot": slot, "n_erased": 0})
         if self.save_dir is None:
-            return httpx.Response(
-                501,
-                json={
-                    "error": {"code": 501, "message": "This server does not support slots action"}
-                },
-            )
+            return _error(501, "This server does not support slots action")
         path = self.save_dir / filename
         if action == "save":
             tokens = self.cache.get(slot, [])
             write_state(path, tokens)
-            return httpx.Response(
-                200,
-                json={
-                    "id_slot": slot,
-                    "filename": filename,
-                    "n_saved": len(tokens),
-                    "n_written": path.stat().st_size,
-                },
-            )
-        if action == "restore":
+            counts = {"n_saved": len(tokens), "n_written": path.stat().st_size}
+        elif action == "restore":
             restored = read_state(path)
             if restored is None:
-                return httpx.Response(
-                    400, json={"error": {"code": 400, "message": "Unable to restore slot"}}
-                )
+                return _error(400, "Unable to restore slot")
             self.cache[slot] = restored if self.restore_reuses else []
-            return httpx.Response(
-                200,
-                json={
-                    "id_slot": slot,
-                    "filename": filename,
-                    "n_restored": len(restored),
-                    "n_read": path.stat().st_size,
-                },
-            )
-        return httpx.Response(400, json={"error": {"code": 400, "message": "bad action"}})
+            counts = {"n_restored": len(restored), "n_read": path.stat().st_size}
+        else:
+            return _error(400, "bad action")
+        return httpx.Response(200, json={"id_slot": slot, "filename": filename, **counts})
 
     def _final(self, text: str, prompt_n: int, cache_n: int = 0) -> dict[str, Any]:
         return {
@@ -302,12 +274,11 @@ class FakeLlama:
         self.active[slot] = self.active.get(slot, 0) + 1
         self.max_per_slot = max(self.max_per_slot, self.active[slot])
         if self.prefill_delay:
-            # The prefill in steps; with ``return_progress``, llama-server's progress chunks.
+            # The prefill in steps; with ``return_progress``, llama-server's progress chunks: a
+            # bare role delta, and the slot's prompt so far (cached tokens included; last whole).
             steps = 4
-            for step in range(steps + 1):  # the last one whole, as llama-server sends it
+            for step in range(steps + 1):
                 if progress:
-                    done = prompt_n * step // steps
-                    # As llama-server sends them: a bare role delta, and the progress.
                     role = {"role": "assistant", "content": None}
                     yield _sse(
                         {
@@ -315,8 +286,7 @@ class FakeLlama:
                             "prompt_progress": {
                                 "total": cache_n + prompt_n,
                                 "cache": cache_n,
-                                # the slot's prompt so far, the cached tokens included
-                                "processed": cache_n + done,
+                                "processed": cache_n + prompt_n * step // steps,
                             },
                         }
                     )
@@ -342,6 +312,11 @@ class FakeLlama:
         self.active[slot] -= 1
         yield _sse(final)
         yield b"data: [DONE]\n\n"
+
+
+def _error(status: int, message: str) -> httpx.Response:
+    """An error as llama-server answers it."""
+    return httpx.Response(status, json={"error": {"code": status, "message": message}})
 
 
 def _sse(data: dict[str, Any]) -> bytes:

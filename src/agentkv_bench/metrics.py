@@ -25,7 +25,6 @@ __all__ = [
     "COUNTERS",
     "Counters",
     "PrefillYardstick",
-    "engine_headers",
     "parse_counters",
     "read_counters",
 ]
@@ -51,16 +50,12 @@ def parse_counters(text: str, names: Mapping[str, str] = COUNTERS) -> Counters:
     return {key: samples.get(name, 0.0) for key, name in names.items()}
 
 
-def engine_headers(api_key: str | None) -> dict[str, str]:
-    """What a request to llama-server carries: its API key, when it has one."""
-    return {"authorization": f"Bearer {api_key}"} if api_key else {}
-
-
 async def read_counters(
     http: httpx.AsyncClient, engine_url: str, api_key: str | None = None
 ) -> Counters:
     """llama-server's counters now (``api_key``: its key, when it has one)."""
-    response = await http.get(engine_url + "/metrics", headers=engine_headers(api_key), timeout=30)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    response = await http.get(engine_url + "/metrics", headers=headers, timeout=30)
     response.raise_for_status()
     return parse_counters(response.text)
 

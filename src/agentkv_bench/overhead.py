@@ -1,15 +1,12 @@
 """What the gateway itself costs: agentkv against an in-process fake engine that answers at once.
 
-Measured: latency added per request (agentkv's ``/v1/messages`` against the fake engine's own
-chat route; the same request each time, whose templating and tokens agentkv keeps, and then a new
-prompt each time, which the engine is asked about), as wall time and as this process's CPU time
-(which a loaded machine inflates far less), the stream relay rate, and memory per idle agent
-(tracemalloc, once the finished requests are no longer kept for a client's retry) and per
-request that just ended (kept ``retry_grace``).
+Measured: latency added per request against the fake engine's own chat route (the same request
+each time, whose templating and tokens agentkv keeps, then a new prompt each time), as wall time
+and as this process's CPU time (which a loaded machine inflates far less); the stream relay rate;
+memory per request that just ended and per idle agent (tracemalloc, after ``retry_grace``).
 
-The fake engine (:class:`~agentkv_bench.fake_engine.FakeLlama`, the tests' own) streams one
-word per chunk, varied: a reply that repeats one piece is a degenerate loop, which agentkv's
-repetition guard cuts short, and the relay would then not be measured.
+The fake engine streams one word per chunk, varied: a reply that repeats one piece is a
+degenerate loop, which agentkv's repetition guard cuts short before the relay is measured.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ prefill is read from llama-server's ``/metrics`` before and after.
 
 from __future__ import annotations
 
+import os
+import platform
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -38,7 +40,7 @@ from agentkv_bench.metrics import (
     token_sequences,
     yardsticks,
 )
-from agentkv_bench.report import fmt, render_table, summarize, write_report
+from agentkv_bench.report import Panel, fmt, render_table, summarize, write_report
 from agentkv_bench.workload import Workload, WorkloadSpec, build_workload, shared_prefix_len
 
 __all__ = [
@@ -52,6 +54,10 @@ __all__ = [
 ]
 
 Say = Callable[[str], None]
+
+#: Chart panels more than one scenario draws.
+_WALL_PANEL: Panel = ("wall time (s)", lambda c: c["wall_s"])
+_P0_PANEL: Panel = ("P0 TTFT p95 (s)", lambda c: c["ttft"].get("P0", {}).get("ttft_p95_s") or 0)
 
 
 @attrs.frozen
@@ -153,34 +159,34 @@ async def run_agents(
                 yardstick = PrefillYardstick.of(tokens)
             bench.say(f"{name}: running {workload.n_requests} requests")
             run = await measure(engine, [("", workload)])
-        reports.append(
-            summarize(name, run.wall, run.results, run.counters, yardstick, _flags(engine))
-        )
+        extra = {"flags": engine.flags}
+        reports.append(summarize(name, run.wall, run.results, run.counters, yardstick, extra))
         bench.say(f"{name}: {reports[-1]['wall_s']} s")
-    report: dict[str, Any] = {
-        "scenario": "agents",
-        "workload": attrs.asdict(spec),
-        **_machine(bench),
-        "prefill_minimum": yardstick.minimum if yardstick else None,
-        "prefill_naive": yardstick.naive if yardstick else None,
-        "configs": reports,
-    }
+    measured_overhead: dict[str, Any] = {}
     if overhead:
         from agentkv_bench.overhead import gateway_overhead
 
         bench.say("gateway overhead: fake engine")
-        report["gateway_overhead"] = await gateway_overhead()
-    report["total_s"] = round(time.monotonic() - started, 1)
-    text = agents_table(report)
+        measured_overhead["gateway_overhead"] = await gateway_overhead()
+    report = _report(
+        bench,
+        "agents",
+        spec,
+        started,
+        prefill_minimum=yardstick.minimum if yardstick else None,
+        prefill_naive=yardstick.naive if yardstick else None,
+        configs=reports,
+        **measured_overhead,
+    )
     await write_report(
         report,
-        text,
+        agents_table(report),
         bench.out,
         stem="benchmarks",
         panels=[
-            ("wall time (s)", lambda c: c["wall_s"]),
+            _WALL_PANEL,
             ("prefill computed / minimum", lambda c: c["prefill_ratio"] or 0),
-            ("P0 TTFT p95 (s)", lambda c: c["ttft"].get("P0", {}).get("ttft_p95_s") or 0),
+            _P0_PANEL,
         ],
         title=f"{spec.agents} agents on {spec.slots} slots, {spec.turns} turns each "
         "(lower is better)",
@@ -198,13 +204,12 @@ def _ttft_row(priority: str) -> tuple[str, Callable[[dict[str, Any]], str]]:
 
 def agents_table(report: dict[str, Any]) -> str:
     configs = report["configs"]
-    priorities = sorted({p for c in configs for p in c["ttft"]})
     rows = [
         ("wall time", lambda c: fmt(c["wall_s"], " s")),
         ("prefill computed (tokens)", lambda c: fmt(c["prefill_computed"])),
         ("prefill / minimum", lambda c: fmt(c["prefill_ratio"], "×")),
         ("cache-hit ratio", lambda c: fmt(c["cache_hit_ratio"])),
-        *(_ttft_row(p) for p in priorities),
+        *(_ttft_row(p) for p in sorted({p for c in configs for p in c["ttft"]})),
         ("longest wait", lambda c: fmt(c["longest_wait_s"], " s")),
         ("output tokens / s", lambda c: fmt(c["output_tokens_per_s"])),
         ("errors", lambda c: fmt(c["errors"])),
@@ -229,14 +234,7 @@ def agents_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _flags(engine: Engine) -> dict[str, Any]:
-    return {"flags": engine.flags}
-
-
 def _machine(bench: Bench) -> dict[str, Any]:
-    import os
-    import platform
-
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "engine": bench.setup.binary.name,
@@ -244,6 +242,19 @@ def _machine(bench: Bench) -> dict[str, Any]:
         "slots": bench.setup.slots,
         "ctx_per_slot": bench.setup.ctx,
         "machine": f"{platform.machine()}, {cpus} CPUs",
+    }
+
+
+def _report(
+    bench: Bench, scenario: str, spec: Any, started: float, **fields: Any
+) -> dict[str, Any]:
+    """A scenario's report: what ran and on what, then ``fields`` and the run's total seconds."""
+    return {
+        "scenario": scenario,
+        "workload": attrs.asdict(spec),
+        **_machine(bench),
+        **fields,
+        "total_s": round(time.monotonic() - started, 1),
     }
 
 
@@ -279,26 +290,24 @@ async def run_claude(bench: Bench, spec: ClaudeSpec, configs: Sequence[str]) -> 
             run = await measure(engine, [("", workload)])
         layout = _layout(name)
         correct, asked = answers_correct(workload, run.results)
-        extra = {**_flags(engine), "layout": layout, "answers_correct": correct, "asked": asked}
+        extra = {
+            "flags": engine.flags,
+            "layout": layout,
+            "answers_correct": correct,
+            "asked": asked,
+        }
         summary = summarize(name, run.wall, run.results, run.counters, sticks[layout], extra)
         summary["agentkv"] = _hits(run.snapshot)
         reports.append(summary)
         bench.say(f"claude/{name}: {summary['wall_s']} s")
-    report = {
-        "scenario": "claude",
-        "workload": attrs.asdict(spec),
-        **_machine(bench),
-        "yardsticks": {k: v.as_dict() for k, v in sticks.items()},
-        "configs": reports,
-        "total_s": round(time.monotonic() - started, 1),
-    }
+    report = _report(bench, "claude", spec, started, yardsticks=_as_dicts(sticks), configs=reports)
     await write_report(
         report,
         claude_table(report),
         bench.out,
         stem="claude",
         panels=[
-            ("wall time (s)", lambda c: c["wall_s"]),
+            _WALL_PANEL,
             ("prefill computed (K tokens)", lambda c: c["prefill_computed"] / 1000),
             ("slowest first answer (s)", lambda c: _slowest_first(c) or 0),
         ],
@@ -306,6 +315,10 @@ async def run_claude(bench: Bench, spec: ClaudeSpec, configs: Sequence[str]) -> 
         f"{spec.slots} slots (lower is better)",
     )
     return report
+
+
+def _as_dicts(sticks: dict[str, PrefillYardstick]) -> dict[str, dict[str, Any]]:
+    return {k: v.as_dict() for k, v in sticks.items()}
 
 
 def _slowest_first(config: dict[str, Any]) -> float | None:
@@ -391,20 +404,20 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
     ttft_cold = cold.results[0].ttft if cold.results else None
     first_life = summarize("agentkv", first.wall, first.results, first.counters, sticks["agentkv"])
     first_life["agentkv"] = _hits(first.snapshot)
-    report = {
-        "scenario": "restart",
-        "workload": attrs.asdict(spec),
-        **_machine(bench),
-        "newcomer_tokens": newcomer_tokens,
-        "newcomer_own_tokens": own,
-        "first_life": first_life,
-        "store_after_restart": _store_summary(loaded),
-        "ttft_after_restart_s": ttft_after,
-        "ttft_cold_s": ttft_cold,
-        "speedup": round(ttft_cold / ttft_after, 1) if ttft_after and ttft_cold else None,
-        "configs": [with_store, without],
-        "total_s": round(time.monotonic() - started, 1),
-    }
+    report = _report(
+        bench,
+        "restart",
+        spec,
+        started,
+        newcomer_tokens=newcomer_tokens,
+        newcomer_own_tokens=own,
+        first_life=first_life,
+        store_after_restart=_store_summary(loaded),
+        ttft_after_restart_s=ttft_after,
+        ttft_cold_s=ttft_cold,
+        speedup=round(ttft_cold / ttft_after, 1) if ttft_after and ttft_cold else None,
+        configs=[with_store, without],
+    )
     await write_report(report, restart_table(report), bench.out, stem="restart")
     return report
 
@@ -461,9 +474,9 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
         config = RuntimeConfig() if name == "agentkv-preempt" else REPLAYED
         phases = [("warmup", warmup)]
         for i, rnd in enumerate(rounds):
-            agents = tuple(a for a in rnd.agents if a.priority == 0) if alone else rnd.agents
-            if alone:
-                agents = tuple(attrs.evolve(a, start=0.0) for a in agents)
+            # Alone: the coordinator's turns only, at once.
+            p0 = tuple(attrs.evolve(a, start=0.0) for a in rnd.agents if a.priority == 0)
+            agents = p0 if alone else rnd.agents
             phases.append((f"round {i}", attrs.evolve(rnd, agents=agents)))
         bench.say(f"priority/{name}: starting")
         store = _store(bench, engine_name, fresh=True, tag=name)
@@ -475,7 +488,7 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
             run = await measure(engine, phases)
         stick = None if alone else sticks[_layout(engine_name)]
         measured = [r for r in run.results if r.phase != "warmup"]
-        summary = summarize(name, run.wall, measured, run.counters, stick, _flags(engine))
+        summary = summarize(name, run.wall, measured, run.counters, stick, {"flags": engine.flags})
         summary["label"] = {
             "alone": "P0 alone, idle agentkv",
             "agentkv-preempt": "agentkv, preempt-from 1",
@@ -484,22 +497,17 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
         summary["agentkv"] = _hits(run.snapshot)
         reports.append(summary)
         bench.say(f"priority/{name}: {summary['wall_s']} s")
-    report = {
-        "scenario": "priority",
-        "workload": attrs.asdict(spec),
-        **_machine(bench),
-        "yardsticks": {k: v.as_dict() for k, v in sticks.items()},
-        "configs": reports,
-        "total_s": round(time.monotonic() - started, 1),
-    }
+    report = _report(
+        bench, "priority", spec, started, yardsticks=_as_dicts(sticks), configs=reports
+    )
     await write_report(
         report,
         priority_table(report),
         bench.out,
         stem="priority",
         panels=[
-            ("P0 TTFT p95 (s)", lambda c: c["ttft"].get("P0", {}).get("ttft_p95_s") or 0),
-            ("wall time (s)", lambda c: c["wall_s"]),
+            _P0_PANEL,
+            _WALL_PANEL,
             ("computed twice (K tokens)", lambda c: (c["computed_twice"] or 0) / 1000),
         ],
         title=f"P0 arriving while {spec.subagents} sub-agents prefill, {spec.rounds} rounds "
@@ -510,9 +518,8 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
 
 def priority_table(report: dict[str, Any]) -> str:
     configs = report["configs"]
-    priorities = sorted({p for c in configs for p in c["ttft"]})
     rows = [
-        *(_ttft_row(p) for p in priorities),
+        *(_ttft_row(p) for p in sorted({p for c in configs for p in c["ttft"]})),
         ("wall time (incl. warm-up)", lambda c: fmt(c["wall_s"], " s")),
         ("prefill computed (tokens)", lambda c: fmt(c["prefill_computed"])),
         ("computed twice (computed − minimum)", lambda c: fmt(c["computed_twice"])),

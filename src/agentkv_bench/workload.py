@@ -1,16 +1,10 @@
 """Workloads of the benchmark: pure, seeded, and identical for every configuration.
 
-The common shapes (:class:`Agent`, :class:`Workload`) and the synthetic workload live here; the
-workloads built from real Claude Code requests are in :mod:`agentkv_bench.claude_workload`.
-
-In the synthetic workload several agents share one system prompt and tool list (request shapes
-like Claude Code's: system text blocks, tools with ``input_schema``). Each agent's conversation
-is scripted in advance: turn ``t`` holds the task plus ``t`` finished rounds of an assistant tool
-call and a tool result, so every configuration under test sees byte-identical requests, whatever
-the model answers.
-
-Also here: the unavoidable prefill of a request sequence (:func:`minimum_prefill`), the yardstick
-the measured prefill is compared against.
+The common shapes (:class:`Agent`, :class:`Workload`), the synthetic workload and the
+unavoidable prefill of a request sequence (:func:`minimum_prefill`). In the synthetic workload
+the agents share one system prompt and tool list, shaped like Claude Code's; turn ``t`` of an
+agent holds its task plus ``t`` scripted rounds of a tool call and its result, so every
+configuration sees byte-identical requests whatever the model answers.
 """
 
 from __future__ import annotations
@@ -20,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+
+from agentkv.tokens import common_prefix as shared_prefix_len
 
 __all__ = [
     "WORDS",
@@ -85,15 +81,10 @@ class WorkloadSpec:
 
 @attrs.frozen
 class Agent:
-    """One simulated agent: its id (sent as ``X-Agent-Id``), priority and scripted requests.
-
-    The agent sends its requests one after another (closed loop), the first ``start`` seconds
-    after the workload starts. ``sessions`` gives each request's session (a fresh conversation
-    starts a new one); empty means one session.
-
-    ``api`` is the route its requests go to (:data:`agentkv_bench.drivers.ROUTES`: Anthropic
-    Messages by default, or OpenAI Responses or Chat Completions). ``headers``, when given, are
-    sent instead of ``X-Agent-Id``/``X-Agent-Priority``: a client's own identity headers.
+    """One simulated agent: its id (sent as ``X-Agent-Id``), priority and scripted requests,
+    sent one after another from ``start`` seconds on. ``sessions``: each request's session
+    (empty: one); ``api``: its route (:data:`agentkv_bench.drivers.ROUTES`); ``headers``, when
+    given, are sent instead of ``X-Agent-Id``/``X-Agent-Priority`` (a client's own).
     """
 
     name: str
@@ -132,11 +123,7 @@ class Workload:
 
 
 def _text(rng: random.Random, words: int) -> str:
-    out: list[str] = []
-    for i in range(words):
-        word = rng.choice(_WORDS)
-        out.append(word + ("." if i % 12 == 11 else ""))
-    return " ".join(out)
+    return " ".join(rng.choice(_WORDS) + ("." if i % 12 == 11 else "") for i in range(words))
 
 
 def _code(rng: random.Random, words: int) -> str:
@@ -264,16 +251,6 @@ _ALPHABET = (
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
 )
 WORDS = tuple(_ALPHABET.split())
-
-
-def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def minimum_prefill(sequences: Sequence[Sequence[int]]) -> int:
