@@ -63,26 +63,12 @@ class RequestStatus(enum.StrEnum):
     FAILED = "error"
 
 
-_ENDED: frozenset[RequestStatus] = frozenset()
-#: The moves a status may make.
+_STOPPED = frozenset({RequestStatus.CANCELLED, RequestStatus.FAILED})
+#: The moves a status may make (an ended status makes none).
 _NEXT: dict[RequestStatus, frozenset[RequestStatus]] = {
-    RequestStatus.QUEUED: frozenset(
-        {RequestStatus.RUNNING, RequestStatus.CANCELLED, RequestStatus.FAILED}
-    ),
-    RequestStatus.RUNNING: frozenset(
-        {
-            RequestStatus.OK,
-            RequestStatus.SUSPENDED,
-            RequestStatus.CANCELLED,
-            RequestStatus.FAILED,
-        }
-    ),
-    RequestStatus.SUSPENDED: frozenset(
-        {RequestStatus.RUNNING, RequestStatus.CANCELLED, RequestStatus.FAILED}
-    ),
-    RequestStatus.OK: _ENDED,
-    RequestStatus.CANCELLED: _ENDED,
-    RequestStatus.FAILED: _ENDED,
+    RequestStatus.QUEUED: _STOPPED | {RequestStatus.RUNNING},
+    RequestStatus.RUNNING: _STOPPED | {RequestStatus.OK, RequestStatus.SUSPENDED},
+    RequestStatus.SUSPENDED: _STOPPED | {RequestStatus.RUNNING},
 }
 
 
@@ -149,7 +135,7 @@ class RequestRecord:
     def advance(self, status: RequestStatus, error_type: str | None = None) -> None:
         """Move to ``status``. A move the transition table does not allow is a bug: it is
         refused with a :class:`RuntimeWarning` (an error in the tests), and the status stays."""
-        if status not in _NEXT[self.status]:
+        if status not in _NEXT.get(self.status, ()):
             warnings.warn(
                 f"request of agent {self.agent}: no move from {self.status.value} to "
                 f"{status.value}",
@@ -288,8 +274,7 @@ class RequestRecord:
         """The record as the operator's view shows it, frozen; ``status`` as shown."""
         data = attrs.asdict(self, recurse=False)
         data["status"] = self.shown_status
-        divergence = _divergence(self)
-        data["divergence"] = None if divergence is None else Divergence(**divergence)
+        data["divergence"] = Divergence(**self.divergence) if self.divergence else None
         return RequestView(**data)
 
     @property
@@ -302,33 +287,37 @@ class RequestRecord:
 
 def request_fields(record: RequestRecord) -> dict[str, Any]:
     """The facts of the request line, as data."""
-    fields: dict[str, Any] = {
-        "agent": record.agent,
-        "parent": record.parent,
-        "description": record.description,
-        "waited_on": record.waited_on,
-        "priority": record.priority,
-        "slot": record.slot,
-        "source": record.source,
-        "prompt_tokens": record.prompt_tokens,
-        "cached_tokens": record.cached_tokens,
-        "computed_tokens": record.computed_tokens,
-        "output_tokens": record.output_tokens,
-        "draft_tokens": record.draft_tokens,
-        "draft_accepted": record.draft_accepted,
-        "queued_s": record.queued_s,
-        "ttft_s": record.ttft_s,
-        "total_s": record.total_s,
-        "status": record.shown_status,
-        "retried": record.retried,
-        "suspended": record.suspended,
-        "stopped": record.stopped,
-        "attached": record.attached,
-    }
-    divergence = _divergence(record)
-    if divergence is not None:
-        fields["divergence"] = dict(divergence)
+    fields = {name: getattr(record, name) for name in _LINE_FIELDS}
+    fields["status"] = record.shown_status
+    if record.divergence:
+        fields["divergence"] = dict(record.divergence)
     return fields
+
+
+#: The record's fields in :func:`request_fields`, in order (``status`` as shown).
+_LINE_FIELDS = (
+    "agent",
+    "parent",
+    "description",
+    "waited_on",
+    "priority",
+    "slot",
+    "source",
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_tokens",
+    "output_tokens",
+    "draft_tokens",
+    "draft_accepted",
+    "queued_s",
+    "ttft_s",
+    "total_s",
+    "status",
+    "retried",
+    "suspended",
+    "stopped",
+    "attached",
+)
 
 
 def request_line(record: RequestRecord) -> str:
@@ -356,25 +345,20 @@ def request_line(record: RequestRecord) -> str:
         parts.append(f"stopped={record.stopped}")
     if record.attached > 1:
         parts.append(f"joined={record.attached - 1}")
-    divergence = _divergence(record)
-    if divergence is not None:
-        parts.append(f"diverged={_quoted(divergence_text(divergence))}")
+    if record.divergence:
+        parts.append(f"diverged={_quoted(divergence_text(record.divergence))}")
     return " ".join(parts)
 
 
 def _tree_parts(record: RequestRecord) -> list[str]:
-    """``parent=…``, ``description=…`` and ``waited_on`` or ``background`` for a sub-agent's
-    request (read by name: older records have no such fields)."""
+    """``parent=…``, ``description=…`` and ``waited_on`` or ``background`` for a sub-agent."""
     parts = []
-    parent = record.parent
-    if parent:
-        parts.append(f"parent={_quoted(parent)}")
-    description = record.description
-    if description:
-        parts.append(f"description={_quoted(description)}")
-    waited = record.waited_on
-    if parent and waited is not None:
-        parts.append("waited_on" if waited else "background")
+    if record.parent:
+        parts.append(f"parent={_quoted(record.parent)}")
+    if record.description:
+        parts.append(f"description={_quoted(record.description)}")
+    if record.parent and record.waited_on is not None:
+        parts.append("waited_on" if record.waited_on else "background")
     return parts
 
 
@@ -407,12 +391,6 @@ def divergence_text(divergence: Mapping[str, Any]) -> str:
     if extra:
         words.append(" ".join(extra))
     return ": ".join(words)
-
-
-def _divergence(record: RequestRecord) -> Mapping[str, Any] | None:
-    # Read by name: older records (and runtimes) have no such field.
-    value = getattr(record, "divergence", None)
-    return value if isinstance(value, Mapping) and value else None
 
 
 def _or_dash(value: object) -> str:
