@@ -462,51 +462,44 @@ class Runtime:
                 "finished" if existing.done else "still running",
             )
             return existing
+        return self._start(prepared, head=prepared.boundary)
+
+    def _submit_background(self, prepared: Prepared, *, head: bool = False) -> Exchange:
+        """Queue ``prepared`` as background work (a prepared compaction), held by
+        :attr:`preparations` until a client claims it. ``head``: its shareable head is computed
+        and saved first, as for a long uncached head of an agent's request."""
+        return self._start(prepared, head=prepared.boundary if head else None, background=True)
+
+    def _start(self, prepared: Prepared, *, head: int | None, background: bool = False) -> Exchange:
         ticket = self.dispatcher.submit(
-            prepared.agent, prepared.priority, prepared.tokens, head=prepared.boundary
+            prepared.agent, prepared.priority, prepared.tokens, head=head, background=background
         )
         try:
-            return self._start(prepared, ticket)
+            assert self._tg is not None
+            assembler = self.admission.assembler(prepared)
+            record = RequestRecord(
+                agent=prepared.agent,
+                priority=prepared.priority,
+                ticket=ticket.id,
+                prompt_tokens=len(prepared.tokens),
+            )
+            exchange = Exchange(
+                self,
+                prepared,
+                ticket,
+                assembler,
+                record,
+                started=ticket.arrival,
+                background=background,
+            )
+            self.tree.label(record)
+            if not background:
+                self.joinable.add(prepared.key, exchange)
+            self._tg.start_soon(self._drive, exchange)
+            return exchange
         except BaseException:
             self.dispatcher.withdraw(ticket)  # nothing will ever wait for it
             raise
-
-    def _submit_background(self, prepared: Prepared, *, head: bool = False) -> Exchange:
-        """Queue ``prepared`` as background work (a prepared compaction): it waits in the
-        background lane and gives its slot up to any agent's request, until a client claims it
-        (:class:`~agentkv.runtime.prepared.Preparations` holds it until then, not
-        :attr:`joinable`). ``head``: its shareable head is computed and saved first, as for a
-        long uncached head of an agent's request."""
-        ticket = self.dispatcher.submit(
-            prepared.agent,
-            prepared.priority,
-            prepared.tokens,
-            head=prepared.boundary if head else None,
-            background=True,
-        )
-        try:
-            return self._start(prepared, ticket, background=True)
-        except BaseException:
-            self.dispatcher.withdraw(ticket)
-            raise
-
-    def _start(self, prepared: Prepared, ticket: Ticket, *, background: bool = False) -> Exchange:
-        assert self._tg is not None
-        assembler = self.admission.assembler(prepared)
-        record = RequestRecord(
-            agent=prepared.agent,
-            priority=prepared.priority,
-            ticket=ticket.id,
-            prompt_tokens=len(prepared.tokens),
-        )
-        exchange = Exchange(
-            self, prepared, ticket, assembler, record, started=ticket.arrival, background=background
-        )
-        self.tree.label(record)
-        if not background:
-            self.joinable.add(prepared.key, exchange)
-        self._tg.start_soon(self._drive, exchange)
-        return exchange
 
     async def _drive(self, exchange: Exchange) -> None:
         try:
@@ -521,9 +514,8 @@ class Runtime:
         # A sub-agent may have been linked to its call since it started (its parent's request).
         self.tree.relabel([record])
         self.history.add(record)
-        keep = self._tg is not None and exchange.failure is None
         if not exchange.background:  # a claimed one, or any other
-            self.joinable.ended(exchange.prepared.key, exchange, keep=keep)
+            self.joinable.ended(exchange.prepared.key, exchange, keep=ok and running)
         self.preparations.ended(exchange, ok=ok, running=running)
 
     def later(self, work: Callable[..., Any], *args: Any) -> bool:
