@@ -155,9 +155,8 @@ class Exchange:
         return self.broadcast.unclaimed and not self._scope.cancel_called
 
     def events(self, ping_interval: float | None = None) -> AsyncIterator[Event]:
-        """Everything emitted so far, then live events until the end; ``KeepAlive`` on silence.
-        Leaving early (the client went away) detaches: with no client left, the exchange is
-        cancelled after the runtime's ``retry_grace`` unless a retry joins it."""
+        """The reply's events for one client (:meth:`Broadcast.follow`): with no client left, the
+        exchange is cancelled after ``retry_grace`` unless a retry joins it."""
         return self.broadcast.follow(ping_interval)
 
     async def message(self) -> dict[str, Any]:
@@ -353,8 +352,7 @@ class Runtime:
         self.translator = MessagesTranslator(
             session_layout=config.session_layout, limits=config.limits
         )
-        # The dispatcher reads what two others own: the prefix store's index (SlotContents') and the
-        # agents to keep warm (the tree's); both are built next, so it is handed readers.
+        # The store's index and the warm agents are owned by parts built next: readers, then.
         self.dispatcher = Dispatcher(
             config,
             costs=self.costs,

@@ -1,11 +1,8 @@
 """One request's record: its status and what the slot table shows, and the log line it ends in.
 
-A request's status moves along :data:`_NEXT` (queued → running → ok, or suspended and running
-again, or cancelled or failed from any state that has not ended); :meth:`RequestRecord.advance`
-refuses any other move.
-
-The runtime logs it at INFO when a request ends (``agentkv.runtime``); the line carries the fields
-as ``record.agentkv_request`` too, so a JSON log formatter writes them as data rather than text.
+Its status moves along :data:`_NEXT` (queued → running → ok, or suspended and running again, or
+cancelled or failed before it ended). The runtime logs it at INFO when it ends
+(``agentkv.runtime``), with the fields as ``record.agentkv_request`` for a JSON log formatter.
 
 ::
 
@@ -15,8 +12,7 @@ as ``record.agentkv_request`` too, so a JSON log formatter writes them as data r
 
 (one line; wrapped here). ``diverged`` appears only when the record says where the prompt left
 the best cached candidate; ``parent`` and ``description`` only for a sub-agent (where known);
-``retried``, ``suspended=N``, ``stopped=…``, ``joined=N`` only when
-they happened.
+``retried``, ``suspended=N``, ``stopped=…``, ``joined=N`` only when they happened.
 """
 
 from __future__ import annotations

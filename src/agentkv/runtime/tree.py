@@ -1,12 +1,8 @@
-"""The agent tree at run time: places requests in :class:`~agentkv.agents.AgentDirectory`,
-follows the replies agentkv streams, and answers whose context to keep warm (:meth:`AgentTree.warm`,
-which the runtime hands the dispatcher).
-
-The directory decides (who is whose sub-agent, who waits, what priority); this module wires it to
-the runtime: a request's agent and priority before it is queued, the ``Agent`` calls of a reply
-when it ends, the queued tickets of sub-agents whose priority changed, and the annotations the
-operator's views show. With the tree off (``RuntimeConfig.agent_tree``) every request belongs to
-its root with its own priority, as before sub-agents were recognised.
+"""The agent tree at run time: :class:`~agentkv.agents.AgentDirectory` decides (who is whose
+sub-agent, who waits, what priority); this module wires it to the runtime: a request's agent and
+priority before it is queued, the ``Agent`` calls of a reply when it ends, the queued tickets of
+sub-agents whose priority changed, whose context to keep warm, and the operator's annotations.
+With the tree off (``RuntimeConfig.agent_tree``) every request belongs to its root.
 """
 
 from __future__ import annotations
