@@ -423,16 +423,18 @@ class Dispatcher:
 
     def _quiet_candidates(self, *, exclude: int) -> list[_Held]:
         """The running requests an urgent one quiets: less urgent, still computing a prompt."""
-        if self.config.preempt_from is None:
-            return []
+        return [o for o in self._less_urgent() if o.lease.id != exclude and not o.decoding]
+
+    def _less_urgent(self) -> list[_Held]:
+        """Running requests that urgent work may suspend (and not being suspended already)."""
         return [
-            other
-            for other in self._declared()
-            if other.lease.id != exclude
-            and not other.decoding
-            and not other.suspending
-            and other.priority >= max(self.config.preempt_from, 1)
+            held for held in self._declared() if not held.suspending and self._yields(held.priority)
         ]
+
+    def _yields(self, priority: int) -> bool:
+        """Work of ``priority`` gives way to a priority-0 request (pre-emption on)."""
+        preempt_from = self.config.preempt_from
+        return preempt_from is not None and priority >= max(preempt_from, 1)
 
     def note_progress(self, lease: Lease) -> None:
         """The engine reported progress for ``lease`` (prompt computed, tokens generated): the
@@ -452,15 +454,9 @@ class Dispatcher:
                 self._dispatch()  # a ticket held back for this first token may go now
 
     def _preempt_for(self, ticket: Ticket) -> None:
-        if self.config.preempt_from is None or ticket.priority > 0:
+        if ticket.priority > 0:
             return
-        victims = [
-            running
-            for running in self._declared()
-            if running.suspend is not None
-            and not running.suspending
-            and running.priority >= max(self.config.preempt_from, ticket.priority + 1)
-        ]
+        victims = [running for running in self._less_urgent() if running.suspend is not None]
         if not victims:
             return
         # The least urgent; among those, one still computing its prompt, then the latest started.
@@ -765,8 +761,7 @@ class Dispatcher:
         now = self.clock()
         since = self._quiet_since.get((ticket.agent, ticket.arrival), ticket.arrival)
         if (
-            self.config.preempt_from is not None
-            and ticket.priority >= max(self.config.preempt_from, 1)
+            self._yields(ticket.priority)
             and ticket.priority - self._scheduler.aging * (now - since) > 0
             and self._urgent_running()
         ):
