@@ -51,7 +51,7 @@ from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.joinable import Joinable
 from agentkv.runtime.prefetch import Prefetcher
 from agentkv.runtime.prepared import Preparations, claude_config_dir
-from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, RequestStatus
+from agentkv.runtime.record import RequestHistory, RequestRecord, RequestStatus
 from agentkv.runtime.relay import Relay
 from agentkv.runtime.seam import Engine
 from agentkv.runtime.store import PrefixStore
@@ -88,8 +88,7 @@ class Exchange:
     assembler: SSEAssembler
     record: RequestRecord
     started: float
-    #: Background work (a prepared compaction nobody has asked for yet): queued in the
-    #: background lane, it gives its slot up to any agent's request (:meth:`claim` ends that).
+    #: Background work (a prepared compaction nobody has asked for yet), until :meth:`claim`.
     background: bool = attrs.field(default=False, kw_only=True)
     #: The urgency it runs at: its request's, or the client's that claimed it.
     priority: int = attrs.field(init=False)
@@ -98,8 +97,6 @@ class Exchange:
     #: The engine calls of the reply.
     relay: Relay = attrs.field(init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
-    #: The cached sequence that shared most with the prompt when it got its slot.
-    _candidate: Candidate | None = None
     #: Store entries holding this request's saved progress (pinned until it ends).
     _suspended: list[str] = attrs.field(factory=list)
     #: The exact tokens a reply suspended mid-way left in its slot (prompt and reply so far).
@@ -169,8 +166,7 @@ class Exchange:
 
     def claim(self, priority: int) -> None:
         """A client asked for exactly this request, prepared as background work: from now on it
-        is that client's request, at its ``priority`` (queued, it leaves the background lane;
-        on a slot, it no longer gives the slot up to others)."""
+        is that client's request, at its ``priority``."""
         if not self.background:
             return
         self.background = False
@@ -240,7 +236,8 @@ class Exchange:
         placement, queued_s = lease.placement, runtime.clock() - self.started
         seq = dispatcher.dispatch_seq(lease)
         record.leased(lease.slot, placement.source.value, placement.reuse, seq, queued_s)
-        self._candidate = dispatcher.best_source(self.prepared.tokens)
+        # The cached sequence that shares most with the prompt now, to explain a miss by.
+        candidate = dispatcher.best_source(self.prepared.tokens)
         holds: Tokens | None = None
         try:
             with anyio.CancelScope() as suspension:
@@ -251,7 +248,7 @@ class Exchange:
             if not suspension.cancelled_caught:
                 sections = self.prepared.engine.sections
                 seconds = (self.relay.prompt_ms + self._head_ms) / 1000
-                record.explain(seconds, sections, self._candidate)
+                record.explain(seconds, sections, candidate)
                 return True
             holds, entry = await runtime.contents.save_progress(lease.slot, self.prepared.agent)
             if entry is not None:
@@ -325,8 +322,7 @@ class Runtime:
     clock: Callable[[], float] = time.monotonic
     translator: MessagesTranslator = attrs.field(init=False)
     fingerprinter: PrefixFingerprinter = attrs.field(init=False, factory=PrefixFingerprinter)
-    #: Prices prefill, decode, save and restore; it learns from every reply (the launch may
-    #: give it the model's KV bytes per token to start from).
+    #: Prices prefill, decode, save and restore; it learns from every reply.
     costs: CostModel = attrs.field(factory=CostModel, kw_only=True)
     #: A second, small engine that writes agentkv's own summaries (``--compaction-model``);
     #: None: the agents' engine writes them, on a slot of the background lane.

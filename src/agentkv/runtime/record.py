@@ -75,32 +75,29 @@ class RequestRecord:
     agent: str
     priority: int
     ticket: int = 0
-    #: The agent that started this one (a coordinator, for its sub-agent), and the description
-    #: of the call that started it, where known.
+    #: The agent that started this one and the description of its call, where known.
     parent: str | None = None
     description: str | None = None
-    #: A sub-agent's request: whether its parent waited for it (it ran at the parent's priority).
+    #: A sub-agent's request: whether its parent waited for it.
     waited_on: bool | None = None
     #: Order in which requests got their slot (1, 2, …): shows what the scheduler chose.
     dispatch_seq: int | None = None
     slot: int | None = None
     #: Where the cached part came from: "slot", "store" or "none".
     source: str | None = None
-    #: Prompt tokens (as llama-server counts them) and how many were found cached before
-    #: running, as agentkv planned it.
+    #: Prompt tokens, and how many agentkv planned to find cached.
     prompt_tokens: int = 0
     planned_reuse: int = 0
     #: As llama-server reported them: computed and reused prompt tokens, generated tokens.
     computed_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
-    #: Speculative decoding, as llama-server reported it: tokens drafted, and those of them the
-    #: model accepted (each accepted one is a token decoded without a step of its own).
+    #: Speculative decoding, as llama-server reported it: tokens drafted, and those accepted.
     draft_tokens: int = 0
     draft_accepted: int = 0
     #: The engine's own time decoding the reply (``predicted_ms``), in seconds.
     decode_s: float = 0.0
-    #: A shareable head computed on its own first, to be saved for others (tokens), if any.
+    #: Tokens of a shareable head computed on its own first, to be saved for others.
     checkpoint_tokens: int | None = None
     #: The slot's previous content was saved before it was overwritten.
     parked: bool = False
@@ -119,8 +116,7 @@ class RequestRecord:
     prefilled: int | None = None
     #: Seconds since the first output token, while generating.
     generating_s: float | None = None
-    #: Why the prompt was not all cached: where it parted from the best cached candidate
-    #: (token position and prompt section), what was reused and computed, and what that cost.
+    #: Why the prompt was not all cached (:meth:`explain`).
     divergence: dict[str, Any] | None = None
     #: Output chunks streamed so far (about one token each): the decoding speed, live.
     generated: int = 0
@@ -129,8 +125,8 @@ class RequestRecord:
     error_type: str | None = None
 
     def advance(self, status: RequestStatus, error_type: str | None = None) -> None:
-        """Move to ``status``. A move the transition table does not allow is a bug: it is
-        refused with a :class:`RuntimeWarning` (an error in the tests), and the status stays."""
+        """Move to ``status``; a move :data:`_NEXT` does not allow is a bug, refused with a
+        :class:`RuntimeWarning` (an error in the tests)."""
         if status not in _NEXT.get(self.status, ()):
             warnings.warn(
                 f"request of agent {self.agent}: no move from {self.status.value} to "
@@ -175,8 +171,7 @@ class RequestRecord:
 
     def head_computed(self, timings: Mapping[str, Any]) -> None:
         """The prompt's shareable head was computed on its own first, with ``timings``: what
-        that call computed, this request computed, and what it found cached is what this request
-        found cached."""
+        that call computed and found cached counts as this request's."""
         cached, computed = int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0))
         self.checkpoint_tokens = cached + computed
         self.computed_tokens += computed
@@ -242,7 +237,7 @@ class RequestRecord:
     ) -> None:
         """Record why the prompt was not all cached, when a notable part was computed: where it
         parted from ``candidate`` (the best cached sequence when it got its slot), in tokens and
-        in ``sections`` (the prompt's), and the ``seconds`` its computation took."""
+        in ``sections``, and the ``seconds`` its computation took."""
         if self.computed_tokens < 32:
             return
         divergence: dict[str, Any] = {
@@ -359,12 +354,9 @@ def _tree_parts(record: RequestRecord) -> list[str]:
 
 
 def divergence_text(divergence: Mapping[str, Any]) -> str:
-    """Where a prompt left the best cached candidate, in words.
-
-    Reads ``position`` (token), ``section`` ("system", "tool 3 (Bash)", "message 2 block 1"),
-    ``reused`` and ``computed`` (tokens) and ``seconds`` (the estimated cost of the computed
-    part); any other keys are shown as ``key=value``.
-    """
+    """Where a prompt left the best cached candidate, in words: ``position`` (token),
+    ``section`` ("tool 3 (Bash)"), ``reused``, ``computed`` and ``seconds``, then any other key
+    as ``key=value``."""
     known = {"position", "section", "reused", "computed", "seconds"}
     words = []
     position, section = divergence.get("position"), divergence.get("section")
