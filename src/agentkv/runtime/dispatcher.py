@@ -236,14 +236,10 @@ class Dispatcher:
                     held.own = min(held.own, priority)
                     held.priority = min(held.priority, priority)
             return  # dispatched (or already foreground)
-        promoted = attrs.evolve(queued, priority=priority)
-        waiter = self._waiters.get(ticket.id)
-        if waiter is not None:
-            waiter.ticket = promoted
-        self._scheduler.submit(promoted, promoted.arrival)
+        waiter = self._queue_at(queued, priority)
         self._dispatch()
         if waiter is not None and waiter.waiting:
-            self._make_room(promoted)
+            self._make_room(waiter.ticket)
 
     def reprioritise(self, agent: str, priority: int) -> None:
         """Queued foreground tickets of ``agent`` take ``priority`` (each keeps its arrival, so
@@ -258,13 +254,20 @@ class Dispatcher:
                     priority,
                 )
                 self._scheduler.cancel(ticket.id)
-                self._scheduler.submit(attrs.evolve(ticket, priority=priority), ticket.arrival)
-                waiter = self._waiters.get(ticket.id)
-                if waiter is not None:
-                    waiter.ticket = attrs.evolve(waiter.ticket, priority=priority)
-                    if waiter.blocked_on is not None:
-                        self._lend(waiter.blocked_on)
+                waiter = self._queue_at(ticket, priority)
+                if waiter is not None and waiter.blocked_on is not None:
+                    self._lend(waiter.blocked_on)
         self._dispatch()
+
+    def _queue_at(self, ticket: Ticket, priority: int) -> _Waiter | None:
+        """``ticket``, taken out of its queue, goes into the foreground queue at ``priority``
+        (same arrival); returns its waiter."""
+        moved = attrs.evolve(ticket, priority=priority)
+        self._scheduler.submit(moved, moved.arrival)
+        waiter = self._waiters.get(ticket.id)
+        if waiter is not None:
+            waiter.ticket = moved
+        return waiter
 
     async def wait(self, ticket: Ticket) -> Lease:
         """Wait for the ticket's lease. Cancellation withdraws the ticket or returns the lease."""
