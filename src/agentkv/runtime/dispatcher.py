@@ -405,19 +405,7 @@ class Dispatcher:
             return
         victim = max(candidates, key=lambda held: held.lease.acquired_at)
         victim.reserved_for = ticket.id
-        reason = f"ticket {ticket.id} (agent {ticket.agent}) needs a slot"
-        if victim.suspend is not None:
-            self._suspend(victim, reason)
-            return
-        assert victim.give_up is not None
-        victim.suspending = True
-        log.info(
-            "stopping background lease %d (agent %s): %s",
-            victim.lease.id,
-            victim.lease.agent,
-            reason,
-        )
-        victim.give_up()
+        self._suspend(victim, f"ticket {ticket.id} (agent {ticket.agent}) needs a slot", stop=True)
 
     def _quiet_for(self, urgent: _Held) -> None:
         """An urgent request suspends the less urgent prefills on other slots."""
@@ -473,8 +461,21 @@ class Dispatcher:
                 other.reserved_for = ticket.id
             self._suspend(other, f"ticket {ticket.id} (priority 0) is about to run")
 
-    def _suspend(self, running: _Held, reason: str) -> None:
-        if running.suspend is None or running.suspending:
+    def _suspend(self, running: _Held, reason: str, *, stop: bool = False) -> None:
+        """Take ``running``'s slot: it saves its progress and gives the slot up; with ``stop``, a
+        background request that cannot be suspended is stopped instead (its work is lost)."""
+        if running.suspending:
+            return
+        if running.suspend is None:
+            if stop and running.give_up is not None:
+                running.suspending = True
+                log.info(
+                    "stopping background lease %d (agent %s): %s",
+                    running.lease.id,
+                    running.lease.agent,
+                    reason,
+                )
+                running.give_up()
             return
         running.suspending = True
         ticket = running.ticket
