@@ -3,8 +3,7 @@
 ::
 
     Runtime.prepare(body, agent, priority)        before any response is sent    admission
-        translate (400 naming the field) → the agent's compactions → prompt tokens
-        → "prompt is too long" or compact now → cap max_tokens → the shareable head
+        translate, compact, count, fit to the slot, measure the shareable head
     Runtime.submit(prepared) → Exchange            queued (529 when full)         dispatcher
     Exchange.drive(), a task of the runtime:
         message_start at once                                                     broadcast

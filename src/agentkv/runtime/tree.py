@@ -26,8 +26,8 @@ Placed = TypeVar("Placed", SlotRow, QueueRow)
 
 
 class Labelled(Protocol):
-    """A request's record, as far as its place in the tree goes
-    (:class:`agentkv.runtime.lifecycle.RequestRecord`)."""
+    """A request's record (:class:`~agentkv.runtime.record.RequestRecord`), as far as its place
+    in the tree goes."""
 
     agent: str
     parent: str | None
@@ -49,8 +49,8 @@ class AgentTree:
     directory: AgentDirectory = attrs.field(init=False)
     #: Fan-out prefetch (given by the runtime when there is a store to save heads in).
     prefetcher: Prefetcher | None = None
-    #: The last answer of :meth:`warm` and the directory version it was computed at (placement
-    #: asks for every ticket it prices; an empty answer changes only with a request or a reply).
+    #: The last answer of :meth:`warm` and the directory version it was computed at: placement
+    #: asks for every ticket it prices, and an empty answer changes only with the directory.
     _warm: tuple[int, frozenset[str]] = attrs.field(init=False, default=(-1, frozenset()))
 
     def __attrs_post_init__(self) -> None:
