@@ -135,13 +135,16 @@ class Admission:
         source: Mapping[str, Any] | None = None,
     ) -> Prepared:
         config, compactor = self.config, self.compactor
-        rewrite, fingerprinter = compactor.store.rewrite, compactor.fingerprinter
-        body = engine.body
-        compacted = False
+
+        def rewritten() -> tuple[dict[str, Any], bool]:
+            """The body with the agent's compactions, and whether any applied."""
+            body, _, applied = compactor.store.rewrite(agent, engine.body, compactor.fingerprinter)
+            return body, bool(applied)
+
+        body, compacted = engine.body, False
         if config.compaction and compactor.store.latest(agent) is not None:
             # Only an agent with compactions pays for fingerprinting its request.
-            body, _, applied = rewrite(agent, body, fingerprinter)
-            compacted = bool(applied)
+            body, compacted = rewritten()
         tokens = tuple(await self.client.prompt_tokens(body))
         ctx = config.ctx_per_slot
         requested = int(body.get("max_tokens") or 1)
@@ -153,10 +156,7 @@ class Admission:
                 await compactor.compact(
                     agent, engine.body, len(tokens), priority=priority, background=False
                 )
-                body, _, applied = compactor.store.rewrite(
-                    agent, engine.body, compactor.fingerprinter
-                )
-                compacted = bool(applied)
+                body, compacted = rewritten()
                 tokens = tuple(await self.client.prompt_tokens(body))
             if len(tokens) > limit:
                 raise PromptTooLongError(len(tokens), limit)

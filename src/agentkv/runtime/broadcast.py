@@ -1,10 +1,9 @@
 """One request's replayable event log and the clients that follow it.
 
 The log belongs to the request, not to a connection: a client that attaches late (a retry that
-joined the running request) gets everything emitted so far, then follows live. When the last
-client leaves before the end, the log is *orphaned*; after ``grace`` seconds with nobody back it
-abandons its producer (the request is cancelled), so a client that retries in time finds the
-request still running.
+joined it) gets everything emitted so far, then follows live. When the last client leaves before
+the end, the log is *orphaned*; after ``grace`` seconds with nobody back it abandons its producer
+(the request is cancelled).
 """
 
 from __future__ import annotations
@@ -54,9 +53,8 @@ def _start_now(work: Callable[[], Awaitable[None]]) -> bool:
 class Broadcast:
     """The events of one request, replayed to every follower; the only writer is its producer.
 
-    ``abandon`` stops the producer (called once nobody has followed for ``grace`` seconds);
-    ``spawn`` runs the grace timer in the background and says False when it cannot (the runtime
-    is stopping), in which case an orphaned log abandons at once.
+    ``abandon`` stops the producer; ``spawn`` runs the grace timer in the background, or says
+    False when it cannot (the runtime is stopping): an orphaned log then abandons at once.
     """
 
     abandon: Callable[[], None]
@@ -75,8 +73,6 @@ class Broadcast:
     _delivered: bool = attrs.field(init=False, default=False)
     #: When the last follower left before the end (None: followed, or not yet orphaned).
     orphaned_at: float | None = attrs.field(init=False, default=None)
-
-    # -- what it holds ----------------------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
@@ -106,8 +102,6 @@ class Broadcast:
         """Everything emitted so far (read-only)."""
         return tuple(self._events)
 
-    # -- the producer's side ----------------------------------------------------------------------
-
     def emit(self, events: list[ReplyEvent]) -> None:
         if events and not self._closed:
             self._events.extend(events)
@@ -125,13 +119,9 @@ class Broadcast:
         self._changed.set()
         self._changed = anyio.Event()
 
-    # -- the followers' side ----------------------------------------------------------------------
-
     async def follow(self, ping_interval: float | None = None) -> AsyncGenerator[Event, None]:
         """Everything emitted so far, then live events until the end; ``KeepAlive`` on silence.
-
-        Leaving early detaches; the last follower to leave before the end orphans the log.
-        """
+        Leaving early detaches; the last follower to leave before the end orphans the log."""
         interval = self.ping_interval if ping_interval is None else ping_interval
         self._followers += 1
         self.orphaned_at = None
@@ -159,8 +149,7 @@ class Broadcast:
                 self._orphaned()
 
     async def message(self) -> dict[str, Any]:
-        """The whole reply as one Anthropic Message (non-streaming); raises the error that ended
-        it."""
+        """The whole reply as one Anthropic Message; raises the error that ended it."""
         events: list[ReplyEvent] = []
         async with contextlib.aclosing(self.follow(ping_interval=3600)) as items:
             async for item in items:

@@ -1,32 +1,24 @@
 """The scheduling layer at run time: tickets wait in the FairScheduler, slots come as leases.
 
 The pure components decide (:class:`~agentkv.FairScheduler` the order, :func:`agentkv.slots.place`
-the slot); this module only waits and wakes. Dispatch is event-driven: it runs whenever a ticket
-arrives, a lease comes back or a shared prefix finishes computing, so no loop polls the queue.
-Everything here runs on one event loop, and the sections between awaits are atomic, so no lock
-is needed.
+the slot); this module only waits and wakes, whenever a ticket arrives, a lease comes back or a
+shared prefix is saved (nothing polls). It runs on one event loop and the sections between awaits
+are atomic, so no lock is needed. Waiting is deliberate rather than first come, first served:
 
-Two things make waiting deliberate rather than first come, first served:
-
-- **Checkpoints.** A request that computes a long prefix other requests may share (a fresh
-  agent's system prompt, tools and session context) announces it as a checkpoint. A request that
-  arrives meanwhile and shares most of it waits for the checkpoint to be saved and then restores
-  it, instead of computing the same tokens in parallel, when that is estimated to be sooner.
-- **Pre-emption.** A request that finds every slot busy with less urgent work may have one of
-  them suspended: the runtime saves what that request has computed so far, gives the slot up and
-  resumes it later from where it stopped, so nothing is computed twice.
-- **Urgency lent to a checkpoint.** A request that waits for a checkpoint waits for the request
-  computing it: that request runs at the waiter's urgency until the checkpoint is saved. A
-  priority-0 sub-agent waiting for the head its background sibling computes therefore gets the
-  engine to itself for that head (less urgent prefills are suspended), and the checkpoint is
-  never suspended for it; when the head is saved, the waiter may suspend less urgent work to get
-  a slot, as on arrival. The slot a suspension frees goes to the request it was suspended for.
-- **Quiet while urgent.** On one engine, prompts computed next to an urgent request share its
-  batches (a CPU computes them in turns of hundreds of tokens), so the urgent request's first
-  token waits for everyone's prefill. While a priority-0 request holds a slot, less urgent
-  requests do not compute prompts: those computing one are suspended, queued ones wait — unless
-  their prompt is (nearly) all cached, or aging has brought them to priority 0, which keeps every
-  wait bounded (for a suspended request, aging counted from its suspension).
+- **Checkpoints.** A request computing a long prefix others may share (a fresh agent's system
+  prompt, tools and session context) announces it; a request sharing most of it waits for it to
+  be saved and restores it, when that is estimated to be sooner than computing it in parallel.
+- **Pre-emption.** A request that finds every slot busy with less urgent work may have one
+  suspended: that request's progress is saved, and it resumes later from where it stopped.
+- **Urgency lent to a checkpoint.** The request computing a checkpoint runs at its most urgent
+  waiter's priority until it is saved: a priority-0 sub-agent waiting for the head its background
+  sibling computes gets the engine to itself for that head. The slot a suspension frees goes to
+  the request it was suspended for.
+- **Quiet while urgent.** Prompts computed next to an urgent request share its batches (a CPU
+  computes them in turns of hundreds of tokens), so its first token waits for everyone's prefill.
+  While a priority-0 request holds a slot, less urgent prefills are suspended and queued ones wait
+  — unless their prompt is (nearly) all cached, or aging has brought them to priority 0, which
+  keeps every wait bounded (for a suspended request, aging counts from its suspension).
 """
 
 from __future__ import annotations
@@ -83,38 +75,38 @@ class _Waiter:
     #: A checkpoint this ticket waits for (it restores it rather than computing it again).
     blocked_on: Checkpoint | None = None
 
+    @property
+    def waiting(self) -> bool:
+        """It waits for a slot: not granted one, not waiting for a checkpoint."""
+        return self.lease is None and self.blocked_on is None
+
 
 @attrs.define(eq=False)
 class _Held:
-    """One lease, from its grant to its end: all the dispatcher keeps of it, in one record that
-    :meth:`Dispatcher._grant` creates and :meth:`Dispatcher._drop` alone removes (whether the lease
-    is released or the watchdog reclaims it)."""
+    """One lease, from its grant to its end: all the dispatcher keeps of it, created by
+    :meth:`Dispatcher._grant` and removed by :meth:`Dispatcher._end` alone."""
 
     lease: Lease
     #: The ticket it was granted for (its agent and arrival name the request).
     ticket: Ticket
     #: The order in which it was handed out (1, 2, …).
     seq: int
-    #: The head its request computes and saves first for others (see :class:`Checkpoint`).
+    #: The head its request computes and saves first for others.
     checkpoint: Checkpoint | None = None
-    #: The store entry it was placed to restore, pinned (with the index that holds it) until
-    #: the lease ends: a save on another slot meanwhile must not supersede it.
+    #: The store entry it was placed to restore, pinned (with its index) until the lease ends.
     pinned: tuple[StoreIndex, str] | None = None
-    #: Being suspended for this ticket: the slot it gives back goes to that ticket, not to
-    #: whoever ranks first then.
+    #: Being suspended for this ticket, which gets the slot it gives back.
     reserved_for: int | None = None
-    #: Whether its request declared itself running (:meth:`Dispatcher.declare_running`); until
-    #: then it is granted and preparing the slot (restoring its context).
+    #: Its request declared itself running; until then it is preparing the slot.
     declared: bool = False
-    #: The urgency it runs at now: its own, or that of a more urgent request waiting for the
-    #: checkpoint it computes (see :meth:`Dispatcher._lend`).
+    #: The urgency it runs at now: its own, or that of its checkpoint's most urgent waiter.
     priority: int = attrs.field(default=attrs.Factory(lambda self: self.ticket.priority, True))
     #: Its own priority.
     own: int = attrs.field(default=attrs.Factory(lambda self: self.ticket.priority, True))
     #: Suspends the request (it saves its progress and gives the slot up); None: not now.
     suspend: Callable[[], None] | None = None
-    #: Granted from the background lane, and not claimed since (:meth:`Dispatcher.promote`): it
-    #: gives its slot to any foreground ticket that finds none free.
+    #: Granted from the background lane and not promoted since: it gives its slot to any
+    #: foreground ticket that finds none free.
     background: bool = False
     #: Stops a background request that cannot be suspended (its work is lost).
     give_up: Callable[[], None] | None = None
@@ -126,15 +118,10 @@ class _Held:
 class Dispatcher:
     """Owns the slot table and the queues of one engine and hands out leases fairly.
 
-    ``store_index`` answers the prefix store's index while there is one (placement may then
-    restore a saved state): the store's owner holds it, the dispatcher only reads it. ``warm``
-    answers the agents whose context is worth keeping now. ``costs`` prices prefill, save and
-    restore. ``config.preempt_from``: a request of
-    priority 0 that finds every slot busy suspends a running request of at least this priority
-    (None: never).
+    ``store_index`` answers the prefix store's index while there is one (its owner holds it; the
+    dispatcher only reads it). ``costs`` prices prefill, save and restore.
     """
 
-    #: The settings (slots, aging, queue, leases, pre-emption, parking and sharing thresholds).
     config: RuntimeConfig
     #: While a priority-0 request runs, a less urgent ticket that would compute more prompt
     #: tokens than this waits (with pre-emption on).
@@ -187,10 +174,6 @@ class Dispatcher:
         """The prefix store's index now (None: no store), as its owner answers."""
         return self.store_index()
 
-    @property
-    def scheduler(self) -> FairScheduler:
-        return self._scheduler
-
     # -- tickets --------------------------------------------------------------------------------
 
     def submit(
@@ -205,11 +188,9 @@ class Dispatcher:
     ) -> Ticket:
         """Queue a ticket (QueueFullError at the cap); dispatch at once if a slot is free.
 
-        A ``background`` ticket gets a slot only when no foreground ticket is waiting, whatever
-        its score, and a request holding a slot it got that way gives it up to a foreground ticket
-        that finds none free (:meth:`declare_running`): background work never delays an agent's
-        request. A request that gave its slot up to a more urgent one comes back with its
-        original ``arrival``, keeping its aging credit.
+        A ``background`` ticket gets a slot only when no foreground ticket waits, and gives it up
+        to a foreground ticket that finds none free: background work never delays an agent's
+        request. A suspended request comes back with its original ``arrival`` (its aging credit).
         """
         ticket = Ticket(
             id=next(self._ids),
@@ -225,9 +206,8 @@ class Dispatcher:
         if not background:
             self._block(waiter)
         self._dispatch()
-        if not background and waiter.lease is None and waiter.blocked_on is None:
-            self._preempt_for(ticket)
-            self._give_way_to(ticket)
+        if not background and waiter.waiting:
+            self._make_room(ticket)
         return ticket
 
     def requeue(
@@ -256,15 +236,10 @@ class Dispatcher:
                     held.own = min(held.own, priority)
                     held.priority = min(held.priority, priority)
             return  # dispatched (or already foreground)
-        promoted = attrs.evolve(queued, priority=priority)
-        waiter = self._waiters.get(ticket.id)
-        if waiter is not None:
-            waiter.ticket = promoted
-        self._scheduler.submit(promoted, promoted.arrival)
+        waiter = self._queue_at(queued, priority)
         self._dispatch()
-        if waiter is not None and waiter.lease is None and waiter.blocked_on is None:
-            self._preempt_for(promoted)
-            self._give_way_to(promoted)
+        if waiter is not None and waiter.waiting:
+            self._make_room(waiter.ticket)
 
     def reprioritise(self, agent: str, priority: int) -> None:
         """Queued foreground tickets of ``agent`` take ``priority`` (each keeps its arrival, so
@@ -279,13 +254,20 @@ class Dispatcher:
                     priority,
                 )
                 self._scheduler.cancel(ticket.id)
-                self._scheduler.submit(attrs.evolve(ticket, priority=priority), ticket.arrival)
-                waiter = self._waiters.get(ticket.id)
-                if waiter is not None:
-                    waiter.ticket = attrs.evolve(waiter.ticket, priority=priority)
-                    if waiter.blocked_on is not None:
-                        self._lend(waiter.blocked_on)
+                waiter = self._queue_at(ticket, priority)
+                if waiter is not None and waiter.blocked_on is not None:
+                    self._lend(waiter.blocked_on)
         self._dispatch()
+
+    def _queue_at(self, ticket: Ticket, priority: int) -> _Waiter | None:
+        """``ticket``, taken out of its queue, goes into the foreground queue at ``priority``
+        (same arrival); returns its waiter."""
+        moved = attrs.evolve(ticket, priority=priority)
+        self._scheduler.submit(moved, moved.arrival)
+        waiter = self._waiters.get(ticket.id)
+        if waiter is not None:
+            waiter.ticket = moved
+        return waiter
 
     async def wait(self, ticket: Ticket) -> Lease:
         """Wait for the ticket's lease. Cancellation withdraws the ticket or returns the lease."""
@@ -316,10 +298,8 @@ class Dispatcher:
     ) -> None:
         """Return a lease; ``holds`` is what the slot's cache holds now (None: unknown), left
         there by a prompt of ``sections``."""
-        held = self._drop(lease.id)
         self._slots.release(lease, self.clock(), holds=holds, sections=sections)
-        if held is not None:
-            self._after(held)
+        self._end(lease.id)
         self._dispatch()
 
     @asynccontextmanager
@@ -342,18 +322,17 @@ class Dispatcher:
         held = self._held.get(lease.id)
         return None if held is None else held.seq
 
-    def _drop(self, lease_id: int) -> _Held | None:
-        """The one place a lease's record ends (released or reclaimed): its store pin goes."""
+    def _end(self, lease_id: int) -> None:
+        """The one place a lease's record ends, once its slot is back (released or reclaimed):
+        its store pin goes, the slot goes to the ticket it was suspended for, and a checkpoint
+        it never saved lets its waiters go (they find the head in this slot if the request
+        ended well and only its save failed)."""
         held = self._held.pop(lease_id, None)
-        if held is not None and held.pinned is not None:
+        if held is None:
+            return
+        if held.pinned is not None:
             index, entry_id = held.pinned
             index.unpin(entry_id)
-        return held
-
-    def _after(self, held: _Held) -> None:
-        """What an ended lease leaves to do once its slot is back: the slot goes to the ticket
-        it was suspended for, and a checkpoint it never saved lets its waiters go (they find
-        the head in this slot if the request ended well and only its save failed)."""
         if held.reserved_for is not None:
             self._dispatch_reserved(held.reserved_for)
         if held.checkpoint is not None and not held.checkpoint.done:
@@ -374,10 +353,9 @@ class Dispatcher:
     ) -> None:
         """Declare a leased request; ``suspend`` lets a more urgent request take its slot.
 
-        An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
-        are computing prompts on other slots, so that it has the engine to itself. Background
-        work (granted from the background lane) gives its slot to any foreground ticket that
-        finds none free: suspended when it can be, else stopped by ``give_up``.
+        An urgent one (priority 0, pre-emption on) suspends the less urgent prefills on other
+        slots. Background work gives its slot to any foreground ticket that finds none free:
+        suspended when it can be, else stopped by ``give_up``.
         """
         running = self._held.get(lease.id)
         if running is None:
@@ -396,12 +374,17 @@ class Dispatcher:
 
     def _waiting_foreground(self) -> list[Ticket]:
         """Foreground tickets that wait for a slot (not for a checkpoint), in queue order."""
-        waiting = []
-        for ticket, _ in self._scheduler.queued(self.clock()):
-            waiter = self._waiters.get(ticket.id)
-            if waiter is not None and waiter.lease is None and waiter.blocked_on is None:
-                waiting.append(ticket)
-        return waiting
+        return [
+            ticket
+            for ticket, _ in self._scheduler.queued(self.clock())
+            if ticket.id in self._waiters and self._waiters[ticket.id].waiting
+        ]
+
+    def _make_room(self, ticket: Ticket) -> None:
+        """A foreground ``ticket`` found no free slot: less urgent or background work may
+        give it one (pre-emption)."""
+        self._preempt_for(ticket)
+        self._give_way_to(ticket)
 
     def _give_way_to(self, ticket: Ticket) -> None:
         """A foreground ``ticket`` found no free slot: background work holding one gives it up
@@ -422,38 +405,27 @@ class Dispatcher:
             return
         victim = max(candidates, key=lambda held: held.lease.acquired_at)
         victim.reserved_for = ticket.id
-        reason = f"ticket {ticket.id} (agent {ticket.agent}) needs a slot"
-        if victim.suspend is not None:
-            self._suspend(victim, reason)
-            return
-        assert victim.give_up is not None
-        victim.suspending = True
-        log.info(
-            "stopping background lease %d (agent %s): %s",
-            victim.lease.id,
-            victim.lease.agent,
-            reason,
-        )
-        victim.give_up()
+        self._suspend(victim, f"ticket {ticket.id} (agent {ticket.agent}) needs a slot", stop=True)
 
     def _quiet_for(self, urgent: _Held) -> None:
-        """An urgent request (priority 0, pre-emption on) suspends the less urgent requests that
-        are computing prompts on other slots, so that it has the engine to itself."""
+        """An urgent request suspends the less urgent prefills on other slots."""
         for other in self._quiet_candidates(exclude=urgent.lease.id):
             self._suspend(other, f"lease {urgent.lease.id} (priority 0) runs")
 
     def _quiet_candidates(self, *, exclude: int) -> list[_Held]:
         """The running requests an urgent one quiets: less urgent, still computing a prompt."""
-        if self.config.preempt_from is None:
-            return []
+        return [o for o in self._less_urgent() if o.lease.id != exclude and not o.decoding]
+
+    def _less_urgent(self) -> list[_Held]:
+        """Running requests that urgent work may suspend (and not being suspended already)."""
         return [
-            other
-            for other in self._declared()
-            if other.lease.id != exclude
-            and not other.decoding
-            and not other.suspending
-            and other.priority >= max(self.config.preempt_from, 1)
+            held for held in self._declared() if not held.suspending and self._yields(held.priority)
         ]
+
+    def _yields(self, priority: int) -> bool:
+        """Work of ``priority`` gives way to a priority-0 request (pre-emption on)."""
+        preempt_from = self.config.preempt_from
+        return preempt_from is not None and priority >= max(preempt_from, 1)
 
     def note_progress(self, lease: Lease) -> None:
         """The engine reported progress for ``lease`` (prompt computed, tokens generated): the
@@ -473,32 +445,37 @@ class Dispatcher:
                 self._dispatch()  # a ticket held back for this first token may go now
 
     def _preempt_for(self, ticket: Ticket) -> None:
-        if self.config.preempt_from is None or ticket.priority > 0:
+        if ticket.priority > 0:
             return
-        victims = [
-            running
-            for running in self._declared()
-            if running.suspend is not None
-            and not running.suspending
-            and running.priority >= max(self.config.preempt_from, ticket.priority + 1)
-        ]
+        victims = [running for running in self._less_urgent() if running.suspend is not None]
         if not victims:
             return
         # The least urgent; among those, one still computing its prompt, then the latest started.
         victim = max(victims, key=lambda r: (r.priority, not r.decoding, r.lease.acquired_at))
         victim.reserved_for = ticket.id
         self._suspend(victim, f"ticket {ticket.id} (priority {ticket.priority}) needs a slot")
-        # The other less urgent prefills would be suspended as soon as the ticket runs (quiet
-        # while urgent). Suspending them now lets every one stop at the end of the engine batch
-        # in progress, instead of one batch after another while the urgent prompt shares them;
-        # the first slot given back is the ticket's.
+        # Quiet while urgent would suspend the other less urgent prefills once the ticket runs;
+        # now, they all stop at the end of the engine batch in progress, not one after another.
         for other in self._quiet_candidates(exclude=victim.lease.id):
             if other.reserved_for is None:
                 other.reserved_for = ticket.id
             self._suspend(other, f"ticket {ticket.id} (priority 0) is about to run")
 
-    def _suspend(self, running: _Held, reason: str) -> None:
-        if running.suspend is None or running.suspending:
+    def _suspend(self, running: _Held, reason: str, *, stop: bool = False) -> None:
+        """Take ``running``'s slot: it saves its progress and gives the slot up; with ``stop``, a
+        background request that cannot be suspended is stopped instead (its work is lost)."""
+        if running.suspending:
+            return
+        if running.suspend is None:
+            if stop and running.give_up is not None:
+                running.suspending = True
+                log.info(
+                    "stopping background lease %d (agent %s): %s",
+                    running.lease.id,
+                    running.lease.agent,
+                    reason,
+                )
+                running.give_up()
             return
         running.suspending = True
         ticket = running.ticket
@@ -561,7 +538,7 @@ class Dispatcher:
         )
         # Requests already queued may prefer to wait for it.
         for waiter in list(self._waiters.values()):
-            if waiter.lease is None and waiter.blocked_on is None:
+            if waiter.waiting:
                 self._block(waiter)
 
     def _waiting_urgency(self, checkpoint: Checkpoint) -> int:
@@ -624,8 +601,7 @@ class Dispatcher:
         # An urgent waiter that found no free slot takes one, as it would have on arrival.
         for waiter in released:
             if waiter.lease is None and waiter.ticket.id in self._waiters:
-                self._preempt_for(waiter.ticket)
-                self._give_way_to(waiter.ticket)
+                self._make_room(waiter.ticket)
 
     def best_source(self, tokens: Tokens) -> tuple[str, int, tuple[tuple[str, str], ...]] | None:
         """What cached sequence shares the most with ``tokens``: a description, the shared
@@ -645,12 +621,8 @@ class Dispatcher:
 
     def available(self, tokens: Tokens) -> int:
         """Tokens of ``tokens`` that could be had now without computing them."""
-        best = max((common_prefix(tokens, row.tokens) for row in self._slots.table()), default=0)
-        if self.store is not None:
-            found = self.store.best(tokens)
-            if found is not None:
-                best = max(best, found[1])
-        return best
+        best = self.best_source(tokens)
+        return 0 if best is None else best[1]
 
     def _worth_waiting_for(self, tokens: Tokens) -> Checkpoint | None:
         """The checkpoint this request should wait for, if waiting is estimated to be sooner."""
@@ -692,9 +664,7 @@ class Dispatcher:
         """The watchdog's work: reclaim leases held past their TTL, then dispatch."""
         reclaimed = self._slots.sweep(self.clock())
         for lease in reclaimed:
-            held = self._drop(lease.id)
-            if held is not None:
-                self._after(held)
+            self._end(lease.id)
             log.warning(
                 "watchdog reclaimed lease %d on slot %d (agent %s), held since %.1f",
                 lease.id,
@@ -795,8 +765,7 @@ class Dispatcher:
         now = self.clock()
         since = self._quiet_since.get((ticket.agent, ticket.arrival), ticket.arrival)
         if (
-            self.config.preempt_from is not None
-            and ticket.priority >= max(self.config.preempt_from, 1)
+            self._yields(ticket.priority)
             and ticket.priority - self._scheduler.aging * (now - since) > 0
             and self._urgent_running()
         ):
@@ -807,13 +776,10 @@ class Dispatcher:
 
     def _first_token_due(self, ticket: Ticket) -> bool:
         """Wait for another request's first token rather than share the batch that computes its
-        last prompt tokens: prefill is priced per token, additively (costs.PrefillModel), so
-        one after the other gives that request its first token sooner and this one its own no
-        later, while both fit in one batch. Never for a more urgent ticket.
-
-        Asked of the ticket whose turn it is, and dispatch stops there until that first token
-        (:meth:`note_decoding` dispatches again): no ticket queued behind it takes the slot
-        meanwhile, so the wait keeps the queue's order and its starvation bound."""
+        last prompt tokens: prefill is priced per token, additively, so one after the other gives
+        that request its first token sooner and this one its own no later. Never for a more
+        urgent ticket. Dispatch stops at this ticket until that first token
+        (:meth:`note_decoding`), which keeps the queue's order and its starvation bound."""
         batch = self.config.engine_batch
         short_prefill_runs = any(
             not held.decoding
@@ -841,13 +807,11 @@ class Dispatcher:
 
     def _dispatch_reserved(self, ticket_id: int) -> None:
         """A slot given back by a request suspended for ``ticket_id``: that ticket takes it (if
-        it still waits and may go), whatever the order of the queue says now. With aging, older
-        less urgent tickets would otherwise take the slot the urgent one made free."""
+        it still waits and may go), ahead of older less urgent tickets that aging ranks first."""
         waiter = self._waiters.get(ticket_id)
         if (
             waiter is None
-            or waiter.lease is not None
-            or waiter.blocked_on is not None
+            or not waiter.waiting
             or not self._slots.free
             or not self._ready(waiter.ticket)
             or self._first_token_due(waiter.ticket)
@@ -920,10 +884,9 @@ class Dispatcher:
                 return
 
     def _pin_entry(self, lease: Lease) -> tuple[StoreIndex, str] | None:
-        """Keep the entry ``lease`` was placed to restore until the lease ends. Between the
-        placement and the restore the request may park the slot's content first, and another
-        slot's save may meanwhile supersede an entry that is a prefix of its own: the restore
-        would then find nothing and compute the whole prompt."""
+        """Keep the entry ``lease`` was placed to restore until the lease ends: another slot's
+        save before the restore (the request may park first) could supersede it, and the restore
+        would find nothing."""
         entry_id = lease.placement.entry_id
         index = self.store
         if index is not None and lease.placement.source is Source.STORE and entry_id:

@@ -1,10 +1,7 @@
 """The exchanges a client's retry may join, by request key.
 
-Claude Code retries a request it gave up on. A retry of a request that is still running, or that
-finished within ``retry_grace`` seconds, gets that request's reply instead of a second
-computation. So the runtime keeps each exchange here while it runs and, once it ended well, for
-``retry_grace`` more seconds; at most ``max_kept`` finished ones at once (each holds its prompt's
-tokens and its events), the oldest dropped first.
+Claude Code retries a request it gave up on; a retry of a request still running, or finished well
+within ``retry_grace`` seconds, gets that request's reply instead of a second computation.
 """
 
 from __future__ import annotations
@@ -31,11 +28,8 @@ E = TypeVar("E", bound=_Exchange)
 
 @attrs.define(eq=False)
 class Joinable(Generic[E]):
-    """Running exchanges and the finished replies kept for a retry.
-
-    The finished ones are a TTL cache on the runtime's ``clock``: one is dropped once
-    ``retry_grace`` has passed (when the cache is next used), or when ``max_kept`` newer ones came.
-    """
+    """Running exchanges and the finished replies kept for a retry: a TTL cache on the runtime's
+    ``clock``, of at most ``max_kept`` (each holds its prompt's tokens and events), oldest out."""
 
     retry_grace: float
     clock: Callable[[], float]

@@ -3,8 +3,7 @@
 ::
 
     Runtime.prepare(body, agent, priority)        before any response is sent    admission
-        translate (400 naming the field) → the agent's compactions → prompt tokens
-        → "prompt is too long" or compact now → cap max_tokens → the shareable head
+        translate, compact, count, fit to the slot, measure the shareable head
     Runtime.submit(prepared) → Exchange            queued (529 when full)         dispatcher
     Exchange.drive(), a task of the runtime:
         message_start at once                                                     broadcast
@@ -51,7 +50,7 @@ from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.joinable import Joinable
 from agentkv.runtime.prefetch import Prefetcher
 from agentkv.runtime.prepared import Preparations, claude_config_dir
-from agentkv.runtime.record import Candidate, RequestHistory, RequestRecord, RequestStatus
+from agentkv.runtime.record import RequestHistory, RequestRecord, RequestStatus
 from agentkv.runtime.relay import Relay
 from agentkv.runtime.seam import Engine
 from agentkv.runtime.store import PrefixStore
@@ -88,8 +87,7 @@ class Exchange:
     assembler: SSEAssembler
     record: RequestRecord
     started: float
-    #: Background work (a prepared compaction nobody has asked for yet): queued in the
-    #: background lane, it gives its slot up to any agent's request (:meth:`claim` ends that).
+    #: Background work (a prepared compaction nobody has asked for yet), until :meth:`claim`.
     background: bool = attrs.field(default=False, kw_only=True)
     #: The urgency it runs at: its request's, or the client's that claimed it.
     priority: int = attrs.field(init=False)
@@ -98,8 +96,6 @@ class Exchange:
     #: The engine calls of the reply.
     relay: Relay = attrs.field(init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope)
-    #: The cached sequence that shared most with the prompt when it got its slot.
-    _candidate: Candidate | None = None
     #: Store entries holding this request's saved progress (pinned until it ends).
     _suspended: list[str] = attrs.field(factory=list)
     #: The exact tokens a reply suspended mid-way left in its slot (prompt and reply so far).
@@ -155,9 +151,8 @@ class Exchange:
         return self.broadcast.unclaimed and not self._scope.cancel_called
 
     def events(self, ping_interval: float | None = None) -> AsyncIterator[Event]:
-        """Everything emitted so far, then live events until the end; ``KeepAlive`` on silence.
-        Leaving early (the client went away) detaches: with no client left, the exchange is
-        cancelled after the runtime's ``retry_grace`` unless a retry joins it."""
+        """The reply's events for one client (:meth:`Broadcast.follow`): with no client left, the
+        exchange is cancelled after ``retry_grace`` unless a retry joins it."""
         return self.broadcast.follow(ping_interval)
 
     async def message(self) -> dict[str, Any]:
@@ -170,8 +165,7 @@ class Exchange:
 
     def claim(self, priority: int) -> None:
         """A client asked for exactly this request, prepared as background work: from now on it
-        is that client's request, at its ``priority`` (queued, it leaves the background lane;
-        on a slot, it no longer gives the slot up to others)."""
+        is that client's request, at its ``priority``."""
         if not self.background:
             return
         self.background = False
@@ -241,7 +235,8 @@ class Exchange:
         placement, queued_s = lease.placement, runtime.clock() - self.started
         seq = dispatcher.dispatch_seq(lease)
         record.leased(lease.slot, placement.source.value, placement.reuse, seq, queued_s)
-        self._candidate = dispatcher.best_source(self.prepared.tokens)
+        # The cached sequence that shares most with the prompt now, to explain a miss by.
+        candidate = dispatcher.best_source(self.prepared.tokens)
         holds: Tokens | None = None
         try:
             with anyio.CancelScope() as suspension:
@@ -252,7 +247,7 @@ class Exchange:
             if not suspension.cancelled_caught:
                 sections = self.prepared.engine.sections
                 seconds = (self.relay.prompt_ms + self._head_ms) / 1000
-                record.explain(seconds, sections, self._candidate)
+                record.explain(seconds, sections, candidate)
                 return True
             holds, entry = await runtime.contents.save_progress(lease.slot, self.prepared.agent)
             if entry is not None:
@@ -326,8 +321,7 @@ class Runtime:
     clock: Callable[[], float] = time.monotonic
     translator: MessagesTranslator = attrs.field(init=False)
     fingerprinter: PrefixFingerprinter = attrs.field(init=False, factory=PrefixFingerprinter)
-    #: Prices prefill, decode, save and restore; it learns from every reply (the launch may
-    #: give it the model's KV bytes per token to start from).
+    #: Prices prefill, decode, save and restore; it learns from every reply.
     costs: CostModel = attrs.field(factory=CostModel, kw_only=True)
     #: A second, small engine that writes agentkv's own summaries (``--compaction-model``);
     #: None: the agents' engine writes them, on a slot of the background lane.
@@ -353,8 +347,7 @@ class Runtime:
         self.translator = MessagesTranslator(
             session_layout=config.session_layout, limits=config.limits
         )
-        # The dispatcher reads what two others own: the prefix store's index (SlotContents') and the
-        # agents to keep warm (the tree's); both are built next, so it is handed readers.
+        # The store's index and the warm agents are owned by parts built next: readers, then.
         self.dispatcher = Dispatcher(
             config,
             costs=self.costs,
@@ -462,51 +455,44 @@ class Runtime:
                 "finished" if existing.done else "still running",
             )
             return existing
+        return self._start(prepared, head=prepared.boundary)
+
+    def _submit_background(self, prepared: Prepared, *, head: bool = False) -> Exchange:
+        """Queue ``prepared`` as background work (a prepared compaction), held by
+        :attr:`preparations` until a client claims it. ``head``: its shareable head is computed
+        and saved first, as for a long uncached head of an agent's request."""
+        return self._start(prepared, head=prepared.boundary if head else None, background=True)
+
+    def _start(self, prepared: Prepared, *, head: int | None, background: bool = False) -> Exchange:
         ticket = self.dispatcher.submit(
-            prepared.agent, prepared.priority, prepared.tokens, head=prepared.boundary
+            prepared.agent, prepared.priority, prepared.tokens, head=head, background=background
         )
         try:
-            return self._start(prepared, ticket)
+            assert self._tg is not None
+            assembler = self.admission.assembler(prepared)
+            record = RequestRecord(
+                agent=prepared.agent,
+                priority=prepared.priority,
+                ticket=ticket.id,
+                prompt_tokens=len(prepared.tokens),
+            )
+            exchange = Exchange(
+                self,
+                prepared,
+                ticket,
+                assembler,
+                record,
+                started=ticket.arrival,
+                background=background,
+            )
+            self.tree.label(record)
+            if not background:
+                self.joinable.add(prepared.key, exchange)
+            self._tg.start_soon(self._drive, exchange)
+            return exchange
         except BaseException:
             self.dispatcher.withdraw(ticket)  # nothing will ever wait for it
             raise
-
-    def _submit_background(self, prepared: Prepared, *, head: bool = False) -> Exchange:
-        """Queue ``prepared`` as background work (a prepared compaction): it waits in the
-        background lane and gives its slot up to any agent's request, until a client claims it
-        (:class:`~agentkv.runtime.prepared.Preparations` holds it until then, not
-        :attr:`joinable`). ``head``: its shareable head is computed and saved first, as for a
-        long uncached head of an agent's request."""
-        ticket = self.dispatcher.submit(
-            prepared.agent,
-            prepared.priority,
-            prepared.tokens,
-            head=prepared.boundary if head else None,
-            background=True,
-        )
-        try:
-            return self._start(prepared, ticket, background=True)
-        except BaseException:
-            self.dispatcher.withdraw(ticket)
-            raise
-
-    def _start(self, prepared: Prepared, ticket: Ticket, *, background: bool = False) -> Exchange:
-        assert self._tg is not None
-        assembler = self.admission.assembler(prepared)
-        record = RequestRecord(
-            agent=prepared.agent,
-            priority=prepared.priority,
-            ticket=ticket.id,
-            prompt_tokens=len(prepared.tokens),
-        )
-        exchange = Exchange(
-            self, prepared, ticket, assembler, record, started=ticket.arrival, background=background
-        )
-        self.tree.label(record)
-        if not background:
-            self.joinable.add(prepared.key, exchange)
-        self._tg.start_soon(self._drive, exchange)
-        return exchange
 
     async def _drive(self, exchange: Exchange) -> None:
         try:
@@ -521,9 +507,8 @@ class Runtime:
         # A sub-agent may have been linked to its call since it started (its parent's request).
         self.tree.relabel([record])
         self.history.add(record)
-        keep = self._tg is not None and exchange.failure is None
         if not exchange.background:  # a claimed one, or any other
-            self.joinable.ended(exchange.prepared.key, exchange, keep=keep)
+            self.joinable.ended(exchange.prepared.key, exchange, keep=ok and running)
         self.preparations.ended(exchange, ok=ok, running=running)
 
     def later(self, work: Callable[..., Any], *args: Any) -> bool:

@@ -1,11 +1,8 @@
 """One request's record: its status and what the slot table shows, and the log line it ends in.
 
-A request's status moves along :data:`_NEXT` (queued → running → ok, or suspended and running
-again, or cancelled or failed from any state that has not ended); :meth:`RequestRecord.advance`
-refuses any other move.
-
-The runtime logs it at INFO when a request ends (``agentkv.runtime``); the line carries the fields
-as ``record.agentkv_request`` too, so a JSON log formatter writes them as data rather than text.
+Its status moves along :data:`_NEXT` (queued → running → ok, or suspended and running again, or
+cancelled or failed before it ended). The runtime logs it at INFO when it ends
+(``agentkv.runtime``), with the fields as ``record.agentkv_request`` for a JSON log formatter.
 
 ::
 
@@ -15,8 +12,7 @@ as ``record.agentkv_request`` too, so a JSON log formatter writes them as data r
 
 (one line; wrapped here). ``diverged`` appears only when the record says where the prompt left
 the best cached candidate; ``parent`` and ``description`` only for a sub-agent (where known);
-``retried``, ``suspended=N``, ``stopped=…``, ``joined=N`` only when
-they happened.
+``retried``, ``suspended=N``, ``stopped=…``, ``joined=N`` only when they happened.
 """
 
 from __future__ import annotations
@@ -63,26 +59,12 @@ class RequestStatus(enum.StrEnum):
     FAILED = "error"
 
 
-_ENDED: frozenset[RequestStatus] = frozenset()
-#: The moves a status may make.
+_STOPPED = frozenset({RequestStatus.CANCELLED, RequestStatus.FAILED})
+#: The moves a status may make (an ended status makes none).
 _NEXT: dict[RequestStatus, frozenset[RequestStatus]] = {
-    RequestStatus.QUEUED: frozenset(
-        {RequestStatus.RUNNING, RequestStatus.CANCELLED, RequestStatus.FAILED}
-    ),
-    RequestStatus.RUNNING: frozenset(
-        {
-            RequestStatus.OK,
-            RequestStatus.SUSPENDED,
-            RequestStatus.CANCELLED,
-            RequestStatus.FAILED,
-        }
-    ),
-    RequestStatus.SUSPENDED: frozenset(
-        {RequestStatus.RUNNING, RequestStatus.CANCELLED, RequestStatus.FAILED}
-    ),
-    RequestStatus.OK: _ENDED,
-    RequestStatus.CANCELLED: _ENDED,
-    RequestStatus.FAILED: _ENDED,
+    RequestStatus.QUEUED: _STOPPED | {RequestStatus.RUNNING},
+    RequestStatus.RUNNING: _STOPPED | {RequestStatus.OK, RequestStatus.SUSPENDED},
+    RequestStatus.SUSPENDED: _STOPPED | {RequestStatus.RUNNING},
 }
 
 
@@ -93,32 +75,29 @@ class RequestRecord:
     agent: str
     priority: int
     ticket: int = 0
-    #: The agent that started this one (a coordinator, for its sub-agent), and the description
-    #: of the call that started it, where known.
+    #: The agent that started this one and the description of its call, where known.
     parent: str | None = None
     description: str | None = None
-    #: A sub-agent's request: whether its parent waited for it (it ran at the parent's priority).
+    #: A sub-agent's request: whether its parent waited for it.
     waited_on: bool | None = None
     #: Order in which requests got their slot (1, 2, …): shows what the scheduler chose.
     dispatch_seq: int | None = None
     slot: int | None = None
     #: Where the cached part came from: "slot", "store" or "none".
     source: str | None = None
-    #: Prompt tokens (as llama-server counts them) and how many were found cached before
-    #: running, as agentkv planned it.
+    #: Prompt tokens, and how many agentkv planned to find cached.
     prompt_tokens: int = 0
     planned_reuse: int = 0
     #: As llama-server reported them: computed and reused prompt tokens, generated tokens.
     computed_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
-    #: Speculative decoding, as llama-server reported it: tokens drafted, and those of them the
-    #: model accepted (each accepted one is a token decoded without a step of its own).
+    #: Speculative decoding, as llama-server reported it: tokens drafted, and those accepted.
     draft_tokens: int = 0
     draft_accepted: int = 0
     #: The engine's own time decoding the reply (``predicted_ms``), in seconds.
     decode_s: float = 0.0
-    #: A shareable head computed on its own first, to be saved for others (tokens), if any.
+    #: Tokens of a shareable head computed on its own first, to be saved for others.
     checkpoint_tokens: int | None = None
     #: The slot's previous content was saved before it was overwritten.
     parked: bool = False
@@ -137,8 +116,7 @@ class RequestRecord:
     prefilled: int | None = None
     #: Seconds since the first output token, while generating.
     generating_s: float | None = None
-    #: Why the prompt was not all cached: where it parted from the best cached candidate
-    #: (token position and prompt section), what was reused and computed, and what that cost.
+    #: Why the prompt was not all cached (:meth:`explain`).
     divergence: dict[str, Any] | None = None
     #: Output chunks streamed so far (about one token each): the decoding speed, live.
     generated: int = 0
@@ -147,9 +125,9 @@ class RequestRecord:
     error_type: str | None = None
 
     def advance(self, status: RequestStatus, error_type: str | None = None) -> None:
-        """Move to ``status``. A move the transition table does not allow is a bug: it is
-        refused with a :class:`RuntimeWarning` (an error in the tests), and the status stays."""
-        if status not in _NEXT[self.status]:
+        """Move to ``status``; a move :data:`_NEXT` does not allow is a bug, refused with a
+        :class:`RuntimeWarning` (an error in the tests)."""
+        if status not in _NEXT.get(self.status, ()):
             warnings.warn(
                 f"request of agent {self.agent}: no move from {self.status.value} to "
                 f"{status.value}",
@@ -193,8 +171,7 @@ class RequestRecord:
 
     def head_computed(self, timings: Mapping[str, Any]) -> None:
         """The prompt's shareable head was computed on its own first, with ``timings``: what
-        that call computed, this request computed, and what it found cached is what this request
-        found cached."""
+        that call computed and found cached counts as this request's."""
         cached, computed = int(timings.get("cache_n", 0)), int(timings.get("prompt_n", 0))
         self.checkpoint_tokens = cached + computed
         self.computed_tokens += computed
@@ -260,7 +237,7 @@ class RequestRecord:
     ) -> None:
         """Record why the prompt was not all cached, when a notable part was computed: where it
         parted from ``candidate`` (the best cached sequence when it got its slot), in tokens and
-        in ``sections`` (the prompt's), and the ``seconds`` its computation took."""
+        in ``sections``, and the ``seconds`` its computation took."""
         if self.computed_tokens < 32:
             return
         divergence: dict[str, Any] = {
@@ -288,8 +265,7 @@ class RequestRecord:
         """The record as the operator's view shows it, frozen; ``status`` as shown."""
         data = attrs.asdict(self, recurse=False)
         data["status"] = self.shown_status
-        divergence = _divergence(self)
-        data["divergence"] = None if divergence is None else Divergence(**divergence)
+        data["divergence"] = Divergence(**self.divergence) if self.divergence else None
         return RequestView(**data)
 
     @property
@@ -302,33 +278,37 @@ class RequestRecord:
 
 def request_fields(record: RequestRecord) -> dict[str, Any]:
     """The facts of the request line, as data."""
-    fields: dict[str, Any] = {
-        "agent": record.agent,
-        "parent": record.parent,
-        "description": record.description,
-        "waited_on": record.waited_on,
-        "priority": record.priority,
-        "slot": record.slot,
-        "source": record.source,
-        "prompt_tokens": record.prompt_tokens,
-        "cached_tokens": record.cached_tokens,
-        "computed_tokens": record.computed_tokens,
-        "output_tokens": record.output_tokens,
-        "draft_tokens": record.draft_tokens,
-        "draft_accepted": record.draft_accepted,
-        "queued_s": record.queued_s,
-        "ttft_s": record.ttft_s,
-        "total_s": record.total_s,
-        "status": record.shown_status,
-        "retried": record.retried,
-        "suspended": record.suspended,
-        "stopped": record.stopped,
-        "attached": record.attached,
-    }
-    divergence = _divergence(record)
-    if divergence is not None:
-        fields["divergence"] = dict(divergence)
+    fields = {name: getattr(record, name) for name in _LINE_FIELDS}
+    fields["status"] = record.shown_status
+    if record.divergence:
+        fields["divergence"] = dict(record.divergence)
     return fields
+
+
+#: The record's fields in :func:`request_fields`, in order (``status`` as shown).
+_LINE_FIELDS = (
+    "agent",
+    "parent",
+    "description",
+    "waited_on",
+    "priority",
+    "slot",
+    "source",
+    "prompt_tokens",
+    "cached_tokens",
+    "computed_tokens",
+    "output_tokens",
+    "draft_tokens",
+    "draft_accepted",
+    "queued_s",
+    "ttft_s",
+    "total_s",
+    "status",
+    "retried",
+    "suspended",
+    "stopped",
+    "attached",
+)
 
 
 def request_line(record: RequestRecord) -> str:
@@ -356,35 +336,27 @@ def request_line(record: RequestRecord) -> str:
         parts.append(f"stopped={record.stopped}")
     if record.attached > 1:
         parts.append(f"joined={record.attached - 1}")
-    divergence = _divergence(record)
-    if divergence is not None:
-        parts.append(f"diverged={_quoted(divergence_text(divergence))}")
+    if record.divergence:
+        parts.append(f"diverged={_quoted(divergence_text(record.divergence))}")
     return " ".join(parts)
 
 
 def _tree_parts(record: RequestRecord) -> list[str]:
-    """``parent=…``, ``description=…`` and ``waited_on`` or ``background`` for a sub-agent's
-    request (read by name: older records have no such fields)."""
+    """``parent=…``, ``description=…`` and ``waited_on`` or ``background`` for a sub-agent."""
     parts = []
-    parent = record.parent
-    if parent:
-        parts.append(f"parent={_quoted(parent)}")
-    description = record.description
-    if description:
-        parts.append(f"description={_quoted(description)}")
-    waited = record.waited_on
-    if parent and waited is not None:
-        parts.append("waited_on" if waited else "background")
+    if record.parent:
+        parts.append(f"parent={_quoted(record.parent)}")
+    if record.description:
+        parts.append(f"description={_quoted(record.description)}")
+    if record.parent and record.waited_on is not None:
+        parts.append("waited_on" if record.waited_on else "background")
     return parts
 
 
 def divergence_text(divergence: Mapping[str, Any]) -> str:
-    """Where a prompt left the best cached candidate, in words.
-
-    Reads ``position`` (token), ``section`` ("system", "tool 3 (Bash)", "message 2 block 1"),
-    ``reused`` and ``computed`` (tokens) and ``seconds`` (the estimated cost of the computed
-    part); any other keys are shown as ``key=value``.
-    """
+    """Where a prompt left the best cached candidate, in words: ``position`` (token),
+    ``section`` ("tool 3 (Bash)"), ``reused``, ``computed`` and ``seconds``, then any other key
+    as ``key=value``."""
     known = {"position", "section", "reused", "computed", "seconds"}
     words = []
     position, section = divergence.get("position"), divergence.get("section")
@@ -407,12 +379,6 @@ def divergence_text(divergence: Mapping[str, Any]) -> str:
     if extra:
         words.append(" ".join(extra))
     return ": ".join(words)
-
-
-def _divergence(record: RequestRecord) -> Mapping[str, Any] | None:
-    # Read by name: older records (and runtimes) have no such field.
-    value = getattr(record, "divergence", None)
-    return value if isinstance(value, Mapping) and value else None
 
 
 def _or_dash(value: object) -> str:

@@ -1,12 +1,9 @@
 """One request's reply: the engine calls that produce it, relayed into its events.
 
-The relay owns everything between "the slot is ready" and "the reply is whole": the client's
-deadline (generation is bounded so the reply ends before the client gives up), the echo a
-continued reply streams back (skipped: the client has it), the raw ``/completion`` adapter that
-resumes a suspended reply from its exact tokens, the one call again after the link broke
-mid-reply, and the one constrained retry for a broken tool call. It writes only into the
-assembler, the request's record and the event log it is given; it never touches a slot's
-recorded content (``runtime.contents`` does).
+Between "the slot is ready" and "the reply is whole": the client's deadline, the echo a continued
+reply streams back (skipped), the raw ``/completion`` that resumes a suspended reply from its
+exact tokens, one call again after the link broke mid-reply, and one constrained retry for a
+broken tool call. It writes only into the assembler, the request's record and its event log.
 """
 
 from __future__ import annotations
@@ -188,9 +185,7 @@ class Relay:
             "n_predict": body["max_tokens"],
             "return_progress": True,
         }
-        for name in _SAMPLING:
-            if name in body:
-                payload[name] = body[name]
+        payload.update({name: body[name] for name in _SAMPLING if name in body})
         await self._relay(payload, slot, on_chunk, raw=True)
         return True
 
@@ -214,14 +209,14 @@ class Relay:
 
         async def produce() -> None:
             try:
-                if raw:
-                    async with send, client.complete(body, slot=slot) as chunks:
-                        async for chunk in chunks:
-                            await _hand_over(send, as_chat_chunk(chunk))
-                    return
-                async with send, client.stream(body, slot=slot, hints=self.hints()) as chunks:
+                async with (
+                    send,
+                    client.complete(body, slot=slot)
+                    if raw
+                    else client.stream(body, slot=slot, hints=self.hints()) as chunks,
+                ):
                     async for chunk in chunks:
-                        await _hand_over(send, chunk)
+                        await _hand_over(send, as_chat_chunk(chunk) if raw else chunk)
             except AgentKVError as exc:  # handed to the consumer, not wrapped in a group
                 failure.append(exc)
             except anyio.BrokenResourceError:

@@ -2,8 +2,7 @@
 
 :class:`Engine` is a :class:`typing.Protocol`: the runtime (its lifecycle, relay, admission,
 compactor, slot contents and prefix store) and the server (``/health``, ``/v1/models``,
-``/metrics``) name it and never ask which engine they hold, as an ``httpx.AsyncClient`` never asks
-which transport it holds. Three classes implement it, each on its own:
+``/metrics``) name it and never ask which engine they hold. Three classes implement it:
 
 - :class:`~agentkv.runtime.client.LlamaSlotClient`: one llama-server, whose slots agentkv pins,
   saves and restores;
@@ -12,11 +11,9 @@ which transport it holds. Three classes implement it, each on its own:
 - :class:`~agentkv.runtime.adapters.OpenAIEngineClient` and its subclasses: an engine that places
   requests itself (vLLM, SGLang, Dynamo), with no slot files.
 
-Only :mod:`agentkv.runtime.assemble`, which builds the engine, knows which one it built.
-
-Slots are numbered by the engine (a pool numbers its engines' slots one after the other); an
-engine that places requests itself ignores them. Every failure is an
-:class:`~agentkv.exceptions.EngineError`.
+Only :mod:`agentkv.runtime.assemble` knows which one it built. Slots are numbered by the engine
+(a pool numbers its engines' slots one after the other); an engine that places requests itself
+ignores them. Every failure is an :class:`~agentkv.exceptions.EngineError`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The agent tree at run time: places requests in :class:`~agentkv.agents.AgentDirectory`,
-follows the replies agentkv streams, and answers whose context to keep warm (:meth:`AgentTree.warm`,
-which the runtime hands the dispatcher).
-
-The directory decides (who is whose sub-agent, who waits, what priority); this module wires it to
-the runtime: a request's agent and priority before it is queued, the ``Agent`` calls of a reply
-when it ends, the queued tickets of sub-agents whose priority changed, and the annotations the
-operator's views show. With the tree off (``RuntimeConfig.agent_tree``) every request belongs to
-its root with its own priority, as before sub-agents were recognised.
+"""The agent tree at run time: :class:`~agentkv.agents.AgentDirectory` decides (who is whose
+sub-agent, who waits, what priority); this module wires it to the runtime: a request's agent and
+priority before it is queued, the ``Agent`` calls of a reply when it ends, the queued tickets of
+sub-agents whose priority changed, whose context to keep warm, and the operator's annotations.
+With the tree off (``RuntimeConfig.agent_tree``) every request belongs to its root.
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ Placed = TypeVar("Placed", SlotRow, QueueRow)
 
 
 class Labelled(Protocol):
-    """A request's record, as far as its place in the tree goes
-    (:class:`agentkv.runtime.lifecycle.RequestRecord`)."""
+    """A request's record (:class:`~agentkv.runtime.record.RequestRecord`), as far as its place
+    in the tree goes."""
 
     agent: str
     parent: str | None
@@ -53,8 +49,8 @@ class AgentTree:
     directory: AgentDirectory = attrs.field(init=False)
     #: Fan-out prefetch (given by the runtime when there is a store to save heads in).
     prefetcher: Prefetcher | None = None
-    #: The last answer of :meth:`warm` and the directory version it was computed at (placement
-    #: asks for every ticket it prices; an empty answer changes only with a request or a reply).
+    #: The last answer of :meth:`warm` and the directory version it was computed at: placement
+    #: asks for every ticket it prices, and an empty answer changes only with the directory.
     _warm: tuple[int, frozenset[str]] = attrs.field(init=False, default=(-1, frozenset()))
 
     def __attrs_post_init__(self) -> None:
