@@ -22,7 +22,7 @@ from agentkv._convert import (
     structure,
 )
 from agentkv.exceptions import InvalidRequestError
-from agentkv.limits import RequestLimits
+from agentkv.limits import RequestLimits, check_count
 from agentkv.openai_request import (
     Arguments,
     Conversation,
@@ -38,7 +38,6 @@ from agentkv.openai_request import (
     TextFormat,
     ToolOrigin,
     add_tool,
-    check_count,
     check_text_format,
     content_blocks,
     function_tool,

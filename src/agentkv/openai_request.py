@@ -20,6 +20,7 @@ import attrs
 
 from agentkv._convert import AbsentIsNull, FieldError, NonEmptyStr, converter, register_tagged
 from agentkv.exceptions import InvalidRequestError
+from agentkv.limits import check_count
 from agentkv.schema import json_type
 
 __all__ = [
@@ -258,11 +259,6 @@ def shown(value: Any) -> str:
     """A client's value in an error message: its repr, cut short (it may be megabytes long)."""
     text = repr(value) if not isinstance(value, str) or len(value) <= 200 else repr(value[:200])
     return text if len(text) <= 80 else text[:80] + "…"
-
-
-def check_count(items: Sequence[Any], limit: int, what: str, path: str) -> None:
-    if len(items) > limit:
-        raise InvalidRequestError(f"has {len(items)} {what}; the limit is {limit}", path)
 
 
 def check_text_format(fmt: TextFormat | None, path: str) -> None:

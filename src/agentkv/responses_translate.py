@@ -21,7 +21,7 @@ from agentkv._convert import (
     register_tagged,
     structure,
 )
-from agentkv.limits import RequestLimits
+from agentkv.limits import RequestLimits, check_count
 from agentkv.openai_request import (
     CUSTOM_INPUT,
     TEXT_JOIN,
@@ -40,7 +40,6 @@ from agentkv.openai_request import (
     TextFormat,
     ToolOrigin,
     add_tool,
-    check_count,
     check_text_format,
     content_blocks,
     engine_tool,
