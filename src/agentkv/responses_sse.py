@@ -32,6 +32,11 @@ __all__ = ["ResponsesAssembler"]
 _DELTAS: Final = {"text": "text", "thinking": "thinking", "function": "input", "custom": "input"}
 #: The Responses events (``<name>.delta``, ``<name>.done``) of a text or reasoning part.
 _TEXT_EVENTS: Final = {"text": "response.output_text", "thinking": "response.reasoning_text"}
+#: Per tool call kind: its item id's prefix, its item type, and the field its input goes in.
+_CALLS: Final = {
+    "function": ("fc", "function_call", "arguments"),
+    "custom": ("ctc", "custom_tool_call", "input"),
+}
 
 
 def _logprobs(kind: str) -> dict[str, Any]:
@@ -165,7 +170,6 @@ class ResponsesAssembler(EventWalk):
                 "role": "assistant",
                 "content": [],
             }
-            current = _Item(index, item, "text")
         elif kind == "thinking":
             item = {
                 "id": self._item_id("rs", index),
@@ -175,32 +179,21 @@ class ResponsesAssembler(EventWalk):
                 "encrypted_content": None,
                 "status": "in_progress",
             }
-            current = _Item(index, item, "thinking")
         else:
             origin = tool_origin(self.request, block.tool_name)
-            call_id = openai_call_id(block.tool_id or self._item_id("toolu", index))
-            if origin.custom:
-                item = {
-                    "id": self._item_id("ctc", index),
-                    "type": "custom_tool_call",
-                    "status": "in_progress",
-                    "call_id": call_id,
-                    "name": origin.name,
-                    "input": "",
-                }
-                current = _Item(index, item, "custom")
-            else:
-                item = {
-                    "id": self._item_id("fc", index),
-                    "type": "function_call",
-                    "status": "in_progress",
-                    "call_id": call_id,
-                    "name": origin.name,
-                    "arguments": "",
-                }
-                current = _Item(index, item, "function")
+            kind = "custom" if origin.custom else "function"
+            prefix, item_type, field = _CALLS[kind]
+            item = {
+                "id": self._item_id(prefix, index),
+                "type": item_type,
+                "status": "in_progress",
+                "call_id": openai_call_id(block.tool_id or self._item_id("toolu", index)),
+                "name": origin.name,
+                field: "",
+            }
             if origin.namespace is not None:
                 item["namespace"] = origin.namespace
+        current = _Item(index, item, kind)
         self.response["output"].append(item)
         self._current = current
         out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
