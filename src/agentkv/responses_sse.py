@@ -160,7 +160,7 @@ class ResponsesAssembler(EventWalk):
     def _open(self, block: BlockOpened, out: list[dict[str, Any]]) -> None:
         self._close(out)  # a well-formed stream has none open; never leave one dangling
         index = len(self.response["output"])
-        kind = block.kind
+        kind: str = block.kind
         item: dict[str, Any]
         if kind == "text":
             item = {
