@@ -298,8 +298,4 @@ def _chat_message(conversation: Conversation, message: ChatMessage, path: str) -
         # Each assistant message is its own turn; only tool results merge.
         conversation.add("assistant", blocks, path)
     else:
-        content = message.content
-        result = content if isinstance(content, str) else content_blocks(content, content_path)
-        conversation.result(
-            {"type": "tool_result", "tool_use_id": message.tool_call_id, "content": result}, path
-        )
+        conversation.tool_result(message.tool_call_id, message.content, path, content_path)

@@ -365,11 +365,7 @@ def _responses_item(conversation: Conversation, item: Item, path: str) -> None:
         }
         conversation.assistant([block], path)
     elif isinstance(item, ToolOutput):
-        output = item.output
-        content = output if isinstance(output, str) else content_blocks(output, f"{path}.output")
-        conversation.result(
-            {"type": "tool_result", "tool_use_id": item.call_id, "content": content}, path
-        )
+        conversation.tool_result(item.call_id, item.output, path, f"{path}.output")
     else:
         texts: list[str] = []
         for parts, part_kind in ((item.content, "reasoning_text"), (item.summary, "summary_text")):
