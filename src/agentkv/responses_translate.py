@@ -322,25 +322,24 @@ def _responses_tools(
     check_count(declared, limits.max_tools, "tools", "tools")
     for i, entry in enumerate(declared):
         path = f"tools[{i}]"
-        if isinstance(entry, FunctionTool):
-            tool = function_tool(entry, entry.name)
-            add_tool(tools, origins, sources, tool, ToolOrigin(entry.name), path)
-        elif isinstance(entry, CustomTool):
-            tool = _custom_tool(entry, entry.name)
-            add_tool(tools, origins, sources, tool, ToolOrigin(entry.name, custom=True), path)
-        elif isinstance(entry, NamespaceTool):
-            space = entry.name
+        members: list[tuple[FunctionTool | CustomTool, str | None, str]]
+        if isinstance(entry, NamespaceTool):
             check_count(entry.tools, limits.max_tools, "tools", f"{path}.tools")
-            for j, sub in enumerate(entry.tools):
-                engine_name = f"{space}.{sub.name}"
-                if isinstance(sub, CustomTool):
-                    tool = _custom_tool(sub, engine_name)
-                    origin = ToolOrigin(sub.name, namespace=space, custom=True)
-                else:
-                    tool = function_tool(sub, engine_name)
-                    origin = ToolOrigin(sub.name, namespace=space)
-                add_tool(tools, origins, sources, tool, origin, f"{path}.tools[{j}]")
-        # A HostedTool is run by OpenAI's servers; nothing here can run it (see HOSTED_TOOL_TYPES).
+            members = [(sub, entry.name, f"{path}.tools[{j}]") for j, sub in enumerate(entry.tools)]
+        elif isinstance(entry, FunctionTool | CustomTool):
+            members = [(entry, None, path)]
+        else:
+            continue  # a HostedTool is run by OpenAI's servers (see HOSTED_TOOL_TYPES)
+        for member, space, where in members:
+            name = engine_tool(member.name, space)
+            tool = (
+                _custom_tool(member, name)
+                if isinstance(member, CustomTool)
+                else function_tool(member, name)
+            )
+            custom = isinstance(member, CustomTool)
+            origin = ToolOrigin(member.name, namespace=space, custom=custom)
+            add_tool(tools, origins, sources, tool, origin, where)
     check_count(tools, limits.max_tools, "tools", "tools")
     return tools, origins, sources
 
