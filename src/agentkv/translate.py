@@ -309,7 +309,6 @@ class _Turn:
     #: Session layout, human turns: the context that goes before the words, as (label, text):
     #: the system notes sent after the turn, its reminders, its session facts.
     context: tuple[tuple[str, str], ...] = ()
-    laid_out: bool = False
 
 
 def _digest(value: Any) -> str:
@@ -397,7 +396,7 @@ def _lay_out(request: MessagesRequest, layout: bool) -> tuple[list[tuple[str, st
         if project is not None:
             context.append((f"message {i} (project facts)", project))
         words = tuple((label, b) for label, b in numbered if not _is_reminder(b))
-        turns.append(_Turn(message, words, tuple(context), laid_out=True))
+        turns.append(_Turn(message, words, tuple(context)))
         i = j
     return system, turns
 
@@ -467,16 +466,14 @@ def _stem(head: list[dict[str, Any]], turns: list[_Turn]) -> list[dict[str, Any]
     if not turns or not _is_human_turn(turns[-1].message):
         return None
     last = turns[-1]
-    if last.laid_out:
-        context = [text for _, text in last.context]
-        words = [b for _, b in last.blocks if not (isinstance(b, TextBlock) and not b.text)]
-    else:
-        context = [_text_of(b) for _, b in last.blocks if _is_reminder(b)]
-        words = [
-            b
-            for _, b in last.blocks
-            if not _is_reminder(b) and not (isinstance(b, TextBlock) and not b.text)
-        ]
+    # Laid out, the turn's reminders are in its context; else they are among its blocks.
+    context = [text for _, text in last.context]
+    context += [_text_of(b) for _, b in last.blocks if _is_reminder(b)]
+    words = [
+        b
+        for _, b in last.blocks
+        if not _is_reminder(b) and not (isinstance(b, TextBlock) and not b.text)
+    ]
     if not words:
         return None  # nothing but session context: no words to leave out
     stem = list(head)
