@@ -415,12 +415,6 @@ def _sections(
     return tuple(sections)
 
 
-def prompt_sections(request: MessagesRequest, layout: bool = True) -> tuple[tuple[str, str], ...]:
-    """The parts of ``request``'s prompt in prompt order, as (label, digest) pairs."""
-    system, turns = _lay_out(request, layout)
-    return _sections(system, request.tools or (), turns)
-
-
 def first_difference(
     mine: tuple[tuple[str, str], ...], theirs: tuple[tuple[str, str], ...]
 ) -> str | None:
