@@ -160,14 +160,7 @@ class MessagesTranslator:
             # Measured: the default small model ignores tool_choice="required" but obeys constrained
             # decoding. llama-server refuses a json_schema together with the grammar it builds
             # for `tools`, so here the tools are left out and the schema alone shapes the output.
-            if forced is not None:
-                schema = forced.input_schema or _ANY_SCHEMA
-                note = _forced_note([forced], single=True)
-            else:
-                schema = {"oneOf": [_named_call_schema(tool) for tool in tools]}
-                note = _forced_note(tools, single=False)
-            body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
-            _append_user_note(messages, note)
+            _constrain(body, messages, tools, forced)
         elif tools and not isinstance(choice, ToolChoiceNone):
             body["tools"] = [_tool(tool) for tool in tools if tool.input_schema is not None]
             if not body["tools"]:
@@ -230,9 +223,7 @@ class MessagesTranslator:
         forced = {key: value for key, value in body.items() if key != "parallel_tool_calls"}
         forced["tool_choice"] = "none"
         messages = [dict(message) for message in body["messages"]]
-        schema = {"oneOf": [_named_call_schema(tool) for tool in tools]}
-        forced["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
-        _append_user_note(messages, _forced_note(tools, single=False))
+        _constrain(forced, messages, tools, None)
         forced["messages"] = messages
         return forced
 
@@ -444,11 +435,6 @@ def _wrap_note(text: str) -> str:
     return text
 
 
-def _note(message: Message) -> str:
-    """A mid-conversation system message as text, wrapped the way Claude Code marks such notes."""
-    return _wrap_note(_TEXT_JOIN.join(_texts(_blocks(message.content))))
-
-
 def _is_human_turn(message: Message) -> bool:
     return message.role == "user" and not any(
         isinstance(b, ToolResultBlock) for b in _blocks(message.content)
@@ -487,7 +473,7 @@ def _translate_turn(turn: _Turn) -> list[dict[str, Any]]:
         # A system note that follows no human turn becomes a user turn of its own. Many chat
         # templates accept a system message only at the start and raise otherwise, and merging it
         # into the head system prompt would rewrite text that is already cached.
-        text = _note(message)
+        text = _wrap_note(_TEXT_JOIN.join(_texts(_blocks(message.content))))
         return [{"role": "user", "content": text}] if text else []
     return _user([*(TextBlock(text=text) for _, text in turn.context), *blocks])
 
@@ -586,6 +572,21 @@ def _tool(tool: Tool) -> dict[str, Any]:
         function["description"] = tool.description
     function["parameters"] = tool.input_schema or _ANY_SCHEMA
     return {"type": "function", "function": function}
+
+
+def _constrain(
+    body: dict[str, Any], messages: list[dict[str, Any]], tools: Sequence[Tool], forced: Tool | None
+) -> None:
+    """Constrain ``body`` to one call: ``forced``'s input, else ``{"name", "arguments"}`` of one
+    of ``tools``; a note at the end of ``messages`` says what the JSON means."""
+    if forced is not None:
+        schema = forced.input_schema or _ANY_SCHEMA
+        note = _forced_note([forced], single=True)
+    else:
+        schema = {"oneOf": [_named_call_schema(tool) for tool in tools]}
+        note = _forced_note(tools, single=False)
+    body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+    _append_user_note(messages, note)
 
 
 def _named_call_schema(tool: Tool) -> dict[str, Any]:
