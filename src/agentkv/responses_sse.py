@@ -197,16 +197,15 @@ class ResponsesAssembler(EventWalk):
         self.response["output"].append(item)
         self._current = current
         out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
-        if current.kind in ("text", "thinking"):
-            out.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=self._part(current.kind, ""),
-                )
-            )
+        if current.kind in _TEXT_EVENTS:
+            part = self._part(current.kind, "")
+            out.append(self._item_event("response.content_part.added", current, part=part))
+
+    def _item_event(self, kind: str, current: _Item, **fields: Any) -> dict[str, Any]:
+        """An event about ``current``'s item (and its one content part, for text and reasoning)."""
+        if current.kind in _TEXT_EVENTS:
+            fields = {"content_index": 0, **fields}
+        return self._event(kind, item_id=current.item["id"], output_index=current.index, **fields)
 
     @staticmethod
     def _part(kind: str, text: str) -> dict[str, Any]:
@@ -220,89 +219,40 @@ class ResponsesAssembler(EventWalk):
             return
         text = delta.value
         current.text += text
-        item_id = current.item["id"]
         if current.kind in _TEXT_EVENTS:
-            out.append(
-                self._event(
-                    f"{_TEXT_EVENTS[current.kind]}.delta",
-                    item_id=item_id,
-                    output_index=current.index,
-                    content_index=0,
-                    delta=text,
-                    **_logprobs(current.kind),
-                )
-            )
+            name = f"{_TEXT_EVENTS[current.kind]}.delta"
+            out.append(self._item_event(name, current, delta=text, **_logprobs(current.kind)))
         elif current.kind == "function":
-            out.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=item_id,
-                    output_index=current.index,
-                    delta=text,
-                )
-            )
+            name = "response.function_call_arguments.delta"
+            out.append(self._item_event(name, current, delta=text))
 
     def _close(self, out: list[dict[str, Any]]) -> None:
         current, self._current = self._current, None
         if current is None:
             return
-        item, index = current.item, current.index
-        item_id = item["id"]
+        item = current.item
         if current.kind in _TEXT_EVENTS:
-            out.append(
-                self._event(
-                    f"{_TEXT_EVENTS[current.kind]}.done",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    text=current.text,
-                    **_logprobs(current.kind),
-                )
-            )
+            name = f"{_TEXT_EVENTS[current.kind]}.done"
+            logprobs = _logprobs(current.kind)
+            out.append(self._item_event(name, current, text=current.text, **logprobs))
             part = self._part(current.kind, current.text)
-            out.append(
-                self._event(
-                    "response.content_part.done",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    part=dict(part),
-                )
-            )
+            out.append(self._item_event("response.content_part.done", current, part=dict(part)))
             item["content"] = [part]
         elif current.kind == "function":
-            arguments = current.text or "{}"
-            item["arguments"] = arguments
+            item["arguments"] = current.text or "{}"
+            name = "response.function_call_arguments.done"
             out.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    item_id=item_id,
-                    output_index=index,
-                    name=item["name"],
-                    arguments=arguments,
-                )
+                self._item_event(name, current, name=item["name"], arguments=item["arguments"])
             )
         else:
-            text = custom_input(current.text)
-            item["input"] = text
-            out.append(
-                self._event(
-                    "response.custom_tool_call_input.delta",
-                    item_id=item_id,
-                    output_index=index,
-                    delta=text,
-                )
-            )
-            out.append(
-                self._event(
-                    "response.custom_tool_call_input.done",
-                    item_id=item_id,
-                    output_index=index,
-                    input=text,
-                )
-            )
+            item["input"] = custom_input(current.text)
+            for step, field in (("delta", "delta"), ("done", "input")):
+                name = f"response.custom_tool_call_input.{step}"
+                out.append(self._item_event(name, current, **{field: item["input"]}))
         item["status"] = "completed"
-        out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+        out.append(
+            self._event("response.output_item.done", output_index=current.index, item=dict(item))
+        )
 
     def _finish(self, out: list[dict[str, Any]]) -> None:
         self._close(out)
