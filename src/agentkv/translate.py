@@ -332,12 +332,9 @@ def _block_label(index: int, number: int, block: ContentBlock) -> str:
 def _lay_out(request: MessagesRequest, layout: bool) -> tuple[list[tuple[str, str]], list[_Turn]]:
     """The system text and the turns, in the order they reach the prompt.
 
-    Session layout: a human turn's context — the system notes sent right after it, its
-    ``<system-reminder>`` blocks — goes before its words. Within it, what more agents share
-    comes first: the notes without their session facts, the other reminders, the session's
-    facts (machine, date), the reminder with the project's git status, then the project's facts
-    (working directory, and for the first turn the memory directory from the system prompt).
-    See :mod:`agentkv.layout`.
+    Session layout puts a human turn's context before its words, what more agents share first:
+    the notes without their facts, the other reminders, the session's facts, the git status
+    reminder, the project's facts (see :mod:`agentkv.layout`).
     """
     system = _system_texts(request.system)
     messages = request.messages
