@@ -217,7 +217,6 @@ def chat_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIReques
         out["top_k"] = request.top_k
     sources = {
         **conversation.sources,
-        **{f"tools[{i}]": f"tools[{i}]" for i in range(len(tools))},
         "max_tokens": max_tokens_from,
         "stop_sequences": "stop",
     }
