@@ -149,7 +149,8 @@ class MessagesTranslator:
                 forced_tool = ANY_TOOL
 
         system, turns = _lay_out(request, self.session_layout)
-        head = _system_messages([text for _, text in system])
+        system_text = _TEXT_JOIN.join(text for _, text in system if text)
+        head = [{"role": "system", "content": system_text}] if system_text else []
         messages = list(head)
         for turn in turns:
             messages.extend(_translate_turn(turn))
@@ -278,11 +279,6 @@ def _system_texts(system: str | list[TextBlock] | None) -> list[tuple[str, str]]
         for k, block in enumerate(system)
         if not block.text.startswith(BILLING_HEADER_PREFIX)
     ]
-
-
-def _system_messages(texts: Sequence[str]) -> list[dict[str, Any]]:
-    text = _TEXT_JOIN.join(t for t in texts if t)
-    return [{"role": "system", "content": text}] if text else []
 
 
 def _blocks(content: str | Sequence[ContentBlock]) -> Sequence[ContentBlock]:
