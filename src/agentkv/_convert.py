@@ -38,7 +38,7 @@ __all__ = [
 T = TypeVar("T")
 Hook = Callable[[Any, Any], Any]
 
-# Narrower types, each checked as one value (see ``_checked`` below).
+# Narrower types, each checked as one value (see ``_strict`` below).
 PositiveInt = NewType("PositiveInt", int)
 NonEmptyStr = NewType("NonEmptyStr", str)
 Strings = NewType("Strings", list[str])
@@ -59,12 +59,15 @@ class AbsentIsNull:
     __slots__ = ()
 
 
-def _strict(tp: Any, ok: Callable[[Any], bool], noun: str) -> None:
-    """Register a hook for ``tp`` that takes only what ``ok`` accepts (as ``tp``)."""
+def _strict(tp: Any, ok: Callable[[Any], bool], noun: str, *, got: bool = True) -> None:
+    """Register a hook for ``tp`` that takes only what ``ok`` accepts (as ``tp``); the error
+    names ``noun`` and, with ``got``, the JSON type it got."""
 
     def hook(value: Any, _: Any) -> Any:
         if not ok(value):
-            raise FieldError(f"expected {noun}, got {json_type(value)}")
+            raise FieldError(
+                f"expected {noun}, got {json_type(value)}" if got else f"expected {noun}"
+            )
         return float(value) if tp is float else value
 
     if get_origin(tp) is None:
@@ -181,15 +184,6 @@ def _list_factory(tp: Any, conv: cattrs.Converter) -> Hook:
     return hook
 
 
-def _checked(tp: Any, ok: Callable[[Any], bool], message: str) -> None:
-    def hook(value: Any, _: Any) -> Any:
-        if not ok(value):
-            raise FieldError(message)
-        return value
-
-    converter.register_structure_hook(tp, hook)
-
-
 def _attrs_factory(tp: Any, conv: cattrs.Converter) -> Hook:
     inner = make_dict_structure_fn(tp, conv)
     # A block's ``type`` tag is checked first, so ``{"type": "image"}`` where only text fits is
@@ -220,12 +214,13 @@ _strict(float, lambda v: isinstance(v, int | float) and not isinstance(v, bool),
 _strict(bool, lambda v: isinstance(v, bool), "a boolean")
 _strict(dict[str, Any], lambda v: isinstance(v, dict), "an object")
 converter.register_structure_hook_func(_is_str_or_list, _str_or_list)
-_checked(PositiveInt, lambda v: type(v) is int and v > 0, "expected a positive integer")
-_checked(NonEmptyStr, lambda v: isinstance(v, str) and v != "", "expected a non-empty string")
-_checked(
+_strict(PositiveInt, lambda v: type(v) is int and v > 0, "a positive integer", got=False)
+_strict(NonEmptyStr, lambda v: isinstance(v, str) and v != "", "a non-empty string", got=False)
+_strict(
     Strings,
     lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
-    "expected a list of strings",
+    "a list of strings",
+    got=False,
 )
 register_tagged(ContentBlock)
 register_tagged(ToolResultContent)
