@@ -266,10 +266,8 @@ class ResponsesAssembler(EventWalk):
             "total_tokens": prompt + output,
         }
         self._ended = True
-        if self._stop_reason == "max_tokens":
-            response["status"] = "incomplete"
+        cut = self._stop_reason == "max_tokens"
+        response["status"] = "incomplete" if cut else "completed"
+        if cut:
             response["incomplete_details"] = {"reason": "max_output_tokens"}
-            out.append(self._event("response.incomplete", response=self._snapshot()))
-        else:
-            response["status"] = "completed"
-            out.append(self._event("response.completed", response=self._snapshot()))
+        out.append(self._event(f"response.{response['status']}", response=self._snapshot()))
