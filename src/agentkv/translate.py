@@ -209,16 +209,13 @@ class MessagesTranslator:
         return attrs.evolve(self, limits=attrs.evolve(self.limits, images=False))
 
     def force_any_tool(self, request: EngineRequest, body: Mapping[str, Any]) -> dict[str, Any]:
-        """``body`` (an auto-mode engine body for ``request``) constrained to call one tool.
-
-        Used for the one retry after a reply that tried to call a tool but wrote it wrongly: the
-        same conversation, with the JSON schema ``{"name", "arguments"}`` over the declared tools.
+        """``body`` (an auto-mode engine body for ``request``) constrained to call one tool: the
+        one retry after a reply that tried to call a tool but wrote it wrongly.
 
         The tools stay in the body with ``tool_choice: "none"``: the chat template renders them
         into the system prompt either way, so the retry's prompt is the request's own up to the
-        note, and the engine computes only the note (without them the prompt diverges at the
-        system prompt: 48 s at Claude Code's depth on 2 cores). llama-server refuses a grammar
-        next to tools only while a tool may be chosen; ``response_format`` with ``none`` it takes.
+        note (without them it diverges at the system prompt: 48 s at Claude Code's depth on 2
+        cores). llama-server refuses a grammar next to tools only while a tool may be chosen.
         """
         tools = [tool for tool in request.request.tools or () if tool.input_schema is not None]
         forced = {key: value for key, value in body.items() if key != "parallel_tool_calls"}
