@@ -220,8 +220,9 @@ class _Agent:
     sub: str | None
     priority: int
     first_seen: float
-    last_seen: float
-    last_request: float
+    #: Both start at ``first_seen``.
+    last_seen: float = attrs.Factory(lambda self: self.first_seen, takes_self=True)
+    last_request: float = attrs.Factory(lambda self: self.first_seen, takes_self=True)
     requests: int = 0
     parent: str | None = None
     call: AgentCall | None = None
@@ -280,21 +281,12 @@ class AgentDirectory:
                 sub=None,
                 priority=priority,
                 first_seen=now,
-                last_seen=now,
                 last_request=-math.inf,
             )
         name = agent_name(root, sub)
         agent = self._agents.get(name)
         if agent is None:
-            agent = _Agent(
-                name=name,
-                root=root,
-                sub=sub,
-                priority=priority,
-                first_seen=now,
-                last_seen=now,
-                last_request=now,
-            )
+            agent = _Agent(name=name, root=root, sub=sub, priority=priority, first_seen=now)
             if sub is not None:
                 agent.parent = root
                 agent.pending_prompt = first_prompt(body)
