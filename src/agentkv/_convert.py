@@ -38,7 +38,7 @@ __all__ = [
 T = TypeVar("T")
 Hook = Callable[[Any, Any], Any]
 
-# Narrower types, each checked as one value (see ``_checked`` below).
+# Narrower types, each checked as one value (see ``_strict`` below).
 PositiveInt = NewType("PositiveInt", int)
 NonEmptyStr = NewType("NonEmptyStr", str)
 Strings = NewType("Strings", list[str])
@@ -59,34 +59,21 @@ class AbsentIsNull:
     __slots__ = ()
 
 
-def _strict_str(value: Any, _: type) -> str:
-    if not isinstance(value, str):
-        raise FieldError(f"expected a string, got {json_type(value)}")
-    return value
+def _strict(tp: Any, ok: Callable[[Any], bool], noun: str, *, got: bool = True) -> None:
+    """Register a hook for ``tp`` that takes only what ``ok`` accepts (as ``tp``); the error
+    names ``noun`` and, with ``got``, the JSON type it got."""
 
+    def hook(value: Any, _: Any) -> Any:
+        if not ok(value):
+            raise FieldError(
+                f"expected {noun}, got {json_type(value)}" if got else f"expected {noun}"
+            )
+        return float(value) if tp is float else value
 
-def _strict_int(value: Any, _: type) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise FieldError(f"expected an integer, got {json_type(value)}")
-    return value
-
-
-def _strict_float(value: Any, _: type) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise FieldError(f"expected a number, got {json_type(value)}")
-    return float(value)
-
-
-def _strict_bool(value: Any, _: type) -> bool:
-    if not isinstance(value, bool):
-        raise FieldError(f"expected a boolean, got {json_type(value)}")
-    return value
-
-
-def _json_object(value: Any, _: type) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise FieldError(f"expected an object, got {json_type(value)}")
-    return value
+    if get_origin(tp) is None:
+        converter.register_structure_hook(tp, hook)
+    else:  # a generic alias is no class to dispatch on
+        converter.register_structure_hook_func(lambda t: t == tp, hook)
 
 
 def _unknown_type(tag: Any, tags: tuple[str, ...]) -> str:
@@ -197,15 +184,6 @@ def _list_factory(tp: Any, conv: cattrs.Converter) -> Hook:
     return hook
 
 
-def _checked(tp: Any, ok: Callable[[Any], bool], message: str) -> None:
-    def hook(value: Any, _: Any) -> Any:
-        if not ok(value):
-            raise FieldError(message)
-        return value
-
-    converter.register_structure_hook(tp, hook)
-
-
 def _attrs_factory(tp: Any, conv: cattrs.Converter) -> Hook:
     inner = make_dict_structure_fn(tp, conv)
     # A block's ``type`` tag is checked first, so ``{"type": "image"}`` where only text fits is
@@ -230,18 +208,19 @@ converter = cattrs.Converter(detailed_validation=True, forbid_extra_keys=False)
 converter.register_structure_hook_factory(_is_literal, _literal_factory)
 converter.register_structure_hook_factory(_is_list, _list_factory)
 converter.register_structure_hook_factory(attrs.has, _attrs_factory)
-converter.register_structure_hook(str, _strict_str)
-converter.register_structure_hook(int, _strict_int)
-converter.register_structure_hook(float, _strict_float)
-converter.register_structure_hook(bool, _strict_bool)
-converter.register_structure_hook_func(lambda tp: tp == dict[str, Any], _json_object)
+_strict(str, lambda v: isinstance(v, str), "a string")
+_strict(int, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+_strict(float, lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number")
+_strict(bool, lambda v: isinstance(v, bool), "a boolean")
+_strict(dict[str, Any], lambda v: isinstance(v, dict), "an object")
 converter.register_structure_hook_func(_is_str_or_list, _str_or_list)
-_checked(PositiveInt, lambda v: type(v) is int and v > 0, "expected a positive integer")
-_checked(NonEmptyStr, lambda v: isinstance(v, str) and v != "", "expected a non-empty string")
-_checked(
+_strict(PositiveInt, lambda v: type(v) is int and v > 0, "a positive integer", got=False)
+_strict(NonEmptyStr, lambda v: isinstance(v, str) and v != "", "a non-empty string", got=False)
+_strict(
     Strings,
     lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
-    "expected a list of strings",
+    "a list of strings",
+    got=False,
 )
 register_tagged(ContentBlock)
 register_tagged(ToolResultContent)

@@ -220,8 +220,9 @@ class _Agent:
     sub: str | None
     priority: int
     first_seen: float
-    last_seen: float
-    last_request: float
+    #: Both start at ``first_seen``.
+    last_seen: float = attrs.Factory(lambda self: self.first_seen, takes_self=True)
+    last_request: float = attrs.Factory(lambda self: self.first_seen, takes_self=True)
     requests: int = 0
     parent: str | None = None
     call: AgentCall | None = None
@@ -280,21 +281,12 @@ class AgentDirectory:
                 sub=None,
                 priority=priority,
                 first_seen=now,
-                last_seen=now,
                 last_request=-math.inf,
             )
         name = agent_name(root, sub)
         agent = self._agents.get(name)
         if agent is None:
-            agent = _Agent(
-                name=name,
-                root=root,
-                sub=sub,
-                priority=priority,
-                first_seen=now,
-                last_seen=now,
-                last_request=now,
-            )
+            agent = _Agent(name=name, root=root, sub=sub, priority=priority, first_seen=now)
             if sub is not None:
                 agent.parent = root
                 agent.pending_prompt = first_prompt(body)
@@ -314,16 +306,7 @@ class AgentDirectory:
         if sub is not None:
             agent.priority = self._inferred(agent)
         self._trim()
-        parent = self._agents.get(agent.parent) if agent.parent else None
-        return AgentPlace(
-            agent=name,
-            priority=agent.priority,
-            parent=agent.parent,
-            waited_on=parent is not None and self._waited_on(agent, parent),
-            description=agent.call.description if agent.call else None,
-            root=agent.root,
-            subagent_type=agent.call.subagent_type if agent.call else None,
-        )
+        return self._place(agent)
 
     def reply(
         self, agent: str, content: object, *, ended_in_tools: bool, now: float
@@ -354,25 +337,12 @@ class AgentDirectory:
         """Where ``agent`` stands now: its parent, whether that waits for it, its priority and the
         description of the call that started it; None for an agent not known."""
         node = self._agents.get(agent)
-        if node is None:
-            return None
-        parent = self._agents.get(node.parent) if node.parent else None
-        return AgentPlace(
-            agent=node.name,
-            priority=self._inferred(node) if node.sub is not None else node.priority,
-            parent=node.parent,
-            waited_on=parent is not None and self._waited_on(node, parent),
-            description=node.call.description if node.call else None,
-            root=node.root,
-            subagent_type=node.call.subagent_type if node.call else None,
-        )
+        return None if node is None else self._place(node)
 
     def priority_of(self, agent: str, now: float) -> int | None:
         """The priority ``agent``'s next request would run at now (None: not known)."""
         node = self._agents.get(agent)
-        if node is None:
-            return None
-        return self._inferred(node) if node.sub is not None else node.priority
+        return None if node is None else self._inferred(node)
 
     def waiting_parents(self, now: float) -> frozenset[str]:
         """Agents that wait for sub-agents now: their context is worth keeping warm."""
@@ -404,7 +374,7 @@ class AgentDirectory:
                     root=node.root,
                     parent=node.parent,
                     depth=depth,
-                    priority=self._inferred(node) if node.sub is not None else node.priority,
+                    priority=self._inferred(node),
                     description=call.description if call else None,
                     subagent_type=call.subagent_type if call else None,
                     background=call.background if call else None,
@@ -422,7 +392,21 @@ class AgentDirectory:
 
     # -- the rules ------------------------------------------------------------------------------
 
+    def _place(self, node: _Agent) -> AgentPlace:
+        parent = self._agents.get(node.parent) if node.parent else None
+        call = node.call
+        return AgentPlace(
+            agent=node.name,
+            priority=self._inferred(node),
+            parent=node.parent,
+            waited_on=parent is not None and self._waited_on(node, parent),
+            description=call.description if call else None,
+            root=node.root,
+            subagent_type=call.subagent_type if call else None,
+        )
+
     def _inferred(self, node: _Agent) -> int:
+        """The priority ``node`` runs at: a root's (it has no parent) is its own."""
         parent = self._agents.get(node.parent) if node.parent else None
         if parent is None:
             return node.priority

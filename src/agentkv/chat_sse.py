@@ -128,7 +128,7 @@ class ChatAssembler(EventWalk):
         self._ended = True
         out.append(self._chunk({}, finish_reason=self.finish_reason))
         if self.request.include_usage:
-            out.append(self._usage_chunk())
+            out.append({**self._header([]), "usage": self.usage})
 
     def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
         chunk = self._header(
@@ -137,9 +137,6 @@ class ChatAssembler(EventWalk):
         if self.request.include_usage:
             chunk["usage"] = None
         return chunk
-
-    def _usage_chunk(self) -> dict[str, Any]:
-        return {**self._header([]), "usage": self.usage}
 
     def _header(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

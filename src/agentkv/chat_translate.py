@@ -22,7 +22,7 @@ from agentkv._convert import (
     structure,
 )
 from agentkv.exceptions import InvalidRequestError
-from agentkv.limits import RequestLimits
+from agentkv.limits import RequestLimits, check_count
 from agentkv.openai_request import (
     Arguments,
     Conversation,
@@ -38,7 +38,6 @@ from agentkv.openai_request import (
     TextFormat,
     ToolOrigin,
     add_tool,
-    check_count,
     check_text_format,
     content_blocks,
     function_tool,
@@ -218,7 +217,6 @@ def chat_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIReques
         out["top_k"] = request.top_k
     sources = {
         **conversation.sources,
-        **{f"tools[{i}]": f"tools[{i}]" for i in range(len(tools))},
         "max_tokens": max_tokens_from,
         "stop_sequences": "stop",
     }
@@ -299,8 +297,4 @@ def _chat_message(conversation: Conversation, message: ChatMessage, path: str) -
         # Each assistant message is its own turn; only tool results merge.
         conversation.add("assistant", blocks, path)
     else:
-        content = message.content
-        result = content if isinstance(content, str) else content_blocks(content, content_path)
-        conversation.result(
-            {"type": "tool_result", "tool_use_id": message.tool_call_id, "content": result}, path
-        )
+        conversation.tool_result(message.tool_call_id, message.content, path, content_path)

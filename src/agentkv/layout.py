@@ -167,8 +167,7 @@ def project_reminder_layout(text: str) -> str | None:
 def is_project_reminder(text: str) -> bool:
     """Whether a ``<system-reminder>`` block is Claude Code's user context (git status, a
     project's CLAUDE.md): text of this project alone."""
-    body = text.lstrip()
-    body = body.removeprefix("<system-reminder>").lstrip()
+    body = text.lstrip().removeprefix("<system-reminder>").lstrip()
     return body.startswith(_PROJECT_REMINDER_LEAD)
 
 
@@ -176,11 +175,7 @@ def facts_blocks(facts: SessionFacts) -> tuple[str | None, str | None]:
     """The facts as two ``<system-reminder>`` blocks: the session's (machine, whether it is a
     git repository, date), shared by most projects on one machine, and the project's (its paths);
     None for a block with nothing to say."""
-    ranked: list[tuple[str, str]] = []
-    for line in facts.lines:
-        match = _FACT_LINE.match(line)
-        if match:
-            ranked.append((match.group("key"), line))
+    ranked = [(m.group("key"), line) for line in facts.lines if (m := _FACT_LINE.match(line))]
     if facts.date:
         ranked.append(("date", facts.date))
     if facts.memory_dir:

@@ -45,6 +45,7 @@ __all__ = [
     "NO_IMAGES",
     "RequestLimits",
     "check_body",
+    "check_count",
     "check_limits",
     "tool_key",
 ]
@@ -100,33 +101,35 @@ def check_body(body: Mapping[str, Any], limits: RequestLimits) -> None:
     """
     messages = body.get("messages")
     if isinstance(messages, list):
-        _count(messages, limits.max_messages, "messages", "messages")
+        check_count(messages, limits.max_messages, "messages", "messages")
         for i, message in enumerate(messages):
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
                 path = f"messages[{i}].content"
-                _count(content, limits.max_blocks, "content blocks", path)
+                check_count(content, limits.max_blocks, "content blocks", path)
                 for j, block in enumerate(content):
                     inner = block.get("content") if isinstance(block, dict) else None
                     if isinstance(inner, list):  # a tool_result's own blocks
-                        _count(inner, limits.max_blocks, "content blocks", f"{path}[{j}].content")
+                        check_count(
+                            inner, limits.max_blocks, "content blocks", f"{path}[{j}].content"
+                        )
     system = body.get("system")
     if isinstance(system, list):
-        _count(system, limits.max_blocks, "content blocks", "system")
+        check_count(system, limits.max_blocks, "content blocks", "system")
     tools = body.get("tools")
     if isinstance(tools, list):
-        _count(tools, limits.max_tools, "tools", "tools")
+        check_count(tools, limits.max_tools, "tools", "tools")
     stop = body.get("stop_sequences")
     if isinstance(stop, list):
-        _count(stop, limits.max_stop_sequences, "stop sequences", "stop_sequences")
+        check_count(stop, limits.max_stop_sequences, "stop sequences", "stop_sequences")
 
 
 def check_limits(request: MessagesRequest, limits: RequestLimits) -> None:
     """Every limit of ``limits`` on a structured request; the first one broken is raised."""
-    _count(request.messages, limits.max_messages, "messages", "messages")
+    check_count(request.messages, limits.max_messages, "messages", "messages")
     _check_tools(request, limits)
     stop = request.stop_sequences or []
-    _count(stop, limits.max_stop_sequences, "stop sequences", "stop_sequences")
+    check_count(stop, limits.max_stop_sequences, "stop sequences", "stop_sequences")
     for i, sequence in enumerate(stop):
         if len(sequence) > limits.max_stop_sequence_chars:
             raise InvalidRequestError(
@@ -140,7 +143,8 @@ def check_limits(request: MessagesRequest, limits: RequestLimits) -> None:
     _check_content(request, limits)
 
 
-def _count(items: Sequence[Any], limit: int, what: str, path: str) -> None:
+def check_count(items: Sequence[Any], limit: int, what: str, path: str) -> None:
+    """At most ``limit`` ``items`` (``what`` names them in the error)."""
     if len(items) > limit:
         raise InvalidRequestError(f"has {len(items)} {what}; the limit is {limit}", path)
 
@@ -168,7 +172,7 @@ def _tool_sizes(tool: Tool) -> tuple[int, int]:
 
 def _check_tools(request: MessagesRequest, limits: RequestLimits) -> None:
     tools = request.tools or []
-    _count(tools, limits.max_tools, "tools", "tools")
+    check_count(tools, limits.max_tools, "tools", "tools")
     seen: set[str] = set()
     total = 0
     for i, tool in enumerate(tools):
@@ -205,7 +209,7 @@ def _check_content(request: MessagesRequest, limits: RequestLimits) -> None:
     if isinstance(system, str):
         text += len(system)
     elif system is not None:
-        _count(system, limits.max_blocks, "content blocks", "system")
+        check_count(system, limits.max_blocks, "content blocks", "system")
         text += sum(len(block.text) for block in system)
     if text > limits.max_text_chars:
         raise InvalidRequestError(
@@ -217,7 +221,7 @@ def _check_content(request: MessagesRequest, limits: RequestLimits) -> None:
             text += len(content)
         else:
             path = f"messages[{i}].content"
-            _count(content, limits.max_blocks, "content blocks", path)
+            check_count(content, limits.max_blocks, "content blocks", path)
             for j, block in enumerate(content):
                 block_text, block_images = _block(block, f"{path}[{j}]", limits)
                 text += block_text
@@ -252,7 +256,7 @@ def _block(block: ContentBlock, path: str, limits: RequestLimits) -> tuple[int, 
             return 0, 0
         if isinstance(content, str):
             return len(content), 0
-        _count(content, limits.max_blocks, "content blocks", f"{path}.content")
+        check_count(content, limits.max_blocks, "content blocks", f"{path}.content")
         text = images = 0
         for k, item in enumerate(content):
             if isinstance(item, ImageBlock):

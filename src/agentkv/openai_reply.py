@@ -1,8 +1,5 @@
 """What the Responses stream and the Chat Completions chunks share: the error body, the framing,
-ids and usage, and the walk over a reply's events (:mod:`agentkv.reply`).
-
-:mod:`agentkv.responses_sse` and :mod:`agentkv.chat_sse` build on these; :mod:`agentkv.openai_sse`
-is where the server finds them all. Pure: values in, values out.
+ids and usage, and the walk over a reply's events (:mod:`agentkv.reply`). Pure.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """What the Responses and Chat Completions translations share: the request value, the shapes both
 use (parts, functions, tool choices), tools, and the conversation that becomes a Messages body.
-
-:mod:`agentkv.responses_translate` and :mod:`agentkv.chat_translate` each structure their own API's
-body into attrs shapes (with :mod:`agentkv._convert`, as ``/v1/messages`` does) and translate those;
-:class:`~agentkv.openai_translate.OpenAITranslator` is the entry point.
-
-Pure: no I/O, no clock. Errors are :class:`~agentkv.exceptions.InvalidRequestError` naming the
-OpenAI field (``input[3].content[0].type``).
+Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ import attrs
 
 from agentkv._convert import AbsentIsNull, FieldError, NonEmptyStr, converter, register_tagged
 from agentkv.exceptions import InvalidRequestError
+from agentkv.limits import check_count
 from agentkv.schema import json_type
 
 __all__ = [
@@ -260,11 +255,6 @@ def shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:80] + "…"
 
 
-def check_count(items: Sequence[Any], limit: int, what: str, path: str) -> None:
-    if len(items) > limit:
-        raise InvalidRequestError(f"has {len(items)} {what}; the limit is {limit}", path)
-
-
 def check_text_format(fmt: TextFormat | None, path: str) -> None:
     if fmt is not None and fmt.type != "text":
         raise InvalidRequestError(
@@ -382,7 +372,12 @@ class Conversation:
             self.add("assistant", list(blocks), path)
             self._open = "assistant"
 
-    def result(self, block: dict[str, Any], path: str) -> None:
+    def tool_result(
+        self, call_id: str, content: str | Sequence[Part] | None, path: str, content_path: str
+    ) -> None:
+        """A tool's output; the results that follow one another merge into one user message."""
+        output = content if isinstance(content, str) else content_blocks(content, content_path)
+        block = {"type": "tool_result", "tool_use_id": call_id, "content": output}
         if self._open == "results":
             self._merge([block], path)
         else:

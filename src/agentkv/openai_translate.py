@@ -1,22 +1,11 @@
 """OpenAITranslator: OpenAI Responses and Chat Completions requests in, Messages bodies out.
 
-agentkv has one request lifecycle, built around the Anthropic Messages API: queue, slot placement,
-prefix store, compaction, tool repair and records all work on a Messages body. The OpenAI routes
-therefore translate their body into exactly the Messages body that ``/v1/messages`` would take for
-the same conversation, and the runtime never knows which API a request came in on. The reply comes
-back as typed events (:mod:`agentkv.reply`), which :mod:`agentkv.openai_sse` encodes as the
-client's own stream.
-
-Pure: no I/O, no clock. Each input item or message is translated on its own and only ever appended
-to, so a conversation that grows by items keeps a prompt that grows by appending too, and the
-engine's cache keeps hitting.
-
-Errors are :class:`~agentkv.exceptions.InvalidRequestError` naming the OpenAI field
-(``input[3].content[0].type``); the server writes them in the OpenAI error shape.
-
-The Responses half lives in :mod:`agentkv.responses_translate`, the Chat Completions half in
-:mod:`agentkv.chat_translate`, and what they share (the request value, the shapes both use, tools,
-the conversation) in :mod:`agentkv.openai_request`.
+The runtime works on Messages bodies alone, so each OpenAI body becomes exactly the body that
+``/v1/messages`` would take for the same conversation, and the reply's typed events go back out
+through :mod:`agentkv.openai_sse`. Errors are :class:`~agentkv.exceptions.InvalidRequestError`
+naming the OpenAI field (``input[3].content[0].type``). The halves live in
+:mod:`agentkv.responses_translate` and :mod:`agentkv.chat_translate`, what they share in
+:mod:`agentkv.openai_request`.
 """
 
 from __future__ import annotations

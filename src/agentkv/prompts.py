@@ -1,26 +1,21 @@
 """PromptMemo: the engine's templating and tokenizing answers, kept for the same question.
 
-Before a reply agentkv asks llama-server twice: the prompt its chat template makes of the request
-(``/apply-template``), then that prompt's tokens (``/tokenize``). For one loaded model both answers
-depend on the question alone, so a question asked again is answered from here, and costs no call:
-a client's retry, ``count_tokens`` and then the request it counted, the shareable head that an
-agent's requests measure again and again, a compaction's second look at the same prompt.
+Before a reply agentkv asks llama-server for the prompt its chat template makes of the request
+(``/apply-template``), then for that prompt's tokens (``/tokenize``). For one loaded model both
+depend on the question alone, so a question asked again (a retry, ``count_tokens`` then the
+request, the shared head measured again) costs no call. A template also reads the clock
+(``strftime_now`` writes today's date), so a templated prompt is kept for its day
+(:func:`template_key`).
 
-A chat template has one input besides the request: the clock (``strftime_now``; some templates
-write today's date into the system prompt). So a templated prompt is kept for the day it was made
-(:func:`template_key` takes the day).
+llama-server tokenizes a prompt piece by piece between its special tokens (the text is split at
+each ``<|im_start|>`` first), so a kept prompt's tokens up to a special token that a new prompt
+shares are the new one's too: :meth:`PromptMemo.split` cuts there, well inside the shared
+beginning, and only the rest is tokenized. Which strings are special tokens is the engine's to
+say (:func:`marker_candidates` only proposes them), and the client checks the first answers made
+this way against the engine's whole tokenizing before it trusts them.
 
-A new prompt mostly begins with one it has seen: an agent's next request is its last one and a few
-more messages. llama-server tokenizes a prompt piece by piece between its special tokens
-(``<|im_start|>``: the text is split at every one of them first, and each piece between is
-tokenized on its own), so the tokens of a kept prompt up to a special token that the new one
-shares are the new one's too. :meth:`PromptMemo.split` finds the latest such token well inside
-the shared beginning; only the rest is sent to be tokenized. Which strings are special tokens is
-the engine's to say (:func:`marker_candidates` only proposes them), and the client checks the
-first answers made this way against the engine's whole tokenizing before it trusts them.
-
-Bounded by the bytes of what it keeps, the least recently used first out: a token takes 4 bytes
-(an ``array``), a prompt what ``sys.getsizeof`` says. Pure: values in, values out.
+Bounded by the bytes kept, least recently used out: a token takes 4 bytes (an ``array``), a
+prompt what ``sys.getsizeof`` says. Pure: values in, values out.
 """
 
 from __future__ import annotations

@@ -32,6 +32,11 @@ __all__ = ["ResponsesAssembler"]
 _DELTAS: Final = {"text": "text", "thinking": "thinking", "function": "input", "custom": "input"}
 #: The Responses events (``<name>.delta``, ``<name>.done``) of a text or reasoning part.
 _TEXT_EVENTS: Final = {"text": "response.output_text", "thinking": "response.reasoning_text"}
+#: Per tool call kind: its item id's prefix, its item type, and the field its input goes in.
+_CALLS: Final = {
+    "function": ("fc", "function_call", "arguments"),
+    "custom": ("ctc", "custom_tool_call", "input"),
+}
 
 
 def _logprobs(kind: str) -> dict[str, Any]:
@@ -155,7 +160,7 @@ class ResponsesAssembler(EventWalk):
     def _open(self, block: BlockOpened, out: list[dict[str, Any]]) -> None:
         self._close(out)  # a well-formed stream has none open; never leave one dangling
         index = len(self.response["output"])
-        kind = block.kind
+        kind: str = block.kind
         item: dict[str, Any]
         if kind == "text":
             item = {
@@ -165,7 +170,6 @@ class ResponsesAssembler(EventWalk):
                 "role": "assistant",
                 "content": [],
             }
-            current = _Item(index, item, "text")
         elif kind == "thinking":
             item = {
                 "id": self._item_id("rs", index),
@@ -175,45 +179,33 @@ class ResponsesAssembler(EventWalk):
                 "encrypted_content": None,
                 "status": "in_progress",
             }
-            current = _Item(index, item, "thinking")
         else:
             origin = tool_origin(self.request, block.tool_name)
-            call_id = openai_call_id(block.tool_id or self._item_id("toolu", index))
-            if origin.custom:
-                item = {
-                    "id": self._item_id("ctc", index),
-                    "type": "custom_tool_call",
-                    "status": "in_progress",
-                    "call_id": call_id,
-                    "name": origin.name,
-                    "input": "",
-                }
-                current = _Item(index, item, "custom")
-            else:
-                item = {
-                    "id": self._item_id("fc", index),
-                    "type": "function_call",
-                    "status": "in_progress",
-                    "call_id": call_id,
-                    "name": origin.name,
-                    "arguments": "",
-                }
-                current = _Item(index, item, "function")
+            kind = "custom" if origin.custom else "function"
+            prefix, item_type, field = _CALLS[kind]
+            item = {
+                "id": self._item_id(prefix, index),
+                "type": item_type,
+                "status": "in_progress",
+                "call_id": openai_call_id(block.tool_id or self._item_id("toolu", index)),
+                "name": origin.name,
+                field: "",
+            }
             if origin.namespace is not None:
                 item["namespace"] = origin.namespace
+        current = _Item(index, item, kind)
         self.response["output"].append(item)
         self._current = current
         out.append(self._event("response.output_item.added", output_index=index, item=dict(item)))
-        if current.kind in ("text", "thinking"):
-            out.append(
-                self._event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=self._part(current.kind, ""),
-                )
-            )
+        if current.kind in _TEXT_EVENTS:
+            part = self._part(current.kind, "")
+            out.append(self._item_event("response.content_part.added", current, part=part))
+
+    def _item_event(self, kind: str, current: _Item, **fields: Any) -> dict[str, Any]:
+        """An event about ``current``'s item (and its one content part, for text and reasoning)."""
+        if current.kind in _TEXT_EVENTS:
+            fields = {"content_index": 0, **fields}
+        return self._event(kind, item_id=current.item["id"], output_index=current.index, **fields)
 
     @staticmethod
     def _part(kind: str, text: str) -> dict[str, Any]:
@@ -227,89 +219,40 @@ class ResponsesAssembler(EventWalk):
             return
         text = delta.value
         current.text += text
-        item_id = current.item["id"]
         if current.kind in _TEXT_EVENTS:
-            out.append(
-                self._event(
-                    f"{_TEXT_EVENTS[current.kind]}.delta",
-                    item_id=item_id,
-                    output_index=current.index,
-                    content_index=0,
-                    delta=text,
-                    **_logprobs(current.kind),
-                )
-            )
+            name = f"{_TEXT_EVENTS[current.kind]}.delta"
+            out.append(self._item_event(name, current, delta=text, **_logprobs(current.kind)))
         elif current.kind == "function":
-            out.append(
-                self._event(
-                    "response.function_call_arguments.delta",
-                    item_id=item_id,
-                    output_index=current.index,
-                    delta=text,
-                )
-            )
+            name = "response.function_call_arguments.delta"
+            out.append(self._item_event(name, current, delta=text))
 
     def _close(self, out: list[dict[str, Any]]) -> None:
         current, self._current = self._current, None
         if current is None:
             return
-        item, index = current.item, current.index
-        item_id = item["id"]
+        item = current.item
         if current.kind in _TEXT_EVENTS:
-            out.append(
-                self._event(
-                    f"{_TEXT_EVENTS[current.kind]}.done",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    text=current.text,
-                    **_logprobs(current.kind),
-                )
-            )
+            name = f"{_TEXT_EVENTS[current.kind]}.done"
+            logprobs = _logprobs(current.kind)
+            out.append(self._item_event(name, current, text=current.text, **logprobs))
             part = self._part(current.kind, current.text)
-            out.append(
-                self._event(
-                    "response.content_part.done",
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    part=dict(part),
-                )
-            )
+            out.append(self._item_event("response.content_part.done", current, part=dict(part)))
             item["content"] = [part]
         elif current.kind == "function":
-            arguments = current.text or "{}"
-            item["arguments"] = arguments
+            item["arguments"] = current.text or "{}"
+            name = "response.function_call_arguments.done"
             out.append(
-                self._event(
-                    "response.function_call_arguments.done",
-                    item_id=item_id,
-                    output_index=index,
-                    name=item["name"],
-                    arguments=arguments,
-                )
+                self._item_event(name, current, name=item["name"], arguments=item["arguments"])
             )
         else:
-            text = custom_input(current.text)
-            item["input"] = text
-            out.append(
-                self._event(
-                    "response.custom_tool_call_input.delta",
-                    item_id=item_id,
-                    output_index=index,
-                    delta=text,
-                )
-            )
-            out.append(
-                self._event(
-                    "response.custom_tool_call_input.done",
-                    item_id=item_id,
-                    output_index=index,
-                    input=text,
-                )
-            )
+            item["input"] = custom_input(current.text)
+            for step, field in (("delta", "delta"), ("done", "input")):
+                name = f"response.custom_tool_call_input.{step}"
+                out.append(self._item_event(name, current, **{field: item["input"]}))
         item["status"] = "completed"
-        out.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+        out.append(
+            self._event("response.output_item.done", output_index=current.index, item=dict(item))
+        )
 
     def _finish(self, out: list[dict[str, Any]]) -> None:
         self._close(out)
@@ -323,10 +266,8 @@ class ResponsesAssembler(EventWalk):
             "total_tokens": prompt + output,
         }
         self._ended = True
-        if self._stop_reason == "max_tokens":
-            response["status"] = "incomplete"
+        cut = self._stop_reason == "max_tokens"
+        response["status"] = "incomplete" if cut else "completed"
+        if cut:
             response["incomplete_details"] = {"reason": "max_output_tokens"}
-            out.append(self._event("response.incomplete", response=self._snapshot()))
-        else:
-            response["status"] = "completed"
-            out.append(self._event("response.completed", response=self._snapshot()))
+        out.append(self._event(f"response.{response['status']}", response=self._snapshot()))

@@ -21,7 +21,7 @@ from agentkv._convert import (
     register_tagged,
     structure,
 )
-from agentkv.limits import RequestLimits
+from agentkv.limits import RequestLimits, check_count
 from agentkv.openai_request import (
     CUSTOM_INPUT,
     TEXT_JOIN,
@@ -40,7 +40,6 @@ from agentkv.openai_request import (
     TextFormat,
     ToolOrigin,
     add_tool,
-    check_count,
     check_text_format,
     content_blocks,
     engine_tool,
@@ -323,25 +322,24 @@ def _responses_tools(
     check_count(declared, limits.max_tools, "tools", "tools")
     for i, entry in enumerate(declared):
         path = f"tools[{i}]"
-        if isinstance(entry, FunctionTool):
-            tool = function_tool(entry, entry.name)
-            add_tool(tools, origins, sources, tool, ToolOrigin(entry.name), path)
-        elif isinstance(entry, CustomTool):
-            tool = _custom_tool(entry, entry.name)
-            add_tool(tools, origins, sources, tool, ToolOrigin(entry.name, custom=True), path)
-        elif isinstance(entry, NamespaceTool):
-            space = entry.name
+        members: list[tuple[FunctionTool | CustomTool, str | None, str]]
+        if isinstance(entry, NamespaceTool):
             check_count(entry.tools, limits.max_tools, "tools", f"{path}.tools")
-            for j, sub in enumerate(entry.tools):
-                engine_name = f"{space}.{sub.name}"
-                if isinstance(sub, CustomTool):
-                    tool = _custom_tool(sub, engine_name)
-                    origin = ToolOrigin(sub.name, namespace=space, custom=True)
-                else:
-                    tool = function_tool(sub, engine_name)
-                    origin = ToolOrigin(sub.name, namespace=space)
-                add_tool(tools, origins, sources, tool, origin, f"{path}.tools[{j}]")
-        # A HostedTool is run by OpenAI's servers; nothing here can run it (see HOSTED_TOOL_TYPES).
+            members = [(sub, entry.name, f"{path}.tools[{j}]") for j, sub in enumerate(entry.tools)]
+        elif isinstance(entry, FunctionTool | CustomTool):
+            members = [(entry, None, path)]
+        else:
+            continue  # a HostedTool is run by OpenAI's servers (see HOSTED_TOOL_TYPES)
+        for member, space, where in members:
+            name = engine_tool(member.name, space)
+            tool = (
+                _custom_tool(member, name)
+                if isinstance(member, CustomTool)
+                else function_tool(member, name)
+            )
+            custom = isinstance(member, CustomTool)
+            origin = ToolOrigin(member.name, namespace=space, custom=custom)
+            add_tool(tools, origins, sources, tool, origin, where)
     check_count(tools, limits.max_tools, "tools", "tools")
     return tools, origins, sources
 
@@ -366,11 +364,7 @@ def _responses_item(conversation: Conversation, item: Item, path: str) -> None:
         }
         conversation.assistant([block], path)
     elif isinstance(item, ToolOutput):
-        output = item.output
-        content = output if isinstance(output, str) else content_blocks(output, f"{path}.output")
-        conversation.result(
-            {"type": "tool_result", "tool_use_id": item.call_id, "content": content}, path
-        )
+        conversation.tool_result(item.call_id, item.output, path, f"{path}.output")
     else:
         texts: list[str] = []
         for parts, part_kind in ((item.content, "reasoning_text"), (item.summary, "summary_text")):

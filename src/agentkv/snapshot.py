@@ -273,14 +273,10 @@ class CostsView:
 
 
 @attrs.frozen
-class RuntimeSnapshot:
-    """The whole operator's view: the JSON of ``GET /agentkv/slots``."""
+class RuntimeSnapshot(DispatcherSnapshot):
+    """The whole operator's view: the JSON of ``GET /agentkv/slots`` (the dispatcher's fields
+    first)."""
 
-    slots: tuple[SlotRow, ...]
-    queue: tuple[QueueRow, ...]
-    background: tuple[BackgroundRow, ...]
-    checkpoints: tuple[CheckpointRow, ...]
-    placements: Placements
     #: None: the prefix store is off.
     store: StoreSnapshot | None
     compactions: tuple[CompactionRow | PendingCompactionRow, ...]

@@ -149,7 +149,8 @@ class MessagesTranslator:
                 forced_tool = ANY_TOOL
 
         system, turns = _lay_out(request, self.session_layout)
-        head = _system_messages([text for _, text in system])
+        system_text = _TEXT_JOIN.join(text for _, text in system if text)
+        head = [{"role": "system", "content": system_text}] if system_text else []
         messages = list(head)
         for turn in turns:
             messages.extend(_translate_turn(turn))
@@ -160,14 +161,7 @@ class MessagesTranslator:
             # Measured: the default small model ignores tool_choice="required" but obeys constrained
             # decoding. llama-server refuses a json_schema together with the grammar it builds
             # for `tools`, so here the tools are left out and the schema alone shapes the output.
-            if forced is not None:
-                schema = forced.input_schema or _ANY_SCHEMA
-                note = _forced_note([forced], single=True)
-            else:
-                schema = {"oneOf": [_named_call_schema(tool) for tool in tools]}
-                note = _forced_note(tools, single=False)
-            body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
-            _append_user_note(messages, note)
+            _constrain(body, messages, tools, forced)
         elif tools and not isinstance(choice, ToolChoiceNone):
             body["tools"] = [_tool(tool) for tool in tools if tool.input_schema is not None]
             if not body["tools"]:
@@ -215,24 +209,19 @@ class MessagesTranslator:
         return attrs.evolve(self, limits=attrs.evolve(self.limits, images=False))
 
     def force_any_tool(self, request: EngineRequest, body: Mapping[str, Any]) -> dict[str, Any]:
-        """``body`` (an auto-mode engine body for ``request``) constrained to call one tool.
-
-        Used for the one retry after a reply that tried to call a tool but wrote it wrongly: the
-        same conversation, with the JSON schema ``{"name", "arguments"}`` over the declared tools.
+        """``body`` (an auto-mode engine body for ``request``) constrained to call one tool: the
+        one retry after a reply that tried to call a tool but wrote it wrongly.
 
         The tools stay in the body with ``tool_choice: "none"``: the chat template renders them
         into the system prompt either way, so the retry's prompt is the request's own up to the
-        note, and the engine computes only the note (without them the prompt diverges at the
-        system prompt: 48 s at Claude Code's depth on 2 cores). llama-server refuses a grammar
-        next to tools only while a tool may be chosen; ``response_format`` with ``none`` it takes.
+        note (without them it diverges at the system prompt: 48 s at Claude Code's depth on 2
+        cores). llama-server refuses a grammar next to tools only while a tool may be chosen.
         """
         tools = [tool for tool in request.request.tools or () if tool.input_schema is not None]
         forced = {key: value for key, value in body.items() if key != "parallel_tool_calls"}
         forced["tool_choice"] = "none"
         messages = [dict(message) for message in body["messages"]]
-        schema = {"oneOf": [_named_call_schema(tool) for tool in tools]}
-        forced["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
-        _append_user_note(messages, _forced_note(tools, single=False))
+        _constrain(forced, messages, tools, None)
         forced["messages"] = messages
         return forced
 
@@ -289,11 +278,6 @@ def _system_texts(system: str | list[TextBlock] | None) -> list[tuple[str, str]]
     ]
 
 
-def _system_messages(texts: Sequence[str]) -> list[dict[str, Any]]:
-    text = _TEXT_JOIN.join(t for t in texts if t)
-    return [{"role": "system", "content": text}] if text else []
-
-
 def _blocks(content: str | Sequence[ContentBlock]) -> Sequence[ContentBlock]:
     return [TextBlock(text=content)] if isinstance(content, str) else content
 
@@ -309,7 +293,6 @@ class _Turn:
     #: Session layout, human turns: the context that goes before the words, as (label, text):
     #: the system notes sent after the turn, its reminders, its session facts.
     context: tuple[tuple[str, str], ...] = ()
-    laid_out: bool = False
 
 
 def _digest(value: Any) -> str:
@@ -342,12 +325,9 @@ def _block_label(index: int, number: int, block: ContentBlock) -> str:
 def _lay_out(request: MessagesRequest, layout: bool) -> tuple[list[tuple[str, str]], list[_Turn]]:
     """The system text and the turns, in the order they reach the prompt.
 
-    Session layout: a human turn's context — the system notes sent right after it, its
-    ``<system-reminder>`` blocks — goes before its words. Within it, what more agents share
-    comes first: the notes without their session facts, the other reminders, the session's
-    facts (machine, date), the reminder with the project's git status, then the project's facts
-    (working directory, and for the first turn the memory directory from the system prompt).
-    See :mod:`agentkv.layout`.
+    Session layout puts a human turn's context before its words, what more agents share first:
+    the notes without their facts, the other reminders, the session's facts, the git status
+    reminder, the project's facts (see :mod:`agentkv.layout`).
     """
     system = _system_texts(request.system)
     messages = request.messages
@@ -397,7 +377,7 @@ def _lay_out(request: MessagesRequest, layout: bool) -> tuple[list[tuple[str, st
         if project is not None:
             context.append((f"message {i} (project facts)", project))
         words = tuple((label, b) for label, b in numbered if not _is_reminder(b))
-        turns.append(_Turn(message, words, tuple(context), laid_out=True))
+        turns.append(_Turn(message, words, tuple(context)))
         i = j
     return system, turns
 
@@ -414,12 +394,6 @@ def _sections(
         sections.extend((label, _digest(text)) for label, text in turn.context)
         sections.extend((label, _digest(block)) for label, block in turn.blocks)
     return tuple(sections)
-
-
-def prompt_sections(request: MessagesRequest, layout: bool = True) -> tuple[tuple[str, str], ...]:
-    """The parts of ``request``'s prompt in prompt order, as (label, digest) pairs."""
-    system, turns = _lay_out(request, layout)
-    return _sections(system, request.tools or (), turns)
 
 
 def first_difference(
@@ -451,11 +425,6 @@ def _wrap_note(text: str) -> str:
     return text
 
 
-def _note(message: Message) -> str:
-    """A mid-conversation system message as text, wrapped the way Claude Code marks such notes."""
-    return _wrap_note(_TEXT_JOIN.join(_texts(_blocks(message.content))))
-
-
 def _is_human_turn(message: Message) -> bool:
     return message.role == "user" and not any(
         isinstance(b, ToolResultBlock) for b in _blocks(message.content)
@@ -467,16 +436,14 @@ def _stem(head: list[dict[str, Any]], turns: list[_Turn]) -> list[dict[str, Any]
     if not turns or not _is_human_turn(turns[-1].message):
         return None
     last = turns[-1]
-    if last.laid_out:
-        context = [text for _, text in last.context]
-        words = [b for _, b in last.blocks if not (isinstance(b, TextBlock) and not b.text)]
-    else:
-        context = [_text_of(b) for _, b in last.blocks if _is_reminder(b)]
-        words = [
-            b
-            for _, b in last.blocks
-            if not _is_reminder(b) and not (isinstance(b, TextBlock) and not b.text)
-        ]
+    # Laid out, the turn's reminders are in its context; else they are among its blocks.
+    context = [text for _, text in last.context]
+    context += [_text_of(b) for _, b in last.blocks if _is_reminder(b)]
+    words = [
+        b
+        for _, b in last.blocks
+        if not _is_reminder(b) and not (isinstance(b, TextBlock) and not b.text)
+    ]
     if not words:
         return None  # nothing but session context: no words to leave out
     stem = list(head)
@@ -496,7 +463,7 @@ def _translate_turn(turn: _Turn) -> list[dict[str, Any]]:
         # A system note that follows no human turn becomes a user turn of its own. Many chat
         # templates accept a system message only at the start and raise otherwise, and merging it
         # into the head system prompt would rewrite text that is already cached.
-        text = _note(message)
+        text = _wrap_note(_TEXT_JOIN.join(_texts(_blocks(message.content))))
         return [{"role": "user", "content": text}] if text else []
     return _user([*(TextBlock(text=text) for _, text in turn.context), *blocks])
 
@@ -595,6 +562,21 @@ def _tool(tool: Tool) -> dict[str, Any]:
         function["description"] = tool.description
     function["parameters"] = tool.input_schema or _ANY_SCHEMA
     return {"type": "function", "function": function}
+
+
+def _constrain(
+    body: dict[str, Any], messages: list[dict[str, Any]], tools: Sequence[Tool], forced: Tool | None
+) -> None:
+    """Constrain ``body`` to one call: ``forced``'s input, else ``{"name", "arguments"}`` of one
+    of ``tools``; a note at the end of ``messages`` says what the JSON means."""
+    if forced is not None:
+        schema = forced.input_schema or _ANY_SCHEMA
+        note = _forced_note([forced], single=True)
+    else:
+        schema = {"oneOf": [_named_call_schema(tool) for tool in tools]}
+        note = _forced_note(tools, single=False)
+    body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+    _append_user_note(messages, note)
 
 
 def _named_call_schema(tool: Tool) -> dict[str, Any]:
