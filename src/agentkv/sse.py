@@ -1,17 +1,9 @@
 """SSEAssembler: llama-server chat chunks in, the reply's typed events out.
 
-Pure, in the style of a sans-IO protocol machine: chunks (already parsed JSON) and the current time
-go in, :mod:`agentkv.reply` events come out. Each API encodes them in its own shape
-(:mod:`agentkv.anthropic_sse`, :mod:`agentkv.responses_sse`, :mod:`agentkv.chat_sse`).
-
-Besides events, the assembler tells the runtime two things, as typed values:
-
-- :attr:`SSEAssembler.stop`: a :class:`StopRequest` once the reply has fallen into a degenerate
-  loop; the runtime closes the engine stream, then calls :meth:`SSEAssembler.finish`.
-- :meth:`SSEAssembler.verdict`: after the engine's reply has ended, :class:`ReplyComplete` or
-  :class:`RetryWithTools` (a call written wrongly: ask once more, constrained to a valid call).
-
-The runtime's loop, in full::
+A sans-IO protocol machine: parsed chunks and the current time go in, :mod:`agentkv.reply` events
+come out, for each API's encoder. It also tells the runtime when to close the engine stream
+(:attr:`SSEAssembler.stop`, on a degenerate loop) and, once the reply has ended, whether to ask
+once more constrained to a valid call (:meth:`SSEAssembler.verdict`). The runtime's loop::
 
     events = asm.start()
     for chunk in engine_stream(body):          # close the stream as soon as asm.stop is set
@@ -74,12 +66,10 @@ DEFAULT_COALESCE_SECONDS = 0.05
 
 @attrs.frozen
 class StopRequest:
-    """The assembler asks the runtime to close the engine stream now.
+    """The assembler asks the runtime to close the engine stream now, then call ``finish``.
 
-    ``reason`` is why (today only ``"repetition"``: the output fell into a degenerate loop);
-    ``where`` is which output looped: the text, the thinking, or a structured tool call's arguments.
-    Closing the stream makes llama-server stop generating; the runtime then calls ``finish``,
-    which ends the message normally (see :meth:`SSEAssembler.finish` for the stop reason).
+    ``reason`` is why (today only ``"repetition"``); ``where`` is which output looped: the text,
+    the thinking, or a structured tool call's arguments.
     """
 
     reason: Literal["repetition"]
@@ -159,12 +149,10 @@ class SSEAssembler:
     #: Declared tools (name -> input_schema) in ``auto`` mode, when tool-call repair is on: a
     #: reply that starts like a call written as text is held back and turned into tool_use blocks.
     tool_schemas: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True)
-    #: The most characters held for a call that has not named a declared tool, or cannot be valid.
-    #: A wrongly written call is rarely longer (the longest in the corpus has 667); a call that has
-    #: named a declared tool and is still valid so far is held to its end, however long.
+    #: The most characters, and seconds, held for a call that has not named a declared tool or
+    #: cannot be valid (the longest wrongly written call in the corpus has 667 characters; at
+    #: 1 token/s a call names its tool within 15 s). A valid call is held to its end.
     hold_chars: int = attrs.field(default=1024, kw_only=True)
-    #: The longest such a hold lasts, in seconds: at 1 token/s a call names its tool within 15
-    #: tokens, and a client sees text within this bound once it cannot be a call.
     hold_seconds: float = attrs.field(default=15.0, kw_only=True)
     #: The thresholds for degenerate repetition in text, thinking and tool arguments (copied for
     #: each); None turns detection off.
@@ -227,7 +215,7 @@ class SSEAssembler:
             self._delta_chunks += 1
         if reasoning or calls:
             self._only_text = False
-        if content and self._stop is None:
+        if content:
             self._generated.append(content)
         if reasoning:
             self._append("thinking", reasoning, now, out)
@@ -275,10 +263,8 @@ class SSEAssembler:
     def verdict(self) -> Verdict:
         """What to do now that the engine's reply has ended (or was closed on :attr:`stop`).
 
-        :class:`RetryWithTools` when the reply held back text that tried to call a tool and gave
-        no valid call (:func:`~agentkv.repair.extract_tool_calls` found candidates and rejected
-        them all), the reply was neither cut off by the token limit nor stopped, and there was no
-        retry yet; else
+        :class:`RetryWithTools` when the held text tried to call a tool and every candidate was
+        rejected, the reply was neither cut off nor stopped, and there was no retry yet; else
         :class:`ReplyComplete`. It changes nothing: ask as often as you like.
         """
         if self._state != "streaming":
@@ -307,16 +293,8 @@ class SSEAssembler:
         """
         if self._state != "streaming" or not isinstance(self.verdict(), RetryWithTools):
             raise SSEProtocolError("begin_retry() needs a RetryWithTools verdict")
-        usage = self.usage
-        self._usage_before_retry = (
-            usage.input_tokens,
-            usage.cache_read_tokens,
-            usage.output_tokens,
-        )
-        self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
-        self._delta_chunks = 0
+        self._next_engine_call(self.usage.output_tokens)
         self._fallback = self._gate.drop_held() if self._gate is not None else ""
-        self._finish_reason = None
         self._guards.pop("text", None)
         self.forced_tool = ANY_TOOL
         self._retried = True
@@ -345,12 +323,12 @@ class SSEAssembler:
         output is counted one token per chunk, as llama-server streams)."""
         if not self.continuable:
             raise SSEProtocolError("begin_continuation() needs a plain-text reply in progress")
+        self._next_engine_call(self.usage.output_tokens or self._delta_chunks)
+
+    def _next_engine_call(self, output_tokens: int) -> None:
+        """Keep the usage so far (with ``output_tokens``) and read the next call's afresh."""
         usage = self.usage
-        self._usage_before_retry = (
-            usage.input_tokens,
-            usage.cache_read_tokens,
-            usage.output_tokens or self._delta_chunks,
-        )
+        self._usage_before_retry = (usage.input_tokens, usage.cache_read_tokens, output_tokens)
         self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
         self._delta_chunks = 0
         self._finish_reason = None
@@ -358,13 +336,11 @@ class SSEAssembler:
     def finish(self, now: float) -> list[ReplyEvent]:
         """Close the open block, then ``Ended``.
 
-        Held text is turned into tool_use blocks where it holds valid calls, and into text
-        otherwise. A reply cut off by the token limit, or stopped for repetition, is not repaired:
-        only calls complete as written count (a "fixed" half Write would write half a file). After
-        a stop, the repetition is trimmed from text that was still held back, so that what the
-        client gets ends with one copy of the repeated unit; ``stop_reason`` is then ``end_turn``
-        (``tool_use`` if a call was recovered), never ``max_tokens``: Claude Code answers
-        ``max_tokens`` by asking the model to resume, which would only loop again.
+        Held text becomes tool_use blocks where it holds valid calls, and text otherwise. A reply
+        cut off by the token limit, or stopped, is not repaired: a "fixed" half Write would write
+        half a file. After a stop, ``stop_reason`` is ``end_turn`` (``tool_use`` if a call was
+        recovered), never ``max_tokens``: Claude Code answers that by asking the model to resume,
+        which would only loop again.
         """
         if self._state != "streaming":
             raise SSEProtocolError(
@@ -499,8 +475,6 @@ class SSEAssembler:
 
     def _emit_held(self, held: str, out: list[ReplyEvent]) -> None:
         assert self.tool_schemas is not None
-        # A reply cut off by the token limit, or stopped, is not repaired: a "fixed" half Write
-        # would write half a file.
         found = extract_tool_calls(held, self.tool_schemas, repair=not self._cut())
         if not found.calls:
             self._emit_text(held, out)
@@ -547,10 +521,12 @@ class SSEAssembler:
 
     def _emit_tool(self, engine_id: str, name: str, arguments: str, out: list[ReplyEvent]) -> None:
         tool_input = json_object(arguments) if name else None
-        # Arguments cut off by the token limit (or a stop) are not repaired: a "fixed" half Write
-        # would write half a file.
-        cut = self._cut()
-        if tool_input is None and not cut and self.tool_schemas and name in self.tool_schemas:
+        if (
+            tool_input is None
+            and not self._cut()
+            and self.tool_schemas
+            and name in self.tool_schemas
+        ):
             tool_input = repair_arguments(name, arguments, self.tool_schemas[name])
         if tool_input is None:
             # Never a tool_use whose input the client cannot parse: show the model's text instead.
@@ -563,11 +539,10 @@ class SSEAssembler:
         self._emitted_tool = True
 
     def _emit_text(self, text: str, out: list[ReplyEvent]) -> None:
-        if not text.strip():
-            return
-        self._open("text", out)
-        out.append(Delta(self._index, "text", text))
-        self._stop_block(out)
+        if text.strip():
+            self._open("text", out)
+            out.append(Delta(self._index, "text", text))
+            self._stop_block(out)
 
     def _emit_forced(self, out: list[ReplyEvent]) -> None:
         text = self._forced_text
