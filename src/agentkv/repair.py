@@ -66,27 +66,27 @@ def repair_json(text: str) -> RepairOutcome | None:
     comments, unquoted keys, a missing comma mid-text — is guessed at.
     """
     stripped = text.strip()
-    try:
-        return RepairOutcome(_loads(stripped), stripped, ())
-    except ValueError:
-        pass
+    outcome = _parsed(stripped)
+    if outcome is not None:
+        return outcome
     fixes: list[str] = []
     fence = _FENCE.match(stripped)
     if fence is not None:
         stripped = fence.group("body").strip()
         fixes.append("removed code fence")
-        try:
-            return RepairOutcome(_loads(stripped), stripped, tuple(fixes))
-        except ValueError:
-            pass
+        outcome = _parsed(stripped, fixes)
+        if outcome is not None:
+            return outcome
     repaired = _repair_syntax(stripped, fixes)
-    if repaired is None:
-        return None
+    return None if repaired is None else _parsed(repaired, fixes)
+
+
+def _parsed(text: str, fixes: Sequence[str] = ()) -> RepairOutcome | None:
+    """``text`` as strict JSON, with the fixes that gave it; None when it does not parse."""
     try:
-        value = _loads(repaired)
+        return RepairOutcome(_loads(text), text, tuple(fixes))
     except ValueError:
         return None
-    return RepairOutcome(value, repaired, tuple(fixes))
 
 
 def _repair_syntax(text: str, fixes: list[str]) -> str | None:
@@ -173,8 +173,7 @@ class ToolCallExtraction:
 
 _TAG = re.compile(r"<tool_call>(?P<body>.*?)(?:(?P<close></tool_call>)|\Z)", re.DOTALL)
 _FENCE_LINE = re.compile(r"^[ \t]*```(?P<label>[^\s`]*)[ \t]*$", re.MULTILINE)
-# Only fences labelled as JSON (or unlabelled): a ```python block is code, not a call.
-#: The fence labels of blocks that may hold a call.
+#: The fence labels of blocks that may hold a call: a ```python block is code, not a call.
 CALL_FENCE_LABELS = frozenset({"", "json", "JSON", "tool_call"})
 CALL_KEYS = frozenset({"name", "arguments", "parameters", "id", "type"})
 _TEXT_JOIN = "\n\n"
@@ -331,13 +330,6 @@ def as_call(
     if errors:
         return f"input does not match the {name} schema: {'; '.join(errors[:3])}"
     return ExtractedCall(name, arguments, fixes)
-
-
-def _parsed(text: str) -> RepairOutcome | None:
-    try:
-        return RepairOutcome(_loads(text), text, ())
-    except ValueError:
-        return None
 
 
 def object_schema(schema: Schema | None) -> Schema:
