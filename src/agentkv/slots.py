@@ -1,19 +1,11 @@
 """The slot table: which tokens each llama-server slot holds, who uses it, and where a request goes.
 
-llama-server runs one request per slot and reuses, for each request, the longest common token
-prefix of what the slot's KV cache holds and the new prompt. So the table records each slot's
-content as the token sequence it holds, and :meth:`SlotManager.place` chooses a slot by *cost*:
-for every idle slot it prices what the request would prefill there (after restoring a saved
-state from the prefix store, when that leaves less to compute) plus what it would destroy (the
-slot's present content: saved first when it is worth it, or lost). The cheapest wins. A slot that
-shares 1,300 tokens with the request beats an empty one, unless overwriting it costs more later.
-
-A request that dies without releasing (a bug, a lost task) would pin its slot forever, so
-:meth:`SlotManager.sweep` is a watchdog that reclaims leases that have shown no sign of life
-(acquisition, or engine progress reported with :meth:`SlotManager.touch`) for ``lease_ttl``
-seconds. A long prefill that keeps reporting progress is never taken back mid-way.
-
-Pure and single-threaded: time is passed in, nothing awaits, and callers serialise access.
+llama-server reuses, for each request, the longest common token prefix of the slot's KV cache and
+the new prompt, so the table records each slot's content as tokens and :func:`place` chooses a
+slot by cost: the prefill left to do plus what overwriting the slot's content destroys.
+:meth:`SlotManager.sweep` reclaims leases that have shown no sign of life for ``lease_ttl``
+seconds (a request that died without releasing). Pure and single-threaded: time is passed in,
+nothing awaits, and callers serialise access.
 """
 
 from __future__ import annotations
@@ -266,11 +258,10 @@ class SlotManager:
 
     def idle(self) -> list[SlotView]:
         """The slots no request holds and placement may use, in slot order."""
-        return [
-            self._view(i)
-            for i, slot in enumerate(self._slots)
-            if not slot.held and i not in self._out
-        ]
+        return [self._view(i) for i in self._idle()]
+
+    def _idle(self) -> list[int]:
+        return [i for i, slot in enumerate(self._slots) if not slot.held and i not in self._out]
 
     def take_out(self, slots: Collection[int]) -> None:
         """Keep ``slots`` out of placement (their engine is down) and forget what they held.
@@ -309,8 +300,7 @@ class SlotManager:
         Raises ValueError when that slot is busy: a placement is only valid until the table
         changes, so callers place and acquire in one step.
         """
-        if not 0 <= placement.slot < self.n_slots:
-            raise ValueError(f"no slot {placement.slot}: slots are 0..{self.n_slots - 1}")
+        self._check(placement.slot)
         slot = self._slots[placement.slot]
         if slot.held:
             raise ValueError(f"slot {placement.slot} is busy")
@@ -353,9 +343,8 @@ class SlotManager:
     ) -> None:
         """Record what a slot holds now (after a restore, a park or a finished request)."""
         self._check(slot)
-        self._slots[slot].tokens = tuple(tokens)
-        self._slots[slot].stored = stored
-        self._slots[slot].sections = sections
+        content = self._slots[slot]
+        content.tokens, content.stored, content.sections = tuple(tokens), stored, sections
 
     def mark_stored(self, slot: int, entry_id: str | None) -> None:
         """The slot's content is (or, with None, is no longer) held by a store entry."""
@@ -387,7 +376,7 @@ class SlotManager:
         slot = self._drop(lease)
         slot.last_used = now
         if holds is None:
-            slot.tokens, slot.stored, slot.sections = (), None, ()
+            self.set_content(lease.slot, ())
         elif tuple(holds) != slot.tokens:
             slot.tokens, slot.stored = tuple(holds), None
             slot.sections = sections or ()
@@ -397,10 +386,7 @@ class SlotManager:
 
     def invalidate(self, slot: int) -> None:
         """Forget what ``slot`` holds (it was erased, or a request on it failed)."""
-        self._check(slot)
-        self._slots[slot].tokens = ()
-        self._slots[slot].stored = None
-        self._slots[slot].sections = ()
+        self.set_content(slot, ())
 
     def touch(self, lease_id: int, now: float) -> bool:
         """The request holding ``lease_id`` made progress at ``now`` (the engine reported
@@ -447,7 +433,7 @@ class SlotManager:
     @property
     def free(self) -> int:
         """How many slots are idle and in placement."""
-        return sum(1 for i, slot in enumerate(self._slots) if not slot.held and i not in self._out)
+        return len(self._idle())
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:
