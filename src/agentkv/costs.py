@@ -1,16 +1,9 @@
 """What engine work costs, learned from what the engine reports: prefill, decode, save, restore.
 
-Every slot decision in agentkv is a comparison of times: prefill these tokens here, or restore a
-saved state and prefill less; wait for another request to finish computing a shared prefix, or
-compute it again. The estimates come from llama-server's own figures (``timings`` of every reply,
-``t_ms``/``n_bytes`` of every save and restore), so they follow the machine: a laptop CPU, a
-GPU, a cold disk.
-
-Prefill is not linear in the number of tokens: attention makes each token cost more the further
-into the context it sits. :class:`PrefillModel` fits ``seconds per token = a + b * position``
-online, so "prefill tokens 9,000..11,600" and "prefill tokens 0..2,600" get different prices.
-
-Pure: observations in, estimates out.
+Every slot decision is a comparison of times (prefill here, or restore a saved state and prefill
+less), priced from llama-server's own figures (``timings`` of every reply, ``t_ms``/``n_bytes``
+of every save and restore), so the prices follow the machine. Prefill is not linear in tokens:
+attention makes a token cost more the further into the context it sits. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -158,10 +151,6 @@ class CostModel:
             restore_bytes_per_s=round(self.restore.rate),
             bytes_per_token=round(self.bytes_per_token),
         )
-
-    def observe_bytes_per_token(self, tokens: int, nbytes: int) -> None:
-        if tokens > 0 and nbytes > 0:
-            self.bytes_per_token = 0.7 * self.bytes_per_token + 0.3 * (nbytes / tokens)
 
     def state_bytes(self, tokens: int) -> float:
         """Expected size of a saved state holding ``tokens`` tokens."""
