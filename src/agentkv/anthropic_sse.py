@@ -145,12 +145,10 @@ def accumulate(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
                 block["signature"] = delta["signature"]
             elif delta["type"] != _DELTA_FOR.get(block["type"]):
                 raise SSEProtocolError(f"{delta['type']} in a {block['type']} block")
-            elif delta["type"] == "text_delta":
-                block["text"] += delta["text"]
-            elif delta["type"] == "thinking_delta":
-                block["thinking"] += delta["thinking"]
-            else:
+            elif block["type"] == "tool_use":
                 json_buf += delta["partial_json"]
+            else:
+                block[block["type"]] += delta[block["type"]]  # "text" or "thinking"
         elif kind == "content_block_stop":
             if open_index is None or event["index"] != open_index:
                 raise SSEProtocolError(f"content_block_stop for block {event['index']} not open")
