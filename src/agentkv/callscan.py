@@ -1,17 +1,11 @@
 """Judging a reply as it grows: can the text held back so far still become a tool call?
 
-The assembler holds back text from the point where a call may start (see docs/repair.md).
-:class:`CallScanner` reads the held text once, incrementally, with a small JSON lexer that knows
-the declared tools' schemas, and says whether it can still become a call, so that text which
-cannot is released at once instead of at the end of the reply. :class:`HoldGate` decides, for
-a growing reply, what streams at once and what is held. Pure: no I/O.
-
-Why a lexer of its own rather than ``jiter``'s partial mode (already installed with the SDKs):
-the held text grows a few characters at a time, and a partial parser must read all of it again
-at every piece, while this lexer reads each character once and checks keys and argument types
-against the tool's schema as they arrive. A ``Write`` call written back 4 characters a piece
-took 5.8 ms here against 15.1 ms re-parsed with ``jiter`` at 18 KB, and 23 ms against 271 ms at
-75 KB (one 2-core machine, one sitting); the gap grows with the square of the reply.
+:class:`HoldGate` decides what of a growing reply streams at once and what is held (see
+docs/repair.md); :class:`CallScanner` reads the held text once, incrementally, with a small JSON
+lexer that checks keys and argument types against the declared tools' schemas, so that text which
+cannot become a call is released at once. A partial parser such as ``jiter`` would read all the
+held text again at every piece: a ``Write`` call fed 4 characters a piece took 5.8 ms here against
+15.1 ms with ``jiter`` at 18 KB, and 23 ms against 271 ms at 75 KB. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -60,11 +54,8 @@ _FIRST_CHAR_TYPE = {'"': "string", "{": "object", "[": "array", "t": "boolean", 
 
 
 def fence_label(line: str) -> str | None:
-    """The label of a fence line (``line`` without its newline), or None if it is not one.
-
-    The same lines as the extractor's fence pattern: optional spaces or tabs, three backticks, a
-    label without spaces or backticks, optional spaces or tabs.
-    """
+    """The label of a fence line (``line`` without its newline), or None if it is not one (the
+    same lines as the extractor's fence pattern)."""
     match = _FENCE_WHOLE.fullmatch(line)
     return match.group("label") if match is not None else None
 
@@ -408,11 +399,9 @@ class _CallJson:
 class CallScanner:
     """Reads a held segment of a reply as it grows and says what it can still become.
 
-    The segment starts where a call may start: a reply that begins with ``{``, a fence line
-    labelled ``json``, ``JSON``, ``tool_call`` or not labelled, or a ``<tool_call>`` tag. Each
-    :meth:`feed` costs time in proportion to the new text, plus one extraction when the candidate
-    block closes, so a long held reply is read once and not once per chunk. Only the first
-    candidate block is judged.
+    The segment starts where a call may start (see :class:`HoldGate`). Each :meth:`feed` costs
+    time in proportion to the new text, plus one extraction when the candidate block closes. Only
+    the first candidate block is judged.
     """
 
     tools: Mapping[str, Schema | None]
@@ -576,15 +565,12 @@ _SLICE = 512
 class HoldGate:
     """Streams a reply's text, holding it back from where a call written as text may start.
 
-    A call may start at a reply that starts with ``{``, a fence line labelled as JSON (or not
-    labelled), or a ``<tool_call>`` tag. Held text that can no longer become a valid call
-    (:class:`CallScanner`) is released as text at once, unless it is a call written wrongly,
-    which is kept (for the retry) for at most ``hold_chars`` characters or ``hold_seconds``
-    seconds from where the hold began. The same bound ends a hold that has not yet named a
-    declared tool. Released text streams, and is scanned again for a later call.
-
-    :meth:`feed` and :meth:`flush` return the pieces to stream, in order; what is held at the end
-    of the reply is :attr:`held` (and :attr:`pending`, a partial tag or fence line).
+    A call may start at a reply that starts with ``{``, a fence line labelled ``json``, ``JSON``,
+    ``tool_call`` or not labelled, or a ``<tool_call>`` tag. Held text that can no longer become a
+    valid call is released at once, unless it is a call written wrongly (kept for the retry); that,
+    and a hold that has not named a declared tool yet, last at most ``hold_chars`` characters or
+    ``hold_seconds`` seconds. Released text is scanned again. :meth:`feed` and :meth:`flush` return
+    the pieces to stream; what is held at the end is :attr:`held` (and :attr:`pending`).
     """
 
     tools: Mapping[str, Schema | None]
