@@ -570,7 +570,7 @@ class HoldGate:
     valid call is released at once, unless it is a call written wrongly (kept for the retry); that,
     and a hold that has not named a declared tool yet, last at most ``hold_chars`` characters or
     ``hold_seconds`` seconds. Released text is scanned again. :meth:`feed` and :meth:`flush` return
-    the pieces to stream; what is held at the end is :attr:`held` (and :attr:`pending`).
+    the pieces to stream; what is held at the end is :attr:`held` and :meth:`take_pending`.
     """
 
     tools: Mapping[str, Schema | None]
@@ -599,11 +599,6 @@ class HoldGate:
         """The held segment ('' when nothing is held)."""
         return "".join(self._held)
 
-    @property
-    def pending(self) -> str:
-        """Text kept back because it may still open a call (a partial tag or fence line)."""
-        return self._buf
-
     def feed(self, text: str, now: float) -> list[str]:
         """Take more of the reply; return the pieces that stream now."""
         out: list[str] = []
@@ -631,7 +626,8 @@ class HoldGate:
         return out + self.feed(rest, now)
 
     def take_pending(self) -> str:
-        """:attr:`pending`, which is then forgotten (the reply has ended: it is text)."""
+        """Text kept back because it may still open a call (a partial tag or fence line), which is
+        then forgotten (the reply has ended: it is text)."""
         text, self._buf = self._buf, ""
         return text
 
