@@ -1,12 +1,9 @@
 """The Messages API's stream, encoded from a reply's events (``POST /v1/messages``).
 
-:func:`anthropic_events` gives the Anthropic stream events for agentkv's reply events
-(:mod:`agentkv.reply`), :func:`encode_event` frames one, and :func:`accumulate` folds a whole
-Anthropic stream into the non-streaming Message, so both response modes share one code path.
-:func:`accumulate` checks the stream as a client would: it also reads streams that did not come
-from agentkv.
-
-Pure: values in, values out.
+:func:`anthropic_events` gives the Anthropic stream events for :mod:`agentkv.reply` events,
+:func:`encode_event` frames one, and :func:`accumulate` folds a whole Anthropic stream (checked as
+a client would, from agentkv or not) into the non-streaming Message, so both response modes share
+one code path. Pure: values in, values out.
 """
 
 from __future__ import annotations

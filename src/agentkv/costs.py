@@ -41,15 +41,12 @@ class PrefillModel:
     b: float = 1.4e-6
     memory: float = 10.0
     prior: float = 2.0
-    _sums: list[float] = attrs.field(init=False, factory=list)
+    #: Sufficient statistics (x1 = n/t, x2 = s/t, target 1): x1x1, x1x2, x2x2, x1, x2.
+    _sums: list[float] = attrs.field(init=False, factory=lambda: [0.0] * 5)
 
     def __attrs_post_init__(self) -> None:
-        # Sufficient statistics (x1 = n/t, x2 = s/t, target 1): x1x1, x1x2, x2x2, x1, x2.
-        self._sums = [0.0] * 5
-        for start, count in ((0, 2048), (0, 12288)):
-            self._add(
-                count, _position_sum(start, count), self.estimate(start, count), self.prior / 2
-            )
+        for count in (2048, 12288):  # the prior: two cold prompts priced by a and b
+            self._add(count, _position_sum(0, count), self.estimate(0, count), self.prior / 2)
 
     def _add(self, n: float, s: float, t: float, weight: float) -> None:
         x1, x2 = n / t, s / t

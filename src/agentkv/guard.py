@@ -73,16 +73,12 @@ def periodic_suffix(text: str, period: int) -> int:
 
 @attrs.define
 class RepetitionGuard:
-    """Fed generated text piece by piece; reports the first degenerate loop at its end.
+    """Fed generated text piece by piece; reports the first degenerate loop at its end, and then
+    keeps reporting it (``tripped``) and ignores further text.
 
-    Once it has reported a loop it keeps reporting the same one (``tripped``) and ignores further
-    text. Thresholds, in characters:
-
-    - ``min_chars``: the shortest stretch that counts as a loop, whatever the period;
-    - ``min_repeats``: the fewest copies of the unit that count as a loop;
-    - ``max_period``: the longest unit looked for (a repeated block of code lines);
-    - ``check_every``: how much new text may arrive between two looks at the tail (the detection
-      delay after a loop has grown long enough).
+    Thresholds, in characters: ``min_chars``, the shortest loop; ``min_repeats``, the fewest copies
+    of the unit; ``max_period``, the longest unit looked for; ``check_every``, how much new text
+    may arrive between two looks at the tail (the detection delay).
     """
 
     min_chars: int = 800

@@ -92,15 +92,12 @@ def place(
 ) -> Placement | None:
     """The cheapest idle slot for a prompt of ``tokens``, and how to prepare it; None if none idle.
 
-    For each idle slot two ways are priced: use the slot's own cache, or restore the store entry
-    sharing the most tokens with the prompt. Either way the cost is the prefill left to do, plus
-    the save of the slot's present content when it is worth parking (``park_min`` tokens would be
-    lost, it is not in the store yet, and a store exists), plus the expected later cost of what is
-    overwritten. Ties go to the slot used least recently.
-
-    A slot whose agent is in ``keep`` (a coordinator waiting for its sub-agents) holds context
-    that is certain to come back: it is parked whatever its size, and what overwriting it loses
-    counts in full rather than by :data:`_RETURN_CHANCE`.
+    Each idle slot is priced from its own cache and from the store entry sharing the most tokens
+    with the prompt: the prefill left, plus saving the slot's content when it is worth parking
+    (``park_min`` tokens would be lost, it is not stored yet, a store exists), plus the expected
+    later cost of what is overwritten. Ties go to the slot used least recently. A slot whose agent
+    is in ``keep`` (a coordinator waiting for its sub-agents) will certainly be wanted again: it
+    is parked whatever its size, and its loss counts in full rather than by :data:`_RETURN_CHANCE`.
     """
     if not idle:
         return None

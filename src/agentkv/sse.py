@@ -131,10 +131,9 @@ class SSEAssembler:
     a JSON object); ``start`` comes first and ``finish`` last; a second ``finish`` or a ``feed``
     outside that window raises :class:`SSEProtocolError`.
 
-    With ``tool_schemas`` (auto mode, tool-call repair on), text is held back from the point where
-    a call written as text may start, by a :class:`~agentkv.callscan.HoldGate` (which says what
-    is held, and for how long); what it holds at the end of the reply becomes tool_use blocks
-    where it holds valid calls, and text otherwise.
+    With ``tool_schemas``, a :class:`~agentkv.callscan.HoldGate` holds text back from where a
+    call written as text may start; what it holds at the end becomes tool_use blocks where it
+    holds valid calls, and text otherwise.
     """
 
     message_id: str = attrs.field(kw_only=True)
@@ -146,8 +145,7 @@ class SSEAssembler:
     coalesce_chars: int = attrs.field(default=DEFAULT_COALESCE_CHARS, kw_only=True)
     coalesce_seconds: float = attrs.field(default=DEFAULT_COALESCE_SECONDS, kw_only=True)
     input_tokens_hint: int = attrs.field(default=0, kw_only=True)
-    #: Declared tools (name -> input_schema) in ``auto`` mode, when tool-call repair is on: a
-    #: reply that starts like a call written as text is held back and turned into tool_use blocks.
+    #: Declared tools (name -> input_schema) in ``auto`` mode, when tool-call repair is on.
     tool_schemas: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True)
     #: The most characters, and seconds, held for a call that has not named a declared tool or
     #: cannot be valid (the longest wrongly written call in the corpus has 667 characters; at
@@ -171,7 +169,7 @@ class SSEAssembler:
     _output_tokens: int = attrs.field(default=0, init=False)
     _delta_chunks: int = attrs.field(default=0, init=False)
     _fallback: str | None = attrs.field(default=None, init=False)
-    _usage_before_retry: tuple[int, int, int] = attrs.field(default=(0, 0, 0), init=False)
+    _earlier_usage: tuple[int, int, int] = attrs.field(default=(0, 0, 0), init=False)
     # The reply's text as the engine generated it, and whether anything but text came.
     _generated: list[str] = attrs.field(factory=list, init=False)
     _only_text: bool = attrs.field(default=True, init=False)
@@ -275,8 +273,7 @@ class SSEAssembler:
             or not self.tool_schemas
             or self.forced_tool is not None
             or self._retried
-            or self._stop is not None
-            or self._finish_reason == "length"
+            or self._cut()
         ):
             return ReplyComplete()
         found = extract_tool_calls(self._gate.held, self.tool_schemas)
@@ -285,12 +282,9 @@ class SSEAssembler:
         return RetryWithTools(found.rejected)
 
     def begin_retry(self) -> None:
-        """Start over on the constrained second reply, after a :class:`RetryWithTools` verdict.
-
-        The engine is asked again with decoding constrained to ``{"name", "arguments"}`` over the
-        declared tools; what it writes is fed as usual. If that does not give a valid call either,
-        ``finish`` gives the first reply's held text as plain text. Usage adds up both replies.
-        """
+        """Start over on the constrained second reply, after a :class:`RetryWithTools` verdict:
+        its chunks are fed as usual, and if they give no valid call either, ``finish`` gives the
+        first reply's held text as text. Usage adds up both replies."""
         if self._state != "streaming" or not isinstance(self.verdict(), RetryWithTools):
             raise SSEProtocolError("begin_retry() needs a RetryWithTools verdict")
         self._next_engine_call(self.usage.output_tokens)
@@ -317,10 +311,9 @@ class SSEAssembler:
         return "".join(self._generated)
 
     def begin_continuation(self) -> None:
-        """The engine stream was cut mid-reply (the request gave its slot up) and a new engine
-        call continues the same reply from :attr:`generated_text`: its chunks are fed as if the
-        stream had only paused. The blocks stay open; usage adds up the calls (the cut call's
-        output is counted one token per chunk, as llama-server streams)."""
+        """A new engine call continues the reply from :attr:`generated_text` (the stream was cut:
+        the request gave its slot up); its chunks are fed as if the stream had only paused. Usage
+        adds up the calls, the cut one's output counted one token per chunk."""
         if not self.continuable:
             raise SSEProtocolError("begin_continuation() needs a plain-text reply in progress")
         self._next_engine_call(self.usage.output_tokens or self._delta_chunks)
@@ -328,7 +321,7 @@ class SSEAssembler:
     def _next_engine_call(self, output_tokens: int) -> None:
         """Keep the usage so far (with ``output_tokens``) and read the next call's afresh."""
         usage = self.usage
-        self._usage_before_retry = (usage.input_tokens, usage.cache_read_tokens, output_tokens)
+        self._earlier_usage = (usage.input_tokens, usage.cache_read_tokens, output_tokens)
         self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
         self._delta_chunks = 0
         self._finish_reason = None
@@ -360,12 +353,9 @@ class SSEAssembler:
 
     @property
     def usage(self) -> Usage:
-        """Token counts so far: uncached prompt, cache reads and generated tokens.
-
-        A stream closed on :attr:`stop` ends without the engine's counts; its output is then
-        estimated as one token per chunk, which is how llama-server streams.
-        """
-        uncached, cached, output = self._usage_before_retry
+        """Token counts so far. A stream closed on :attr:`stop` ends without the engine's counts;
+        its output is then counted one token per chunk, as llama-server streams."""
+        uncached, cached, output = self._earlier_usage
         if self._input_tokens is not None:
             uncached += self._input_tokens
         elif not uncached:
