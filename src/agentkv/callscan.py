@@ -69,13 +69,11 @@ def may_become_fence_line(partial: str) -> bool:
 class HoldOutlook:
     """What a held segment of a reply can still become (see :class:`CallScanner`).
 
-    - ``can_be_call``: some continuation of the text may still be extracted as a valid call of a
-      declared tool. Conservative: True whenever that cannot be ruled out.
-    - ``committed``: a declared tool's name has been written where a call names its tool, and
-      nothing so far contradicts a valid call. Such a segment is a call being written.
-    - ``attempt``: it cannot become a valid call, but it is a call written wrongly: an object in a
-      call position (a reply that starts with ``{``, a ``json`` fence, a tag). If the reply ended
-      here, it would be worth the constrained retry (see :meth:`agentkv.sse.SSEAssembler.verdict`).
+    ``can_be_call``: some continuation may still be extracted as a valid call of a declared tool
+    (True whenever that cannot be ruled out). ``committed``: a declared tool's name is written
+    where a call names its tool, and nothing so far contradicts a valid call. ``attempt``: it
+    cannot become a valid call but is one written wrongly (an object in a call position), worth
+    the constrained retry if the reply ended here (:meth:`agentkv.sse.SSEAssembler.verdict`).
     """
 
     can_be_call: bool
@@ -101,10 +99,9 @@ class _Frame:
 class _CallJson:
     """An incremental reader of JSON values that must each be a tool call.
 
-    It follows the JSON grammar as :func:`json.loads` does (strict strings, no NaN), except that a
-    trailing comma before a closer is allowed, as :func:`repair_json` removes it. Each complete
-    value is judged as the extractor judges it. Reading a piece costs time in proportion to the
-    piece (runs of plain string characters are skipped by a regular expression).
+    It follows :func:`json.loads`'s grammar (strict strings, no NaN) but allows a trailing comma
+    before a closer, as :func:`repair_json` removes it, and judges each complete value as the
+    extractor does. A piece costs time in proportion to its length.
 
     - ``invalid``: no continuation can give valid calls (reading goes on, to see what follows);
     - ``broken``: the text is not JSON any more (reading stops);
