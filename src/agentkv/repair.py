@@ -96,10 +96,7 @@ def _repair_syntax(text: str, fixes: list[str]) -> str | None:
     in_string = escaped = False
     dropped = 0
     last = ""  # the last significant character outside strings
-    i = 0
-    while i < len(text):
-        char = text[i]
-        i += 1
+    for i, char in enumerate(text):
         if in_string:
             out.append(char)
             if escaped:
@@ -118,7 +115,7 @@ def _repair_syntax(text: str, fixes: list[str]) -> str | None:
             if not stack or _CLOSER[stack.pop()] != char:
                 return None  # a mismatched or extra closer is not a slip we can read
         elif char == ",":
-            rest = text[i:].lstrip()
+            rest = text[i + 1 :].lstrip()
             if rest[:1] in ("}", "]") and last not in ("", ",", ":", "[", "{"):
                 dropped += 1
                 continue

@@ -375,8 +375,7 @@ class SlotManager:
         if holds is None:
             self.set_content(lease.slot, ())
         elif tuple(holds) != slot.tokens:
-            slot.tokens, slot.stored = tuple(holds), None
-            slot.sections = sections or ()
+            self.set_content(lease.slot, holds, sections=sections or ())
         elif sections is not None:
             slot.sections = sections
         return True

@@ -540,11 +540,10 @@ class SSEAssembler:
             self._emit_tool("", self.forced_tool or "", text, out)
             return
         # Any-tool mode: the schema made the model write {"name": ..., "arguments": {...}}.
-        call = json_object(text)
-        name = call.get("name") if call is not None else None
-        arguments = call.get("arguments") if call is not None else None
+        call = json_object(text) or {}
+        name, arguments = call.get("name"), call.get("arguments")
         known = isinstance(name, str) and (not self.tool_names or name in self.tool_names)
-        if call is None or not known or not isinstance(arguments, dict):
+        if not known or not isinstance(arguments, dict):
             self._emit_text(text if self._fallback is None else self._fallback, out)
             return
         self._emit_tool("", str(name), json.dumps(arguments, ensure_ascii=False), out)
