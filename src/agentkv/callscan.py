@@ -90,7 +90,9 @@ _ATTEMPT = HoldOutlook(can_be_call=False, attempt=True)
 class _Frame:
     kind: str  # "{" or "["
     role: str  # "call", "function", "args" or "other"
-    state: str  # objects: key_or_end, key, colon, value, after; arrays: value_or_end, value, after
+    #: Objects: key, colon, value, after; arrays: value, after. A closer is allowed in the key
+    #: state of an object and the value state of an array (a trailing comma is repaired).
+    state: str
     key: str = ""
     keys: set[str] = attrs.field(factory=set)
 
@@ -258,9 +260,9 @@ class _CallJson:
         frame = self._stack[-1]
         state = frame.state
         if frame.kind == "{":
-            if state in ("key_or_end", "key") and char == '"':
+            if state == "key" and char == '"':
                 self._open_string(key=True)
-            elif state in ("key_or_end", "key", "after") and char == "}":
+            elif state in ("key", "after") and char == "}":
                 self._close(text, i)
             elif state == "colon" and char == ":":
                 frame.state = "value"
@@ -270,9 +272,9 @@ class _CallJson:
                 frame.state = "key"
             else:
                 self._break()
-        elif state in ("value_or_end", "value", "after") and char == "]":
+        elif state in ("value", "after") and char == "]":
             self._close(text, i)
-        elif state in ("value_or_end", "value"):
+        elif state == "value":
             self._start_value(char, frame)
         elif state == "after" and char == ",":
             frame.state = "value"
@@ -293,7 +295,7 @@ class _CallJson:
             self.invalid = True  # only the last value may need a repair
         self._value, self._value_from = [], i
         self._name, self.named = "", False
-        self._stack.append(_Frame("{", "call", "key_or_end"))
+        self._stack.append(_Frame("{", "call", "key"))
 
     def _open_string(self, *, key: bool) -> None:
         self._in_string, self._string_is_key = True, key
@@ -323,8 +325,7 @@ class _CallJson:
         if char == '"':
             self._open_string(key=False)
         elif char in "{[":
-            state = "key_or_end" if char == "{" else "value_or_end"
-            self._stack.append(_Frame(char, child, state))
+            self._stack.append(_Frame(char, child, "key" if char == "{" else "value"))
         elif char in "-0123456789tfn":
             self._literal = char
         else:
