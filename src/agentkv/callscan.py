@@ -259,24 +259,16 @@ class _CallJson:
             return
         frame = self._stack[-1]
         state = frame.state
-        if frame.kind == "{":
-            if state == "key" and char == '"':
-                self._open_string(key=True)
-            elif state in ("key", "after") and char == "}":
-                self._close(text, i)
-            elif state == "colon" and char == ":":
-                frame.state = "value"
-            elif state == "value":
-                self._start_value(char, frame)
-            elif state == "after" and char == ",":
-                frame.state = "key"
-            else:
-                self._break()
-        elif state in ("value", "after") and char == "]":
+        closer, first = ("}", "key") if frame.kind == "{" else ("]", "value")
+        if char == closer and state in (first, "after"):
             self._close(text, i)
+        elif state == "after" and char == ",":
+            frame.state = first
         elif state == "value":
             self._start_value(char, frame)
-        elif state == "after" and char == ",":
+        elif state == "key" and char == '"':
+            self._open_string(key=True)
+        elif state == "colon" and char == ":":
             frame.state = "value"
         else:
             self._break()
