@@ -103,10 +103,14 @@ def place(
         return None
     n = len(tokens)
     best_entry = store.best(tokens) if store is not None else None
-    best: tuple[tuple[float, float], Placement] | None = None
+    candidates: list[tuple[tuple[float, float], Placement]] = []
     for view in idle:
         held = len(view.tokens)
         own = common_prefix(tokens, view.tokens)
+        saved = view.stored is not None
+        kept_warm = view.agent is not None and view.agent in keep
+        chance = 1.0 if kept_warm else _RETURN_CHANCE
+        lru = -math.inf if view.last_used is None else view.last_used
         options: list[tuple[int, Source, str | None, float]] = [
             (own, Source.SLOT if own else Source.NONE, None, 0.0)
         ]
@@ -117,11 +121,8 @@ def place(
             # A restore replaces the slot's whole content; its own cache keeps the shared part.
             kept = own if source is not Source.STORE else 0
             lost = held - kept
-            saved = view.stored is not None
-            kept_warm = view.agent is not None and view.agent in keep
             big = lost >= park_min or kept_warm
             park = store is not None and not saved and big and lost > 0
-            chance = 1.0 if kept_warm else _RETURN_CHANCE
             park_s = costs.save.estimate(costs.state_bytes(held)) if park else 0.0
             if lost <= 0:
                 later = 0.0
@@ -130,21 +131,9 @@ def place(
             else:
                 later = chance * costs.prefill.estimate(kept, lost)
             seconds = restore_s + park_s + costs.prefill.estimate(reuse, n - reuse)
-            lru = -math.inf if view.last_used is None else view.last_used
-            key = (seconds + later, lru)
-            if best is None or key < best[0]:
-                best = (
-                    key,
-                    Placement(
-                        slot=view.slot,
-                        reuse=reuse,
-                        source=source,
-                        entry_id=entry_id,
-                        park=park,
-                        seconds=seconds,
-                    ),
-                )
-    return None if best is None else best[1]
+            placement = Placement(view.slot, reuse, source, entry_id, park, seconds)
+            candidates.append(((seconds + later, lru), placement))
+    return min(candidates, key=lambda candidate: candidate[0])[1]
 
 
 class SlotReader(Protocol):
