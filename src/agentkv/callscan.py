@@ -20,6 +20,7 @@ from agentkv.guard import Repetition, cut_tail, periodic_suffix
 from agentkv.repair import (
     CALL_FENCE_LABELS,
     CALL_KEYS,
+    FENCE_LINE,
     ExtractedCall,
     as_call,
     calls_in,
@@ -39,7 +40,6 @@ __all__ = [
 
 TAG_OPEN = "<tool_call>"
 _TAG_CLOSE = "</tool_call>"
-_FENCE_WHOLE = re.compile(r"[ \t]*```(?P<label>[^\s`]*)[ \t]*")
 _FENCE_START = re.compile(r"[ \t]*(?:`{0,2}|```[^\s`]*[ \t]*)")
 _JSON_SPACE = frozenset(" \t\n\r")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -54,9 +54,8 @@ _FIRST_CHAR_TYPE = {'"': "string", "{": "object", "[": "array", "t": "boolean", 
 
 
 def fence_label(line: str) -> str | None:
-    """The label of a fence line (``line`` without its newline), or None if it is not one (the
-    same lines as the extractor's fence pattern)."""
-    match = _FENCE_WHOLE.fullmatch(line)
+    """The label of a fence line (``line`` without its newline), or None if it is not one."""
+    match = FENCE_LINE.fullmatch(line)
     return match.group("label") if match is not None else None
 
 

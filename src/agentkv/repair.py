@@ -169,7 +169,8 @@ class ToolCallExtraction:
 
 
 _TAG = re.compile(r"<tool_call>(?P<body>.*?)(?:(?P<close></tool_call>)|\Z)", re.DOTALL)
-_FENCE_LINE = re.compile(r"^[ \t]*```(?P<label>[^\s`]*)[ \t]*$", re.MULTILINE)
+#: A fence line: three backticks and a label without spaces or backticks, between spaces or tabs.
+FENCE_LINE = re.compile(r"^[ \t]*```(?P<label>[^\s`]*)[ \t]*$", re.MULTILINE)
 #: The fence labels of blocks that may hold a call: a ```python block is code, not a call.
 CALL_FENCE_LABELS = frozenset({"", "json", "JSON", "tool_call"})
 CALL_KEYS = frozenset({"name", "arguments", "parameters", "id", "type"})
@@ -234,7 +235,7 @@ def _fenced(text: str) -> list[tuple[int, int, str, bool]]:
     not at all) and holds an object: ``` around a shell command is not a call.
     """
     blocks: list[tuple[int, int, str, bool]] = []
-    lines = list(_FENCE_LINE.finditer(text))
+    lines = list(FENCE_LINE.finditer(text))
     for opening, closing in itertools.zip_longest(lines[::2], lines[1::2]):
         body_start = opening.end() + 1
         end = closing.end() if closing is not None else len(text)
