@@ -21,6 +21,7 @@ from agentkv.repair import (
     CALL_FENCE_LABELS,
     CALL_KEYS,
     FENCE_LINE,
+    WRAPPER_KEYS,
     ExtractedCall,
     as_call,
     calls_in,
@@ -48,7 +49,6 @@ _WORDS = ("true", "false", "null")
 _STRING_RUN = re.compile(r'[^"\\\x00-\x1f]*')
 _ESCAPES = frozenset('"\\/bfnrtu')
 _HEX = frozenset("0123456789abcdefABCDEF")
-_WRAPPER_KEYS = frozenset({"function", "id", "type"})
 #: The JSON type a value has, told from its first character.
 _FIRST_CHAR_TYPE = {'"': "string", "{": "object", "[": "array", "t": "boolean", "f": "boolean"}
 
@@ -353,7 +353,7 @@ class _CallJson:
             return
         if frame.role not in ("call", "function"):
             return
-        allowed = CALL_KEYS | _WRAPPER_KEYS if frame.role == "call" else CALL_KEYS
+        allowed = CALL_KEYS | WRAPPER_KEYS if frame.role == "call" else CALL_KEYS
         frame.keys.add(key)
         if (
             key not in allowed

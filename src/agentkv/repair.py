@@ -173,7 +173,9 @@ _TAG = re.compile(r"<tool_call>(?P<body>.*?)(?:(?P<close></tool_call>)|\Z)", re.
 FENCE_LINE = re.compile(r"^[ \t]*```(?P<label>[^\s`]*)[ \t]*$", re.MULTILINE)
 #: The fence labels of blocks that may hold a call: a ```python block is code, not a call.
 CALL_FENCE_LABELS = frozenset({"", "json", "JSON", "tool_call"})
+#: The keys of a call, and of the wrapper around one (``{"function": {...}}``).
 CALL_KEYS = frozenset({"name", "arguments", "parameters", "id", "type"})
+WRAPPER_KEYS = frozenset({"function", "id", "type"})
 _TEXT_JOIN = "\n\n"
 _PARTIAL = "valid, but written together with a rejected candidate"
 
@@ -304,7 +306,7 @@ def as_call(
     """The call ``value`` spells, or the reason it is not one."""
     if not isinstance(value, dict):
         return f"not a JSON object but {json_type(value)}"
-    if isinstance(value.get("function"), dict) and value.keys() <= {"function", "id", "type"}:
+    if isinstance(value.get("function"), dict) and value.keys() <= WRAPPER_KEYS:
         value = value["function"]
     if not isinstance(value.get("name"), str):
         return "no tool name"
