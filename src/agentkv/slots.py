@@ -301,9 +301,7 @@ class SlotManager:
             evicted_agent=slot.agent,
         )
         self._next_lease += 1
-        slot.held = True
-        slot.last_used = now
-        slot.agent = agent
+        slot.held, slot.last_used, slot.agent = True, now, agent
         slot.lease_ids.append(lease.id)
         self._leases[lease.id] = lease
         stats = self._stats
