@@ -511,12 +511,8 @@ class SSEAssembler:
 
     def _emit_tool(self, engine_id: str, name: str, arguments: str, out: list[ReplyEvent]) -> None:
         tool_input = json_object(arguments) if name else None
-        if (
-            tool_input is None
-            and not self._cut()
-            and self.tool_schemas
-            and name in self.tool_schemas
-        ):
+        cut = self._cut()  # cut-off arguments are not repaired
+        if tool_input is None and not cut and self.tool_schemas and name in self.tool_schemas:
             tool_input = repair_arguments(name, arguments, self.tool_schemas[name])
         if tool_input is None:
             # Never a tool_use whose input the client cannot parse: show the model's text instead.
