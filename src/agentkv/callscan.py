@@ -89,8 +89,8 @@ _ATTEMPT = HoldOutlook(can_be_call=False, attempt=True)
 class _Frame:
     kind: str  # "{" or "["
     role: str  # "call", "function", "args" or "other"
-    #: Objects: key, colon, value, after; arrays: value, after. A closer is allowed in the key
-    #: state of an object and the value state of an array (a trailing comma is repaired).
+    #: Objects: key, colon, value, after; arrays: value, after. The closer is also read in the
+    #: first state: at the start (empty) and after a trailing comma (which is repaired).
     state: str
     key: str = ""
     keys: set[str] = attrs.field(factory=set)
