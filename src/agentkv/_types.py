@@ -1,8 +1,5 @@
-"""Value objects shared by the scheduling components.
-
-They are frozen attrs classes: cheap to compare, safe to hand between tasks, and easy to show in the
-slot table. The components that create them (fingerprinter, slot manager, scheduler) own the logic.
-"""
+"""Value objects shared by the scheduling components: frozen, so safe to hand between tasks; the
+components that create them (fingerprinter, slot manager, scheduler) own the logic."""
 
 from __future__ import annotations
 
