@@ -248,8 +248,6 @@ def _fenced(text: str) -> list[tuple[int, int, str, bool]]:
 
 
 def _leftover(text: str, cut: Sequence[tuple[int, int]]) -> str:
-    if not cut:
-        return text.strip()
     pieces: list[str] = []
     position = 0
     for start, end in cut:
