@@ -35,16 +35,7 @@ from agentkv.callscan import HoldGate
 from agentkv.exceptions import EngineResponseError, SSEProtocolError
 from agentkv.guard import Repetition, RepetitionGuard, cut_tail
 from agentkv.repair import RejectedCandidate, extract_tool_calls, repair_arguments
-from agentkv.reply import (
-    BlockClosed,
-    BlockKind,
-    BlockOpened,
-    Delta,
-    Ended,
-    ReplyEvent,
-    Started,
-    Usage,
-)
+from agentkv.reply import BlockClosed, BlockOpened, Delta, Ended, ReplyEvent, Started, Usage
 from agentkv.schema import json_object
 
 __all__ = [
@@ -405,7 +396,7 @@ class SSEAssembler:
             # never opened (the API rejects whitespace-only text blocks when they are sent back).
             if not current.pending.strip():
                 return
-            self._open(kind, out)
+            out.append(BlockOpened(self._index, kind))
             current.opened = True
         if (
             len(current.pending) >= self.coalesce_chars
@@ -479,11 +470,6 @@ class SSEAssembler:
 
     # -- blocks --------------------------------------------------------------------------------
 
-    def _open(
-        self, kind: BlockKind, out: list[ReplyEvent], tool_id: str = "", tool_name: str = ""
-    ) -> None:
-        out.append(BlockOpened(self._index, kind, tool_id, tool_name))
-
     def _stop_block(self, out: list[ReplyEvent]) -> None:
         out.append(BlockClosed(self._index))
         self._index += 1
@@ -519,14 +505,14 @@ class SSEAssembler:
             self._emit_text(arguments, out)
             return
         tool_id = engine_id if engine_id.startswith("toolu_") else self._tool_id()
-        self._open("tool_use", out, tool_id, name)
+        out.append(BlockOpened(self._index, "tool_use", tool_id, name))
         out.append(Delta(self._index, "input", json.dumps(tool_input, ensure_ascii=False)))
         self._stop_block(out)
         self._emitted_tool = True
 
     def _emit_text(self, text: str, out: list[ReplyEvent]) -> None:
         if text.strip():
-            self._open("text", out)
+            out.append(BlockOpened(self._index, "text"))
             out.append(Delta(self._index, "text", text))
             self._stop_block(out)
 
