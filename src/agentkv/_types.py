@@ -1,8 +1,5 @@
-"""Value objects shared by the scheduling components.
-
-They are frozen attrs classes: cheap to compare, safe to hand between tasks, and easy to show in the
-slot table. The components that create them (fingerprinter, slot manager, scheduler) own the logic.
-"""
+"""Value objects shared by the scheduling components: frozen, so safe to hand between tasks; the
+components that create them (fingerprinter, slot manager, scheduler) own the logic."""
 
 from __future__ import annotations
 
@@ -62,13 +59,11 @@ class Fingerprint:
 
 
 class Source(enum.Enum):
-    """Where the cached part of a request's prompt comes from once its slot is prepared."""
+    """Where the cached part of a request's prompt comes from once its slot is prepared: the
+    slot's own KV cache, a saved state restored from the prefix store first, or nothing."""
 
-    # The slot's own KV cache (it held a prefix of this prompt): nothing to do but prefill the rest.
     SLOT = "slot"
-    # A saved state from the prefix store, restored into the slot first.
     STORE = "store"
-    # Nothing reusable: the whole prompt is computed.
     NONE = "none"
 
 

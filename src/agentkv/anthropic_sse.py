@@ -1,12 +1,9 @@
 """The Messages API's stream, encoded from a reply's events (``POST /v1/messages``).
 
-:func:`anthropic_events` gives the Anthropic stream events for agentkv's reply events
-(:mod:`agentkv.reply`), :func:`encode_event` frames one, and :func:`accumulate` folds a whole
-Anthropic stream into the non-streaming Message, so both response modes share one code path.
-:func:`accumulate` checks the stream as a client would: it also reads streams that did not come
-from agentkv.
-
-Pure: values in, values out.
+:func:`anthropic_events` gives the Anthropic stream events for :mod:`agentkv.reply` events,
+:func:`encode_event` frames one, and :func:`accumulate` folds a whole Anthropic stream (checked as
+a client would, from agentkv or not) into the non-streaming Message, so both response modes share
+one code path. Pure: values in, values out.
 """
 
 from __future__ import annotations
@@ -145,12 +142,10 @@ def accumulate(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
                 block["signature"] = delta["signature"]
             elif delta["type"] != _DELTA_FOR.get(block["type"]):
                 raise SSEProtocolError(f"{delta['type']} in a {block['type']} block")
-            elif delta["type"] == "text_delta":
-                block["text"] += delta["text"]
-            elif delta["type"] == "thinking_delta":
-                block["thinking"] += delta["thinking"]
-            else:
+            elif block["type"] == "tool_use":
                 json_buf += delta["partial_json"]
+            else:
+                block[block["type"]] += delta[block["type"]]  # "text" or "thinking"
         elif kind == "content_block_stop":
             if open_index is None or event["index"] != open_index:
                 raise SSEProtocolError(f"content_block_stop for block {event['index']} not open")

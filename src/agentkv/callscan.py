@@ -1,17 +1,11 @@
 """Judging a reply as it grows: can the text held back so far still become a tool call?
 
-The assembler holds back text from the point where a call may start (see docs/repair.md).
-:class:`CallScanner` reads the held text once, incrementally, with a small JSON lexer that knows
-the declared tools' schemas, and says whether it can still become a call, so that text which
-cannot is released at once instead of at the end of the reply. :class:`HoldGate` decides, for
-a growing reply, what streams at once and what is held. Pure: no I/O.
-
-Why a lexer of its own rather than ``jiter``'s partial mode (already installed with the SDKs):
-the held text grows a few characters at a time, and a partial parser must read all of it again
-at every piece, while this lexer reads each character once and checks keys and argument types
-against the tool's schema as they arrive. A ``Write`` call written back 4 characters a piece
-took 5.8 ms here against 15.1 ms re-parsed with ``jiter`` at 18 KB, and 23 ms against 271 ms at
-75 KB (one 2-core machine, one sitting); the gap grows with the square of the reply.
+:class:`HoldGate` decides what of a growing reply streams at once and what is held (see
+docs/repair.md); :class:`CallScanner` reads the held text once, incrementally, with a small JSON
+lexer that checks keys and argument types against the declared tools' schemas, so that text which
+cannot become a call is released at once. A partial parser such as ``jiter`` would read all the
+held text again at every piece: a ``Write`` call fed 4 characters a piece took 5.8 ms here against
+15.1 ms with ``jiter`` at 18 KB, and 23 ms against 271 ms at 75 KB. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -26,6 +20,8 @@ from agentkv.guard import Repetition, cut_tail, periodic_suffix
 from agentkv.repair import (
     CALL_FENCE_LABELS,
     CALL_KEYS,
+    FENCE_LINE,
+    WRAPPER_KEYS,
     ExtractedCall,
     as_call,
     calls_in,
@@ -45,7 +41,6 @@ __all__ = [
 
 TAG_OPEN = "<tool_call>"
 _TAG_CLOSE = "</tool_call>"
-_FENCE_WHOLE = re.compile(r"[ \t]*```(?P<label>[^\s`]*)[ \t]*")
 _FENCE_START = re.compile(r"[ \t]*(?:`{0,2}|```[^\s`]*[ \t]*)")
 _JSON_SPACE = frozenset(" \t\n\r")
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -54,18 +49,13 @@ _WORDS = ("true", "false", "null")
 _STRING_RUN = re.compile(r'[^"\\\x00-\x1f]*')
 _ESCAPES = frozenset('"\\/bfnrtu')
 _HEX = frozenset("0123456789abcdefABCDEF")
-_WRAPPER_KEYS = frozenset({"function", "id", "type"})
 #: The JSON type a value has, told from its first character.
 _FIRST_CHAR_TYPE = {'"': "string", "{": "object", "[": "array", "t": "boolean", "f": "boolean"}
 
 
 def fence_label(line: str) -> str | None:
-    """The label of a fence line (``line`` without its newline), or None if it is not one.
-
-    The same lines as the extractor's fence pattern: optional spaces or tabs, three backticks, a
-    label without spaces or backticks, optional spaces or tabs.
-    """
-    match = _FENCE_WHOLE.fullmatch(line)
+    """The label of a fence line (``line`` without its newline), or None if it is not one."""
+    match = FENCE_LINE.fullmatch(line)
     return match.group("label") if match is not None else None
 
 
@@ -78,13 +68,11 @@ def may_become_fence_line(partial: str) -> bool:
 class HoldOutlook:
     """What a held segment of a reply can still become (see :class:`CallScanner`).
 
-    - ``can_be_call``: some continuation of the text may still be extracted as a valid call of a
-      declared tool. Conservative: True whenever that cannot be ruled out.
-    - ``committed``: a declared tool's name has been written where a call names its tool, and
-      nothing so far contradicts a valid call. Such a segment is a call being written.
-    - ``attempt``: it cannot become a valid call, but it is a call written wrongly: an object in a
-      call position (a reply that starts with ``{``, a ``json`` fence, a tag). If the reply ended
-      here, it would be worth the constrained retry (see :meth:`agentkv.sse.SSEAssembler.verdict`).
+    ``can_be_call``: some continuation may still be extracted as a valid call of a declared tool
+    (True whenever that cannot be ruled out). ``committed``: a declared tool's name is written
+    where a call names its tool, and nothing so far contradicts a valid call. ``attempt``: it
+    cannot become a valid call but is one written wrongly (an object in a call position), worth
+    the constrained retry if the reply ended here (:meth:`agentkv.sse.SSEAssembler.verdict`).
     """
 
     can_be_call: bool
@@ -101,7 +89,9 @@ _ATTEMPT = HoldOutlook(can_be_call=False, attempt=True)
 class _Frame:
     kind: str  # "{" or "["
     role: str  # "call", "function", "args" or "other"
-    state: str  # objects: key_or_end, key, colon, value, after; arrays: value_or_end, value, after
+    #: Objects: key, colon, value, after; arrays: value, after. The closer is also read in the
+    #: first state: at the start (empty) and after a trailing comma (which is repaired).
+    state: str
     key: str = ""
     keys: set[str] = attrs.field(factory=set)
 
@@ -110,10 +100,9 @@ class _Frame:
 class _CallJson:
     """An incremental reader of JSON values that must each be a tool call.
 
-    It follows the JSON grammar as :func:`json.loads` does (strict strings, no NaN), except that a
-    trailing comma before a closer is allowed, as :func:`repair_json` removes it. Each complete
-    value is judged as the extractor judges it. Reading a piece costs time in proportion to the
-    piece (runs of plain string characters are skipped by a regular expression).
+    It follows :func:`json.loads`'s grammar (strict strings, no NaN) but allows a trailing comma
+    before a closer, as :func:`repair_json` removes it, and judges each complete value as the
+    extractor does. A piece costs time in proportion to its length.
 
     - ``invalid``: no continuation can give valid calls (reading goes on, to see what follows);
     - ``broken``: the text is not JSON any more (reading stops);
@@ -269,24 +258,16 @@ class _CallJson:
             return
         frame = self._stack[-1]
         state = frame.state
-        if frame.kind == "{":
-            if state in ("key_or_end", "key") and char == '"':
-                self._open_string(key=True)
-            elif state in ("key_or_end", "key", "after") and char == "}":
-                self._close(text, i)
-            elif state == "colon" and char == ":":
-                frame.state = "value"
-            elif state == "value":
-                self._start_value(char, frame)
-            elif state == "after" and char == ",":
-                frame.state = "key"
-            else:
-                self._break()
-        elif state in ("value_or_end", "value", "after") and char == "]":
+        closer, first = ("}", "key") if frame.kind == "{" else ("]", "value")
+        if char == closer and state in (first, "after"):
             self._close(text, i)
-        elif state in ("value_or_end", "value"):
-            self._start_value(char, frame)
         elif state == "after" and char == ",":
+            frame.state = first
+        elif state == "value":
+            self._start_value(char, frame)
+        elif state == "key" and char == '"':
+            self._open_string(key=True)
+        elif state == "colon" and char == ":":
             frame.state = "value"
         else:
             self._break()
@@ -305,7 +286,7 @@ class _CallJson:
             self.invalid = True  # only the last value may need a repair
         self._value, self._value_from = [], i
         self._name, self.named = "", False
-        self._stack.append(_Frame("{", "call", "key_or_end"))
+        self._stack.append(_Frame("{", "call", "key"))
 
     def _open_string(self, *, key: bool) -> None:
         self._in_string, self._string_is_key = True, key
@@ -335,8 +316,7 @@ class _CallJson:
         if char == '"':
             self._open_string(key=False)
         elif char in "{[":
-            state = "key_or_end" if char == "{" else "value_or_end"
-            self._stack.append(_Frame(char, child, state))
+            self._stack.append(_Frame(char, child, "key" if char == "{" else "value"))
         elif char in "-0123456789tfn":
             self._literal = char
         else:
@@ -373,7 +353,7 @@ class _CallJson:
             return
         if frame.role not in ("call", "function"):
             return
-        allowed = CALL_KEYS | _WRAPPER_KEYS if frame.role == "call" else CALL_KEYS
+        allowed = CALL_KEYS | WRAPPER_KEYS if frame.role == "call" else CALL_KEYS
         frame.keys.add(key)
         if (
             key not in allowed
@@ -408,11 +388,9 @@ class _CallJson:
 class CallScanner:
     """Reads a held segment of a reply as it grows and says what it can still become.
 
-    The segment starts where a call may start: a reply that begins with ``{``, a fence line
-    labelled ``json``, ``JSON``, ``tool_call`` or not labelled, or a ``<tool_call>`` tag. Each
-    :meth:`feed` costs time in proportion to the new text, plus one extraction when the candidate
-    block closes, so a long held reply is read once and not once per chunk. Only the first
-    candidate block is judged.
+    The segment starts where a call may start (see :class:`HoldGate`). Each :meth:`feed` costs
+    time in proportion to the new text, plus one extraction when the candidate block closes. Only
+    the first candidate block is judged.
     """
 
     tools: Mapping[str, Schema | None]
@@ -576,15 +554,12 @@ _SLICE = 512
 class HoldGate:
     """Streams a reply's text, holding it back from where a call written as text may start.
 
-    A call may start at a reply that starts with ``{``, a fence line labelled as JSON (or not
-    labelled), or a ``<tool_call>`` tag. Held text that can no longer become a valid call
-    (:class:`CallScanner`) is released as text at once, unless it is a call written wrongly,
-    which is kept (for the retry) for at most ``hold_chars`` characters or ``hold_seconds``
-    seconds from where the hold began. The same bound ends a hold that has not yet named a
-    declared tool. Released text streams, and is scanned again for a later call.
-
-    :meth:`feed` and :meth:`flush` return the pieces to stream, in order; what is held at the end
-    of the reply is :attr:`held` (and :attr:`pending`, a partial tag or fence line).
+    A call may start at a reply that starts with ``{``, a fence line labelled ``json``, ``JSON``,
+    ``tool_call`` or not labelled, or a ``<tool_call>`` tag. Held text that can no longer become a
+    valid call is released at once, unless it is a call written wrongly (kept for the retry); that,
+    and a hold that has not named a declared tool yet, last at most ``hold_chars`` characters or
+    ``hold_seconds`` seconds. Released text is scanned again. :meth:`feed` and :meth:`flush` return
+    the pieces to stream; what is held at the end is :attr:`held` and :meth:`take_pending`.
     """
 
     tools: Mapping[str, Schema | None]
@@ -613,11 +588,6 @@ class HoldGate:
         """The held segment ('' when nothing is held)."""
         return "".join(self._held)
 
-    @property
-    def pending(self) -> str:
-        """Text kept back because it may still open a call (a partial tag or fence line)."""
-        return self._buf
-
     def feed(self, text: str, now: float) -> list[str]:
         """Take more of the reply; return the pieces that stream now."""
         out: list[str] = []
@@ -645,7 +615,8 @@ class HoldGate:
         return out + self.feed(rest, now)
 
     def take_pending(self) -> str:
-        """:attr:`pending`, which is then forgotten (the reply has ended: it is text)."""
+        """Text kept back because it may still open a call (a partial tag or fence line), which is
+        then forgotten (the reply has ended: it is text)."""
         text, self._buf = self._buf, ""
         return text
 

@@ -1,16 +1,9 @@
 """What engine work costs, learned from what the engine reports: prefill, decode, save, restore.
 
-Every slot decision in agentkv is a comparison of times: prefill these tokens here, or restore a
-saved state and prefill less; wait for another request to finish computing a shared prefix, or
-compute it again. The estimates come from llama-server's own figures (``timings`` of every reply,
-``t_ms``/``n_bytes`` of every save and restore), so they follow the machine: a laptop CPU, a
-GPU, a cold disk.
-
-Prefill is not linear in the number of tokens: attention makes each token cost more the further
-into the context it sits. :class:`PrefillModel` fits ``seconds per token = a + b * position``
-online, so "prefill tokens 9,000..11,600" and "prefill tokens 0..2,600" get different prices.
-
-Pure: observations in, estimates out.
+Every slot decision is a comparison of times (prefill here, or restore a saved state and prefill
+less), priced from llama-server's own figures (``timings`` of every reply, ``t_ms``/``n_bytes``
+of every save and restore), so the prices follow the machine. Prefill is not linear in tokens:
+attention makes a token cost more the further into the context it sits. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -48,15 +41,12 @@ class PrefillModel:
     b: float = 1.4e-6
     memory: float = 10.0
     prior: float = 2.0
-    _sums: list[float] = attrs.field(init=False, factory=list)
+    #: Sufficient statistics (x1 = n/t, x2 = s/t, target 1): x1x1, x1x2, x2x2, x1, x2.
+    _sums: list[float] = attrs.field(init=False, factory=lambda: [0.0] * 5)
 
     def __attrs_post_init__(self) -> None:
-        # Sufficient statistics (x1 = n/t, x2 = s/t, target 1): x1x1, x1x2, x2x2, x1, x2.
-        self._sums = [0.0] * 5
-        for start, count in ((0, 2048), (0, 12288)):
-            self._add(
-                count, _position_sum(start, count), self.estimate(start, count), self.prior / 2
-            )
+        for count in (2048, 12288):  # the prior: two cold prompts priced by a and b
+            self._add(count, _position_sum(0, count), self.estimate(0, count), self.prior / 2)
 
     def _add(self, n: float, s: float, t: float, weight: float) -> None:
         x1, x2 = n / t, s / t
@@ -158,10 +148,6 @@ class CostModel:
             restore_bytes_per_s=round(self.restore.rate),
             bytes_per_token=round(self.bytes_per_token),
         )
-
-    def observe_bytes_per_token(self, tokens: int, nbytes: int) -> None:
-        if tokens > 0 and nbytes > 0:
-            self.bytes_per_token = 0.7 * self.bytes_per_token + 0.3 * (nbytes / tokens)
 
     def state_bytes(self, tokens: int) -> float:
         """Expected size of a saved state holding ``tokens`` tokens."""

@@ -135,9 +135,7 @@ class EngineResponseError(EngineError):
         self.upstream_status = upstream_status
         # A 4xx from the engine is about the request (e.g. an image sent to a text-only model);
         # 401/403 are about agentkv's key for the engine, which is not the client's fault.
-        if upstream_status is not None and 400 <= upstream_status < 500:
-            if upstream_status in (401, 403):
-                return
+        if upstream_status in range(400, 500) and upstream_status not in (401, 403):
             self.status = 400  # type: ignore[misc]
             self.error_type = "invalid_request_error"  # type: ignore[misc]
 

@@ -1,26 +1,12 @@
 """Prefix fingerprints: which part of a conversation a llama-server slot already holds.
 
-A fingerprint is a *chain* of block hashes over what reaches the prompt, in prompt order:
-
-1. the leading system message(s), as one block (a system message after the first user or
-   assistant turn is an ordinary turn);
-2. the tools, with ``tool_choice`` and ``response_format``, as one block;
-3. each further message, one block each.
-
-``blocks[i]`` is ``sha256(blocks[i-1] + canonical_json(block_i))``, so two fingerprints agree on
-their first ``k`` entries exactly when the first ``k`` blocks are equal: the longest shared prefix
-can be measured instead of asking for equality.
-
-Why a chain: hashing the whole history into one value changes the fingerprint on every request,
-because every turn appends to the history; measured hit rates fell under 20%. Hashing only
-system + the most recent rounds raised them to about 70%, at the price of forgetting the rest.
-With a chain nothing has to be forgotten: the whole history can enter it (``max_turns=None``),
-and a request that extends what a slot holds is still recognised as a prefix hit.
-
-Only ``messages``, ``tools``, ``tool_choice`` and ``response_format`` enter the fingerprint; keys
-that never reach the prompt (``stream``, ``max_tokens``, sampling parameters, ``id_slot``,
-``cache_prompt``) are ignored. Volatile text inside messages (Claude Code's billing header) is
-normalised by the translator before the body gets here, so the engine sees the same text.
+A fingerprint is a chain of block hashes in prompt order: the leading system message(s) as one
+block, then the tools (with ``tool_choice`` and ``response_format``) as one, then one block per
+further message; ``blocks[i]`` is ``sha256(blocks[i-1] + canonical_json(block_i))``, so two
+fingerprints agree on their first ``k`` entries exactly when their first ``k`` blocks are equal.
+A chain keeps the whole history without changing on every turn: one hash of the whole history
+gave hit rates under 20%, one of system plus the latest rounds about 70%. Only those body keys
+enter it; volatile text (Claude Code's billing header) is normalised by the translator first.
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
 """RepetitionGuard: notice when a generation has fallen into a degenerate loop.
 
-Small models sometimes stop making progress and repeat themselves until the token limit: the same
-word (``ok ok ok …``), the same line, the same block of code, or a run of one character
-(``}}}}}}``). Claude Code asks for up to 32,000 output tokens, so such a loop can run for many
-minutes. The guard is fed the generated text as it arrives and reports when its tail is such a loop,
-so that the engine stream can be closed.
-
-What counts as a loop, by default: the last ``L`` characters are exactly periodic with some period
-``p`` of at most ``max_period`` characters (every character equals the one ``p`` before it), where
-``L`` is at least ``min_repeats`` periods and at least ``min_chars`` characters. Normal code repeats
-short lines (``}``, blank lines, similar imports) a few times, and separator lines run to 80 or 120
-characters. The defaults (800 characters, 10 copies, units up to 1,024 characters) were checked
-against 280 MB of Python, C, JSON and Markdown (the standard library and an installed environment):
-the only stretches they flag are machine-generated tables (parser state tables, Unicode data, a
-base64 font), which no agent writes by hand. On the default model's recorded ``ok ok …`` loop they
-fire after 286 of its 400 tokens.
-
-Cost: the guard keeps only the last ``2 * window`` characters, and looks at the tail at most once
-every ``check_every`` new characters (and at most once per :meth:`RepetitionGuard.feed`). A look is
-a few ``str.rfind`` calls and slice comparisons (C loops over at most ``window`` characters), so a
-long reply costs time linear in its length. Pure: no I/O, no clock.
+Small models sometimes repeat themselves until the token limit (``ok ok ok …``, one line, one
+block of code, ``}}}}``), and Claude Code asks for up to 32,000 tokens. A loop, by default, is
+the last ``L`` characters being exactly periodic with a period of at most ``max_period``, where
+``L`` is at least ``min_repeats`` periods and ``min_chars`` characters; the defaults were checked
+against 280 MB of code and text (see docs/troubleshooting.md). The guard keeps the last
+``2 * window`` characters and looks at the tail once every ``check_every`` new characters with a
+few C-level string searches, so a long reply costs time linear in its length. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -86,16 +73,12 @@ def periodic_suffix(text: str, period: int) -> int:
 
 @attrs.define
 class RepetitionGuard:
-    """Fed generated text piece by piece; reports the first degenerate loop at its end.
+    """Fed generated text piece by piece; reports the first degenerate loop at its end, and then
+    keeps reporting it (``tripped``) and ignores further text.
 
-    Once it has reported a loop it keeps reporting the same one (``tripped``) and ignores further
-    text. Thresholds, in characters:
-
-    - ``min_chars``: the shortest stretch that counts as a loop, whatever the period;
-    - ``min_repeats``: the fewest copies of the unit that count as a loop;
-    - ``max_period``: the longest unit looked for (a repeated block of code lines);
-    - ``check_every``: how much new text may arrive between two looks at the tail (the detection
-      delay after a loop has grown long enough).
+    Thresholds, in characters: ``min_chars``, the shortest loop; ``min_repeats``, the fewest copies
+    of the unit; ``max_period``, the longest unit looked for; ``check_every``, how much new text
+    may arrive between two looks at the tail (the detection delay).
     """
 
     min_chars: int = 800

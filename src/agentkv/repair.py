@@ -66,27 +66,27 @@ def repair_json(text: str) -> RepairOutcome | None:
     comments, unquoted keys, a missing comma mid-text — is guessed at.
     """
     stripped = text.strip()
-    try:
-        return RepairOutcome(_loads(stripped), stripped, ())
-    except ValueError:
-        pass
+    outcome = _parsed(stripped)
+    if outcome is not None:
+        return outcome
     fixes: list[str] = []
     fence = _FENCE.match(stripped)
     if fence is not None:
         stripped = fence.group("body").strip()
         fixes.append("removed code fence")
-        try:
-            return RepairOutcome(_loads(stripped), stripped, tuple(fixes))
-        except ValueError:
-            pass
+        outcome = _parsed(stripped, fixes)
+        if outcome is not None:
+            return outcome
     repaired = _repair_syntax(stripped, fixes)
-    if repaired is None:
-        return None
+    return None if repaired is None else _parsed(repaired, fixes)
+
+
+def _parsed(text: str, fixes: Sequence[str] = ()) -> RepairOutcome | None:
+    """``text`` as strict JSON, with the fixes that gave it; None when it does not parse."""
     try:
-        value = _loads(repaired)
+        return RepairOutcome(_loads(text), text, tuple(fixes))
     except ValueError:
         return None
-    return RepairOutcome(value, repaired, tuple(fixes))
 
 
 def _repair_syntax(text: str, fixes: list[str]) -> str | None:
@@ -96,10 +96,7 @@ def _repair_syntax(text: str, fixes: list[str]) -> str | None:
     in_string = escaped = False
     dropped = 0
     last = ""  # the last significant character outside strings
-    i = 0
-    while i < len(text):
-        char = text[i]
-        i += 1
+    for i, char in enumerate(text):
         if in_string:
             out.append(char)
             if escaped:
@@ -118,7 +115,7 @@ def _repair_syntax(text: str, fixes: list[str]) -> str | None:
             if not stack or _CLOSER[stack.pop()] != char:
                 return None  # a mismatched or extra closer is not a slip we can read
         elif char == ",":
-            rest = text[i:].lstrip()
+            rest = text[i + 1 :].lstrip()
             if rest[:1] in ("}", "]") and last not in ("", ",", ":", "[", "{"):
                 dropped += 1
                 continue
@@ -172,11 +169,13 @@ class ToolCallExtraction:
 
 
 _TAG = re.compile(r"<tool_call>(?P<body>.*?)(?:(?P<close></tool_call>)|\Z)", re.DOTALL)
-_FENCE_LINE = re.compile(r"^[ \t]*```(?P<label>[^\s`]*)[ \t]*$", re.MULTILINE)
-# Only fences labelled as JSON (or unlabelled): a ```python block is code, not a call.
-#: The fence labels of blocks that may hold a call.
+#: A fence line: three backticks and a label without spaces or backticks, between spaces or tabs.
+FENCE_LINE = re.compile(r"^[ \t]*```(?P<label>[^\s`]*)[ \t]*$", re.MULTILINE)
+#: The fence labels of blocks that may hold a call: a ```python block is code, not a call.
 CALL_FENCE_LABELS = frozenset({"", "json", "JSON", "tool_call"})
+#: The keys of a call, and of the wrapper around one (``{"function": {...}}``).
 CALL_KEYS = frozenset({"name", "arguments", "parameters", "id", "type"})
+WRAPPER_KEYS = frozenset({"function", "id", "type"})
 _TEXT_JOIN = "\n\n"
 _PARTIAL = "valid, but written together with a rejected candidate"
 
@@ -238,7 +237,7 @@ def _fenced(text: str) -> list[tuple[int, int, str, bool]]:
     not at all) and holds an object: ``` around a shell command is not a call.
     """
     blocks: list[tuple[int, int, str, bool]] = []
-    lines = list(_FENCE_LINE.finditer(text))
+    lines = list(FENCE_LINE.finditer(text))
     for opening, closing in itertools.zip_longest(lines[::2], lines[1::2]):
         body_start = opening.end() + 1
         end = closing.end() if closing is not None else len(text)
@@ -249,8 +248,6 @@ def _fenced(text: str) -> list[tuple[int, int, str, bool]]:
 
 
 def _leftover(text: str, cut: Sequence[tuple[int, int]]) -> str:
-    if not cut:
-        return text.strip()
     pieces: list[str] = []
     position = 0
     for start, end in cut:
@@ -307,7 +304,7 @@ def as_call(
     """The call ``value`` spells, or the reason it is not one."""
     if not isinstance(value, dict):
         return f"not a JSON object but {json_type(value)}"
-    if isinstance(value.get("function"), dict) and value.keys() <= {"function", "id", "type"}:
+    if isinstance(value.get("function"), dict) and value.keys() <= WRAPPER_KEYS:
         value = value["function"]
     if not isinstance(value.get("name"), str):
         return "no tool name"
@@ -331,13 +328,6 @@ def as_call(
     if errors:
         return f"input does not match the {name} schema: {'; '.join(errors[:3])}"
     return ExtractedCall(name, arguments, fixes)
-
-
-def _parsed(text: str) -> RepairOutcome | None:
-    try:
-        return RepairOutcome(_loads(text), text, ())
-    except ValueError:
-        return None
 
 
 def object_schema(schema: Schema | None) -> Schema:

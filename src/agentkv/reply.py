@@ -1,15 +1,10 @@
 """One reply, as agentkv's own typed events: what every route's stream is encoded from.
 
-:class:`~agentkv.sse.SSEAssembler` turns the engine's chunks into these events; the runtime keeps
-them (a late client replays them), and each API's encoder reads them once, in order:
-:mod:`agentkv.anthropic_sse` for the Messages API, :mod:`agentkv.responses_sse` and
-:mod:`agentkv.chat_sse` for OpenAI's. No route reads another route's wire format.
-
-A reply is ``Started``, then blocks (``BlockOpened``, its ``Delta`` s, ``BlockClosed``; indices
-count up from 0, one block open at a time), then ``Ended``. A tool call's block carries its id and
-name when it opens, and its input, a JSON object, as one ``input`` delta.
-
-Pure values: frozen, no I/O.
+:class:`~agentkv.sse.SSEAssembler` makes them, the runtime keeps them (a late client replays them),
+and each API's encoder reads them once, in order. A reply is ``Started``, then blocks
+(``BlockOpened``, its ``Delta`` s, ``BlockClosed``; indices count up from 0, one block open at a
+time), then ``Ended``. A tool call's block carries its id and name when it opens, and its input, a
+JSON object, as one ``input`` delta. Pure frozen values.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ ticket (p = 3) is dispatched before it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import attrs
@@ -100,10 +101,7 @@ class FairScheduler:
         candidates = [t for t in self._queue.values() if ready is None or ready(t)]
         if not candidates:
             return None
-
-        def key(ticket: Ticket) -> tuple[float, float, int]:
-            return self._key(ticket, now)
-
+        key = functools.partial(self._key, now=now)
         chosen = min(candidates, key=key)
         if hits is not None:
             limit = self.score(chosen, now) + self.tie_window
@@ -114,7 +112,7 @@ class FairScheduler:
 
     def queued(self, now: float) -> list[tuple[Ticket, float]]:
         """The queue in dispatch order (ignoring cache affinity), each with its score at ``now``."""
-        ordered = sorted(self._queue.values(), key=lambda ticket: self._key(ticket, now))
+        ordered = sorted(self._queue.values(), key=functools.partial(self._key, now=now))
         return [(ticket, self.score(ticket, now)) for ticket in ordered]
 
     def __len__(self) -> int:

@@ -1,19 +1,11 @@
 """The slot table: which tokens each llama-server slot holds, who uses it, and where a request goes.
 
-llama-server runs one request per slot and reuses, for each request, the longest common token
-prefix of what the slot's KV cache holds and the new prompt. So the table records each slot's
-content as the token sequence it holds, and :meth:`SlotManager.place` chooses a slot by *cost*:
-for every idle slot it prices what the request would prefill there (after restoring a saved
-state from the prefix store, when that leaves less to compute) plus what it would destroy (the
-slot's present content: saved first when it is worth it, or lost). The cheapest wins. A slot that
-shares 1,300 tokens with the request beats an empty one, unless overwriting it costs more later.
-
-A request that dies without releasing (a bug, a lost task) would pin its slot forever, so
-:meth:`SlotManager.sweep` is a watchdog that reclaims leases that have shown no sign of life
-(acquisition, or engine progress reported with :meth:`SlotManager.touch`) for ``lease_ttl``
-seconds. A long prefill that keeps reporting progress is never taken back mid-way.
-
-Pure and single-threaded: time is passed in, nothing awaits, and callers serialise access.
+llama-server reuses, for each request, the longest common token prefix of the slot's KV cache and
+the new prompt, so the table records each slot's content as tokens and :func:`place` chooses a
+slot by cost: the prefill left to do plus what overwriting the slot's content destroys.
+:meth:`SlotManager.sweep` reclaims leases that have shown no sign of life for ``lease_ttl``
+seconds (a request that died without releasing). Pure and single-threaded: time is passed in,
+nothing awaits, and callers serialise access.
 """
 
 from __future__ import annotations
@@ -100,24 +92,25 @@ def place(
 ) -> Placement | None:
     """The cheapest idle slot for a prompt of ``tokens``, and how to prepare it; None if none idle.
 
-    For each idle slot two ways are priced: use the slot's own cache, or restore the store entry
-    sharing the most tokens with the prompt. Either way the cost is the prefill left to do, plus
-    the save of the slot's present content when it is worth parking (``park_min`` tokens would be
-    lost, it is not in the store yet, and a store exists), plus the expected later cost of what is
-    overwritten. Ties go to the slot used least recently.
-
-    A slot whose agent is in ``keep`` (a coordinator waiting for its sub-agents) holds context
-    that is certain to come back: it is parked whatever its size, and what overwriting it loses
-    counts in full rather than by :data:`_RETURN_CHANCE`.
+    Each idle slot is priced from its own cache and from the store entry sharing the most tokens
+    with the prompt: the prefill left, plus saving the slot's content when it is worth parking
+    (``park_min`` tokens would be lost, it is not stored yet, a store exists), plus the expected
+    later cost of what is overwritten. Ties go to the slot used least recently. A slot whose agent
+    is in ``keep`` (a coordinator waiting for its sub-agents) will certainly be wanted again: it
+    is parked whatever its size, and its loss counts in full rather than by :data:`_RETURN_CHANCE`.
     """
     if not idle:
         return None
     n = len(tokens)
     best_entry = store.best(tokens) if store is not None else None
-    best: tuple[tuple[float, float], Placement] | None = None
+    candidates: list[tuple[tuple[float, float], Placement]] = []
     for view in idle:
         held = len(view.tokens)
         own = common_prefix(tokens, view.tokens)
+        saved = view.stored is not None
+        kept_warm = view.agent is not None and view.agent in keep
+        chance = 1.0 if kept_warm else _RETURN_CHANCE
+        lru = -math.inf if view.last_used is None else view.last_used
         options: list[tuple[int, Source, str | None, float]] = [
             (own, Source.SLOT if own else Source.NONE, None, 0.0)
         ]
@@ -128,11 +121,8 @@ def place(
             # A restore replaces the slot's whole content; its own cache keeps the shared part.
             kept = own if source is not Source.STORE else 0
             lost = held - kept
-            saved = view.stored is not None
-            kept_warm = view.agent is not None and view.agent in keep
             big = lost >= park_min or kept_warm
             park = store is not None and not saved and big and lost > 0
-            chance = 1.0 if kept_warm else _RETURN_CHANCE
             park_s = costs.save.estimate(costs.state_bytes(held)) if park else 0.0
             if lost <= 0:
                 later = 0.0
@@ -141,21 +131,9 @@ def place(
             else:
                 later = chance * costs.prefill.estimate(kept, lost)
             seconds = restore_s + park_s + costs.prefill.estimate(reuse, n - reuse)
-            lru = -math.inf if view.last_used is None else view.last_used
-            key = (seconds + later, lru)
-            if best is None or key < best[0]:
-                best = (
-                    key,
-                    Placement(
-                        slot=view.slot,
-                        reuse=reuse,
-                        source=source,
-                        entry_id=entry_id,
-                        park=park,
-                        seconds=seconds,
-                    ),
-                )
-    return None if best is None else best[1]
+            placement = Placement(view.slot, reuse, source, entry_id, park, seconds)
+            candidates.append(((seconds + later, lru), placement))
+    return min(candidates, key=lambda candidate: candidate[0])[1]
 
 
 class SlotReader(Protocol):
@@ -266,11 +244,10 @@ class SlotManager:
 
     def idle(self) -> list[SlotView]:
         """The slots no request holds and placement may use, in slot order."""
-        return [
-            self._view(i)
-            for i, slot in enumerate(self._slots)
-            if not slot.held and i not in self._out
-        ]
+        return [self._view(i) for i in self._idle()]
+
+    def _idle(self) -> list[int]:
+        return [i for i, slot in enumerate(self._slots) if not slot.held and i not in self._out]
 
     def take_out(self, slots: Collection[int]) -> None:
         """Keep ``slots`` out of placement (their engine is down) and forget what they held.
@@ -309,8 +286,7 @@ class SlotManager:
         Raises ValueError when that slot is busy: a placement is only valid until the table
         changes, so callers place and acquire in one step.
         """
-        if not 0 <= placement.slot < self.n_slots:
-            raise ValueError(f"no slot {placement.slot}: slots are 0..{self.n_slots - 1}")
+        self._check(placement.slot)
         slot = self._slots[placement.slot]
         if slot.held:
             raise ValueError(f"slot {placement.slot} is busy")
@@ -325,9 +301,7 @@ class SlotManager:
             evicted_agent=slot.agent,
         )
         self._next_lease += 1
-        slot.held = True
-        slot.last_used = now
-        slot.agent = agent
+        slot.held, slot.last_used, slot.agent = True, now, agent
         slot.lease_ids.append(lease.id)
         self._leases[lease.id] = lease
         stats = self._stats
@@ -353,9 +327,8 @@ class SlotManager:
     ) -> None:
         """Record what a slot holds now (after a restore, a park or a finished request)."""
         self._check(slot)
-        self._slots[slot].tokens = tuple(tokens)
-        self._slots[slot].stored = stored
-        self._slots[slot].sections = sections
+        content = self._slots[slot]
+        content.tokens, content.stored, content.sections = tuple(tokens), stored, sections
 
     def mark_stored(self, slot: int, entry_id: str | None) -> None:
         """The slot's content is (or, with None, is no longer) held by a store entry."""
@@ -387,20 +360,16 @@ class SlotManager:
         slot = self._drop(lease)
         slot.last_used = now
         if holds is None:
-            slot.tokens, slot.stored, slot.sections = (), None, ()
+            self.set_content(lease.slot, ())
         elif tuple(holds) != slot.tokens:
-            slot.tokens, slot.stored = tuple(holds), None
-            slot.sections = sections or ()
+            self.set_content(lease.slot, holds, sections=sections or ())
         elif sections is not None:
             slot.sections = sections
         return True
 
     def invalidate(self, slot: int) -> None:
         """Forget what ``slot`` holds (it was erased, or a request on it failed)."""
-        self._check(slot)
-        self._slots[slot].tokens = ()
-        self._slots[slot].stored = None
-        self._slots[slot].sections = ()
+        self.set_content(slot, ())
 
     def touch(self, lease_id: int, now: float) -> bool:
         """The request holding ``lease_id`` made progress at ``now`` (the engine reported
@@ -447,7 +416,7 @@ class SlotManager:
     @property
     def free(self) -> int:
         """How many slots are idle and in placement."""
-        return sum(1 for i, slot in enumerate(self._slots) if not slot.held and i not in self._out)
+        return len(self._idle())
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.n_slots:

@@ -1,17 +1,9 @@
 """SSEAssembler: llama-server chat chunks in, the reply's typed events out.
 
-Pure, in the style of a sans-IO protocol machine: chunks (already parsed JSON) and the current time
-go in, :mod:`agentkv.reply` events come out. Each API encodes them in its own shape
-(:mod:`agentkv.anthropic_sse`, :mod:`agentkv.responses_sse`, :mod:`agentkv.chat_sse`).
-
-Besides events, the assembler tells the runtime two things, as typed values:
-
-- :attr:`SSEAssembler.stop`: a :class:`StopRequest` once the reply has fallen into a degenerate
-  loop; the runtime closes the engine stream, then calls :meth:`SSEAssembler.finish`.
-- :meth:`SSEAssembler.verdict`: after the engine's reply has ended, :class:`ReplyComplete` or
-  :class:`RetryWithTools` (a call written wrongly: ask once more, constrained to a valid call).
-
-The runtime's loop, in full::
+A sans-IO protocol machine: parsed chunks and the current time go in, :mod:`agentkv.reply` events
+come out, for each API's encoder. It also tells the runtime when to close the engine stream
+(:attr:`SSEAssembler.stop`, on a degenerate loop) and, once the reply has ended, whether to ask
+once more constrained to a valid call (:meth:`SSEAssembler.verdict`). The runtime's loop::
 
     events = asm.start()
     for chunk in engine_stream(body):          # close the stream as soon as asm.stop is set
@@ -43,16 +35,7 @@ from agentkv.callscan import HoldGate
 from agentkv.exceptions import EngineResponseError, SSEProtocolError
 from agentkv.guard import Repetition, RepetitionGuard, cut_tail
 from agentkv.repair import RejectedCandidate, extract_tool_calls, repair_arguments
-from agentkv.reply import (
-    BlockClosed,
-    BlockKind,
-    BlockOpened,
-    Delta,
-    Ended,
-    ReplyEvent,
-    Started,
-    Usage,
-)
+from agentkv.reply import BlockClosed, BlockOpened, Delta, Ended, ReplyEvent, Started, Usage
 from agentkv.schema import json_object
 
 __all__ = [
@@ -74,12 +57,10 @@ DEFAULT_COALESCE_SECONDS = 0.05
 
 @attrs.frozen
 class StopRequest:
-    """The assembler asks the runtime to close the engine stream now.
+    """The assembler asks the runtime to close the engine stream now, then call ``finish``.
 
-    ``reason`` is why (today only ``"repetition"``: the output fell into a degenerate loop);
-    ``where`` is which output looped: the text, the thinking, or a structured tool call's arguments.
-    Closing the stream makes llama-server stop generating; the runtime then calls ``finish``,
-    which ends the message normally (see :meth:`SSEAssembler.finish` for the stop reason).
+    ``reason`` is why (today only ``"repetition"``); ``where`` is which output looped: the text,
+    the thinking, or a structured tool call's arguments.
     """
 
     reason: Literal["repetition"]
@@ -141,10 +122,9 @@ class SSEAssembler:
     a JSON object); ``start`` comes first and ``finish`` last; a second ``finish`` or a ``feed``
     outside that window raises :class:`SSEProtocolError`.
 
-    With ``tool_schemas`` (auto mode, tool-call repair on), text is held back from the point where
-    a call written as text may start, by a :class:`~agentkv.callscan.HoldGate` (which says what
-    is held, and for how long); what it holds at the end of the reply becomes tool_use blocks
-    where it holds valid calls, and text otherwise.
+    With ``tool_schemas``, a :class:`~agentkv.callscan.HoldGate` holds text back from where a
+    call written as text may start; what it holds at the end becomes tool_use blocks where it
+    holds valid calls, and text otherwise.
     """
 
     message_id: str = attrs.field(kw_only=True)
@@ -156,15 +136,12 @@ class SSEAssembler:
     coalesce_chars: int = attrs.field(default=DEFAULT_COALESCE_CHARS, kw_only=True)
     coalesce_seconds: float = attrs.field(default=DEFAULT_COALESCE_SECONDS, kw_only=True)
     input_tokens_hint: int = attrs.field(default=0, kw_only=True)
-    #: Declared tools (name -> input_schema) in ``auto`` mode, when tool-call repair is on: a
-    #: reply that starts like a call written as text is held back and turned into tool_use blocks.
+    #: Declared tools (name -> input_schema) in ``auto`` mode, when tool-call repair is on.
     tool_schemas: Mapping[str, Any] | None = attrs.field(default=None, kw_only=True)
-    #: The most characters held for a call that has not named a declared tool, or cannot be valid.
-    #: A wrongly written call is rarely longer (the longest in the corpus has 667); a call that has
-    #: named a declared tool and is still valid so far is held to its end, however long.
+    #: The most characters, and seconds, held for a call that has not named a declared tool or
+    #: cannot be valid (the longest wrongly written call in the corpus has 667 characters; at
+    #: 1 token/s a call names its tool within 15 s). A valid call is held to its end.
     hold_chars: int = attrs.field(default=1024, kw_only=True)
-    #: The longest such a hold lasts, in seconds: at 1 token/s a call names its tool within 15
-    #: tokens, and a client sees text within this bound once it cannot be a call.
     hold_seconds: float = attrs.field(default=15.0, kw_only=True)
     #: The thresholds for degenerate repetition in text, thinking and tool arguments (copied for
     #: each); None turns detection off.
@@ -183,7 +160,7 @@ class SSEAssembler:
     _output_tokens: int = attrs.field(default=0, init=False)
     _delta_chunks: int = attrs.field(default=0, init=False)
     _fallback: str | None = attrs.field(default=None, init=False)
-    _usage_before_retry: tuple[int, int, int] = attrs.field(default=(0, 0, 0), init=False)
+    _earlier_usage: tuple[int, int, int] = attrs.field(default=(0, 0, 0), init=False)
     # The reply's text as the engine generated it, and whether anything but text came.
     _generated: list[str] = attrs.field(factory=list, init=False)
     _only_text: bool = attrs.field(default=True, init=False)
@@ -227,7 +204,7 @@ class SSEAssembler:
             self._delta_chunks += 1
         if reasoning or calls:
             self._only_text = False
-        if content and self._stop is None:
+        if content:
             self._generated.append(content)
         if reasoning:
             self._append("thinking", reasoning, now, out)
@@ -275,10 +252,8 @@ class SSEAssembler:
     def verdict(self) -> Verdict:
         """What to do now that the engine's reply has ended (or was closed on :attr:`stop`).
 
-        :class:`RetryWithTools` when the reply held back text that tried to call a tool and gave
-        no valid call (:func:`~agentkv.repair.extract_tool_calls` found candidates and rejected
-        them all), the reply was neither cut off by the token limit nor stopped, and there was no
-        retry yet; else
+        :class:`RetryWithTools` when the held text tried to call a tool and every candidate was
+        rejected, the reply was neither cut off nor stopped, and there was no retry yet; else
         :class:`ReplyComplete`. It changes nothing: ask as often as you like.
         """
         if self._state != "streaming":
@@ -289,8 +264,7 @@ class SSEAssembler:
             or not self.tool_schemas
             or self.forced_tool is not None
             or self._retried
-            or self._stop is not None
-            or self._finish_reason == "length"
+            or self._cut()
         ):
             return ReplyComplete()
         found = extract_tool_calls(self._gate.held, self.tool_schemas)
@@ -299,24 +273,13 @@ class SSEAssembler:
         return RetryWithTools(found.rejected)
 
     def begin_retry(self) -> None:
-        """Start over on the constrained second reply, after a :class:`RetryWithTools` verdict.
-
-        The engine is asked again with decoding constrained to ``{"name", "arguments"}`` over the
-        declared tools; what it writes is fed as usual. If that does not give a valid call either,
-        ``finish`` gives the first reply's held text as plain text. Usage adds up both replies.
-        """
+        """Start over on the constrained second reply, after a :class:`RetryWithTools` verdict:
+        its chunks are fed as usual, and if they give no valid call either, ``finish`` gives the
+        first reply's held text as text. Usage adds up both replies."""
         if self._state != "streaming" or not isinstance(self.verdict(), RetryWithTools):
             raise SSEProtocolError("begin_retry() needs a RetryWithTools verdict")
-        usage = self.usage
-        self._usage_before_retry = (
-            usage.input_tokens,
-            usage.cache_read_tokens,
-            usage.output_tokens,
-        )
-        self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
-        self._delta_chunks = 0
+        self._next_engine_call(self.usage.output_tokens)
         self._fallback = self._gate.drop_held() if self._gate is not None else ""
-        self._finish_reason = None
         self._guards.pop("text", None)
         self.forced_tool = ANY_TOOL
         self._retried = True
@@ -339,18 +302,17 @@ class SSEAssembler:
         return "".join(self._generated)
 
     def begin_continuation(self) -> None:
-        """The engine stream was cut mid-reply (the request gave its slot up) and a new engine
-        call continues the same reply from :attr:`generated_text`: its chunks are fed as if the
-        stream had only paused. The blocks stay open; usage adds up the calls (the cut call's
-        output is counted one token per chunk, as llama-server streams)."""
+        """A new engine call continues the reply from :attr:`generated_text` (the stream was cut:
+        the request gave its slot up); its chunks are fed as if the stream had only paused. Usage
+        adds up the calls, the cut one's output counted one token per chunk."""
         if not self.continuable:
             raise SSEProtocolError("begin_continuation() needs a plain-text reply in progress")
+        self._next_engine_call(self.usage.output_tokens or self._delta_chunks)
+
+    def _next_engine_call(self, output_tokens: int) -> None:
+        """Keep the usage so far (with ``output_tokens``) and read the next call's afresh."""
         usage = self.usage
-        self._usage_before_retry = (
-            usage.input_tokens,
-            usage.cache_read_tokens,
-            usage.output_tokens or self._delta_chunks,
-        )
+        self._earlier_usage = (usage.input_tokens, usage.cache_read_tokens, output_tokens)
         self._input_tokens, self._cache_read, self._output_tokens = None, 0, 0
         self._delta_chunks = 0
         self._finish_reason = None
@@ -358,13 +320,11 @@ class SSEAssembler:
     def finish(self, now: float) -> list[ReplyEvent]:
         """Close the open block, then ``Ended``.
 
-        Held text is turned into tool_use blocks where it holds valid calls, and into text
-        otherwise. A reply cut off by the token limit, or stopped for repetition, is not repaired:
-        only calls complete as written count (a "fixed" half Write would write half a file). After
-        a stop, the repetition is trimmed from text that was still held back, so that what the
-        client gets ends with one copy of the repeated unit; ``stop_reason`` is then ``end_turn``
-        (``tool_use`` if a call was recovered), never ``max_tokens``: Claude Code answers
-        ``max_tokens`` by asking the model to resume, which would only loop again.
+        Held text becomes tool_use blocks where it holds valid calls, and text otherwise. A reply
+        cut off by the token limit, or stopped, is not repaired: a "fixed" half Write would write
+        half a file. After a stop, ``stop_reason`` is ``end_turn`` (``tool_use`` if a call was
+        recovered), never ``max_tokens``: Claude Code answers that by asking the model to resume,
+        which would only loop again.
         """
         if self._state != "streaming":
             raise SSEProtocolError(
@@ -384,12 +344,9 @@ class SSEAssembler:
 
     @property
     def usage(self) -> Usage:
-        """Token counts so far: uncached prompt, cache reads and generated tokens.
-
-        A stream closed on :attr:`stop` ends without the engine's counts; its output is then
-        estimated as one token per chunk, which is how llama-server streams.
-        """
-        uncached, cached, output = self._usage_before_retry
+        """Token counts so far. A stream closed on :attr:`stop` ends without the engine's counts;
+        its output is then counted one token per chunk, as llama-server streams."""
+        uncached, cached, output = self._earlier_usage
         if self._input_tokens is not None:
             uncached += self._input_tokens
         elif not uncached:
@@ -439,7 +396,7 @@ class SSEAssembler:
             # never opened (the API rejects whitespace-only text blocks when they are sent back).
             if not current.pending.strip():
                 return
-            self._open(kind, out)
+            out.append(BlockOpened(self._index, kind))
             current.opened = True
         if (
             len(current.pending) >= self.coalesce_chars
@@ -499,8 +456,6 @@ class SSEAssembler:
 
     def _emit_held(self, held: str, out: list[ReplyEvent]) -> None:
         assert self.tool_schemas is not None
-        # A reply cut off by the token limit, or stopped, is not repaired: a "fixed" half Write
-        # would write half a file.
         found = extract_tool_calls(held, self.tool_schemas, repair=not self._cut())
         if not found.calls:
             self._emit_text(held, out)
@@ -514,11 +469,6 @@ class SSEAssembler:
         return self._finish_reason == "length" or self._stop is not None
 
     # -- blocks --------------------------------------------------------------------------------
-
-    def _open(
-        self, kind: BlockKind, out: list[ReplyEvent], tool_id: str = "", tool_name: str = ""
-    ) -> None:
-        out.append(BlockOpened(self._index, kind, tool_id, tool_name))
 
     def _stop_block(self, out: list[ReplyEvent]) -> None:
         out.append(BlockClosed(self._index))
@@ -547,9 +497,7 @@ class SSEAssembler:
 
     def _emit_tool(self, engine_id: str, name: str, arguments: str, out: list[ReplyEvent]) -> None:
         tool_input = json_object(arguments) if name else None
-        # Arguments cut off by the token limit (or a stop) are not repaired: a "fixed" half Write
-        # would write half a file.
-        cut = self._cut()
+        cut = self._cut()  # cut-off arguments are not repaired
         if tool_input is None and not cut and self.tool_schemas and name in self.tool_schemas:
             tool_input = repair_arguments(name, arguments, self.tool_schemas[name])
         if tool_input is None:
@@ -557,17 +505,16 @@ class SSEAssembler:
             self._emit_text(arguments, out)
             return
         tool_id = engine_id if engine_id.startswith("toolu_") else self._tool_id()
-        self._open("tool_use", out, tool_id, name)
+        out.append(BlockOpened(self._index, "tool_use", tool_id, name))
         out.append(Delta(self._index, "input", json.dumps(tool_input, ensure_ascii=False)))
         self._stop_block(out)
         self._emitted_tool = True
 
     def _emit_text(self, text: str, out: list[ReplyEvent]) -> None:
-        if not text.strip():
-            return
-        self._open("text", out)
-        out.append(Delta(self._index, "text", text))
-        self._stop_block(out)
+        if text.strip():
+            out.append(BlockOpened(self._index, "text"))
+            out.append(Delta(self._index, "text", text))
+            self._stop_block(out)
 
     def _emit_forced(self, out: list[ReplyEvent]) -> None:
         text = self._forced_text
@@ -575,11 +522,10 @@ class SSEAssembler:
             self._emit_tool("", self.forced_tool or "", text, out)
             return
         # Any-tool mode: the schema made the model write {"name": ..., "arguments": {...}}.
-        call = json_object(text)
-        name = call.get("name") if call is not None else None
-        arguments = call.get("arguments") if call is not None else None
+        call = json_object(text) or {}
+        name, arguments = call.get("name"), call.get("arguments")
         known = isinstance(name, str) and (not self.tool_names or name in self.tool_names)
-        if call is None or not known or not isinstance(arguments, dict):
+        if not known or not isinstance(arguments, dict):
             self._emit_text(text if self._fallback is None else self._fallback, out)
             return
         self._emit_tool("", str(name), json.dumps(arguments, ensure_ascii=False), out)

@@ -1,11 +1,8 @@
 """Token sequences: how much of a prompt a slot, a stored state or another request already holds.
 
-llama-server reuses a slot's KV cache for the longest common prefix (in tokens) of what the slot
-holds and the new prompt, and recomputes the rest. So the only honest measure of "how much is
-cached" is that prefix, in tokens of the rendered prompt: two requests that differ inside one
-message still share everything before the first differing token.
-
-Pure: sequences in, numbers out.
+llama-server reuses a slot's KV cache for the longest common token prefix of what the slot holds
+and the new prompt, so that prefix is the only honest measure of what is cached: two requests that
+differ inside one message still share everything before the first differing token. Pure.
 """
 
 from __future__ import annotations
