@@ -32,7 +32,6 @@ from agentkv.runtime.engine import (
     find_llama_server,
     parse_size,
     plan_context,
-    private_file,
 )
 from agentkv.runtime.model import (
     ModelNotFoundError,
@@ -633,19 +632,6 @@ async def test_engine_logs_are_owner_only(fake: Fake) -> None:
     async with process:
         assert stat.S_IMODE(logs.stat().st_mode) == 0o700
         assert stat.S_IMODE((logs / "e.log").stat().st_mode) == 0o600
-
-
-def test_private_file_keeps_a_shared_directory(tmp_path: Path) -> None:
-    """private_file(private_dir=False): the file is 0600, its directory keeps its mode (the
-    cache directory holding model-hashes.txt also holds the model, which is not secret)."""
-    tmp_path.chmod(0o755)
-    path = tmp_path / "model-hashes.txt"
-    path.write_text("k v\n")
-    path.chmod(0o644)
-    private_file(path, private_dir=False)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755
-    assert path.read_text() == "k v\n"
 
 
 @pytest.mark.anyio

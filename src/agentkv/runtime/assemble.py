@@ -31,7 +31,6 @@ from these fields, as it is from :class:`~agentkv.runtime.config.RuntimeConfig`'
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -473,7 +472,7 @@ async def open_engine(
             members=tuple(EngineMember(url, slot_dir=d) for url, d in zip(urls, dirs, strict=True)),
         )
         return
-    from agentkv.runtime.build import build_digest, choose_offload
+    from agentkv.runtime.build import build_digest, choose_offload, file_digest
     from agentkv.runtime.engine import (
         CTX_FLOOR,
         EngineConfig,
@@ -549,7 +548,7 @@ async def open_engine(
         )
     compat = "|".join(
         [
-            f"model={await anyio.to_thread.run_sync(_file_digest, model)}",
+            f"model={await anyio.to_thread.run_sync(file_digest, model)}",
             f"build={await anyio.to_thread.run_sync(build_digest, binary)}",
             f"ctx={config.effective_ctx_per_slot}",
             f"kv={config.kv_type}",
@@ -681,28 +680,3 @@ async def check_store(
     )
     log.warning("%s", note)
     return None, note
-
-
-def _file_digest(path: Path) -> str:
-    """sha256 of a model file, cached by path, size and modification time."""
-    from agentkv.runtime.engine import private_file
-    from agentkv.runtime.model import default_cache_dir
-
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    cache = default_cache_dir() / "model-hashes.txt"
-    with contextlib.suppress(OSError):
-        for line in cache.read_text().splitlines():
-            cached_key, _, value = line.rpartition(" ")
-            if cached_key == key:
-                return value
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    value = digest.hexdigest()
-    with contextlib.suppress(OSError):
-        private_file(cache, private_dir=False)  # owner-only, like the engine's logs
-        with cache.open("a") as f:
-            f.write(f"{key} {value}\n")
-    return value

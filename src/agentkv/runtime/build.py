@@ -18,17 +18,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import attrs
 
-from agentkv.runtime.model import default_cache_dir
+from agentkv.runtime.model import default_cache_dir, write_atomic
 
 __all__ = [
     "ALL_LAYERS",
@@ -38,6 +36,7 @@ __all__ = [
     "build_digest",
     "choose_offload",
     "engine_files",
+    "file_digest",
     "gpu_on_machine",
     "list_devices",
     "parse_device_list",
@@ -135,19 +134,6 @@ def _read_cache(cache: Path) -> dict[str, str]:
     return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
 
 
-def _write_private(dest: Path, text: str) -> None:
-    """``text`` into ``dest`` atomically, readable by its owner only."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:  # mkstemp creates the file 0600
-            f.write(text)
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _file_hashes(files: Iterable[Path], cache_dir: Path) -> list[str]:
     cache = cache_dir / _CACHE_FILE
     known = _read_cache(cache)
@@ -170,8 +156,14 @@ def _file_hashes(files: Iterable[Path], cache_dir: Path) -> list[str]:
             if _stat_key(Path(key.rsplit("|", 2)[0])) == key
         }
         with contextlib.suppress(OSError):
-            _write_private(cache, json.dumps(kept, indent=1, sort_keys=True))
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(cache, json.dumps(kept, indent=1, sort_keys=True).encode())
     return hashes
+
+
+def file_digest(path: Path, *, cache_dir: Path | None = None) -> str:
+    """sha256 of the file at ``path`` (a model), cached as the build's files are."""
+    return _file_hashes([path.resolve()], cache_dir or default_cache_dir())[0]
 
 
 def build_digest(binary: Path, *, cache_dir: Path | None = None) -> str:

@@ -490,15 +490,11 @@ def _tail(path: Path, lines: int) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
-def private_file(path: Path, *, truncate: bool = False, private_dir: bool = True) -> None:
-    """Make ``path`` an owner-only file (0600), creating it and its directory as needed;
-    ``private_dir``: the directory is owner-only too (0700). ``truncate`` empties the file.
-    Engine logs may hold prompts."""
-    if private_dir:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o700)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
+def private_file(path: Path, *, truncate: bool = False) -> None:
+    """Make ``path`` an owner-only file (0600) in an owner-only directory (0700), creating both
+    as needed; ``truncate`` empties the file. Engine logs may hold prompts."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0)
     os.close(os.open(path, flags, 0o600))
     os.chmod(path, 0o600)

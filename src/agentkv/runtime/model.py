@@ -40,6 +40,7 @@ __all__ = [
     "kv_bytes_per_element",
     "model_part_paths",
     "read_model_shape",
+    "write_atomic",
 ]
 
 DEFAULT_MODEL_FILENAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
@@ -98,7 +99,8 @@ def _sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(dest: Path, data: bytes) -> None:
+def write_atomic(dest: Path, data: bytes) -> None:
+    """``data`` into ``dest`` by a rename, so that no reader sees half of it (the file is 0600)."""
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -134,7 +136,7 @@ def assemble_model(parts: Sequence[Path], dest: Path, *, size: int, sha256: str)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     if dest.is_file() and dest.stat().st_size == size and _sha256_of(dest) == sha256:
-        _write_atomic(_marker(dest), sha256.encode() + b"\n")
+        write_atomic(_marker(dest), sha256.encode() + b"\n")
         return dest
     fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     tmp = Path(tmp_name)
@@ -159,7 +161,7 @@ def assemble_model(parts: Sequence[Path], dest: Path, *, size: int, sha256: str)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _write_atomic(_marker(dest), sha256.encode() + b"\n")
+    write_atomic(_marker(dest), sha256.encode() + b"\n")
     return dest
 
 
@@ -317,7 +319,7 @@ def read_model_shape(path: Path, *, cache_dir: Path | None = None) -> ModelShape
     known[key] = attrs.asdict(shape)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(cache, json.dumps(known, indent=1).encode())
+        write_atomic(cache, json.dumps(known, indent=1).encode())
     except OSError:
         pass  # a cache that cannot be written only costs the next start a few seconds
     return shape

@@ -35,9 +35,9 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 __all__ = ["EnginePool", "PoolMember"]
 
 log = logging.getLogger("agentkv.pool")
+
+T = TypeVar("T")
 
 
 @attrs.define(eq=False)
@@ -228,7 +230,7 @@ class EnginePool:
             log.info("engine %d (%s) failed a call: %s", member.index, member.base_url, exc)
             self._suspect.set()
 
-    async def _first_up(self, call: Callable[[LlamaSlotClient], Any]) -> Any:
+    async def _first_up(self, call: Callable[[LlamaSlotClient], Awaitable[T]]) -> T:
         """``call`` on the first engine that is up; on the next when it cannot be reached."""
         error: EngineError | None = None
         for member in self._any():
@@ -240,7 +242,7 @@ class EnginePool:
         assert error is not None
         raise error
 
-    async def _on(self, slot: int, call: Callable[[LlamaSlotClient, int], Any]) -> Any:
+    async def _on(self, slot: int, call: Callable[[LlamaSlotClient, int], Awaitable[T]]) -> T:
         member, local = self.member_of(slot)
         try:
             return await call(member.client, local)
@@ -268,12 +270,8 @@ class EnginePool:
         self, body: Mapping[str, Any], *, slot: int | None, hints: EngineHints | None = None
     ) -> dict[str, Any]:
         if slot is None:
-            result: dict[str, Any] = await self._first_up(
-                lambda c: c.chat(body, slot=None, hints=hints)
-            )
-            return result
-        result = await self._on(slot, lambda c, s: c.chat(body, slot=s, hints=hints))
-        return result
+            return await self._first_up(lambda c: c.chat(body, slot=None, hints=hints))
+        return await self._on(slot, lambda c, s: c.chat(body, slot=s, hints=hints))
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -307,35 +305,28 @@ class EnginePool:
     async def tokenize(
         self, content: str, *, add_special: bool = False, parse_special: bool = True
     ) -> list[int]:
-        tokens: list[int] = await self._first_up(
+        return await self._first_up(
             lambda c: c.tokenize(content, add_special=add_special, parse_special=parse_special)
         )
-        return tokens
 
     async def detokenize(self, tokens: list[int] | tuple[int, ...]) -> str:
-        text: str = await self._first_up(lambda c: c.detokenize(tokens))
-        return text
+        return await self._first_up(lambda c: c.detokenize(tokens))
 
     async def apply_template(self, body: Mapping[str, Any]) -> str:
-        prompt: str = await self._first_up(lambda c: c.apply_template(body))
-        return prompt
+        return await self._first_up(lambda c: c.apply_template(body))
 
     async def prompt_tokens(self, body: Mapping[str, Any]) -> list[int]:
-        tokens: list[int] = await self._first_up(lambda c: c.prompt_tokens(body))
-        return tokens
+        return await self._first_up(lambda c: c.prompt_tokens(body))
 
     async def props(self) -> dict[str, Any]:
-        props: dict[str, Any] = await self._first_up(lambda c: c.props())
-        return props
+        return await self._first_up(lambda c: c.props())
 
     async def accepts_images(self) -> bool:
-        seen: bool = await self._first_up(lambda c: c.accepts_images())
-        return seen
+        return await self._first_up(lambda c: c.accepts_images())
 
     async def metrics(self) -> str:
         """The first engine's ``/metrics`` (see :meth:`member_metrics` for all of them)."""
-        text: str = await self._first_up(lambda c: c.metrics())
-        return text
+        return await self._first_up(lambda c: c.metrics())
 
     async def member_metrics(self) -> list[str | None]:
         """Every engine's ``/metrics`` text, in order (None for one that did not answer)."""
@@ -376,7 +367,7 @@ class EnginePool:
     async def save_slot(self, slot: int, filename: str) -> dict[str, Any]:
         """Save ``slot`` on its engine, then move the file into the store's directory."""
         member, _ = self.member_of(slot)
-        reply: dict[str, Any] = await self._on(slot, lambda c, s: c.save_slot(s, filename))
+        reply = await self._on(slot, lambda c, s: c.save_slot(s, filename))
         dirs = self._dirs(member)
         if dirs is not None:
             engine_dir, store_dir = dirs
@@ -394,8 +385,7 @@ class EnginePool:
         member, _ = self.member_of(slot)
         dirs = self._dirs(member)
         if dirs is None:
-            reply: dict[str, Any] = await self._on(slot, lambda c, s: c.restore_slot(s, filename))
-            return reply
+            return await self._on(slot, lambda c, s: c.restore_slot(s, filename))
         engine_dir, store_dir = dirs
         staged = f"{_STAGED_PREFIX}{secrets.token_hex(8)}.bin"
         try:
@@ -403,15 +393,13 @@ class EnginePool:
         except OSError as exc:
             raise _file_error(member, "copy a slot file to the engine", exc) from exc
         try:
-            reply = await self._on(slot, lambda c, s: c.restore_slot(s, staged))
+            return await self._on(slot, lambda c, s: c.restore_slot(s, staged))
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_unlink, engine_dir / staged)
-        return reply
 
     async def erase_slot(self, slot: int) -> dict[str, Any]:
-        reply: dict[str, Any] = await self._on(slot, lambda c, s: c.erase_slot(s))
-        return reply
+        return await self._on(slot, lambda c, s: c.erase_slot(s))
 
     # -- readiness and health ------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ with :class:`EngineRestartingError` (529, ``retry-after``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypedDict, Unpack
@@ -333,6 +334,9 @@ class EngineTransport:
         otherwise the body is read here (and, when ``safe``, asked for again if it broke).
         ``headers`` are sent besides the client's own (an adapter's per-request hints).
         """
+        headers = {**(headers or {}), **self._headers}
+        if stream:
+            headers["connection"] = "close"  # a stream's connection is never used again
         dropped: DroppedError | None = None
         while True:
             retrying = AsyncRetrying(
@@ -345,19 +349,17 @@ class EngineTransport:
             )
             # A call sent once more after a drop goes on a new connection.
             http = self._kept if safe and not stream and dropped is None else self._http
+            build = functools.partial(
+                http.build_request,
+                method,
+                self.base_url + path,
+                json=json_body,
+                params=params,
+                headers=headers,
+                timeout=self._timeout,
+            )
             try:
-                return await retrying(
-                    self._send_once,
-                    http,
-                    method,
-                    path,
-                    what,
-                    json_body,
-                    params,
-                    stream,
-                    safe,
-                    headers,
-                )
+                return await retrying(self._attempt, http, build, what, stream=stream, safe=safe)
             except NotReadyError as exc:
                 # Callers see the public type; the private subclass only steers the retries.
                 raise EngineUnavailableError(exc.message) from exc.__cause__
@@ -370,69 +372,22 @@ class EngineTransport:
                 self.link.resent += 1
                 log.info("%s; sending it once more on a new connection", exc.message)
 
-    def _build(
-        self,
-        http: httpx.AsyncClient,
-        method: str,
-        path: str,
-        json_body: Any,
-        params: Mapping[str, str] | None,
-        stream: bool,
-        extra: Mapping[str, str] | None = None,
-    ) -> httpx.Request:
-        headers = {**(extra or {}), **self._headers}
-        if stream:
-            headers["connection"] = "close"  # a stream's connection is never used again
-        return http.build_request(
-            method,
-            self.base_url + path,
-            json=json_body,
-            params=params,
-            headers=headers,
-            timeout=self._timeout,
-        )
-
-    async def _send_once(
-        self,
-        http: httpx.AsyncClient,
-        method: str,
-        path: str,
-        what: str,
-        json_body: Any,
-        params: Mapping[str, str] | None,
-        stream: bool,
-        safe: bool,
-        headers: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
-        try:
-            return await self._attempt(
-                http, method, path, what, json_body, params, stream, safe, headers
-            )
-        except EngineError as exc:
-            if self.engine_name == LLAMA_SERVER:
-                raise
-            raise self._named(exc) from exc.__cause__
-
     async def _attempt(
         self,
         http: httpx.AsyncClient,
-        method: str,
-        path: str,
+        build: Callable[[], httpx.Request],
         what: str,
-        json_body: Any,
-        params: Mapping[str, str] | None,
+        *,
         stream: bool,
         safe: bool,
-        headers: Mapping[str, str] | None = None,
     ) -> httpx.Response:
         if self.status is not None and (refused := self.status.error()) is not None:
-            raise refused
+            raise self._named(refused)
         self.link.requests += 1
         try:
-            request = self._build(http, method, path, json_body, params, stream, headers)
             # Always sent as a stream: what failed before the reply's first byte (safe to send
             # again) is then told apart from what failed while reading it.
-            response = await http.send(request, stream=True)
+            response = await http.send(build(), stream=True)
         except HTTPX_ERRORS as exc:
             raise await self._engine_error(exc, what, started=False) from exc
         if response.is_success and stream:
@@ -440,13 +395,12 @@ class EngineTransport:
         try:
             await response.aread()
         except HTTPX_ERRORS as exc:
-            error = await self._engine_error(exc, what, started=not safe)
-            raise error from exc
+            raise await self._engine_error(exc, what, started=not safe) from exc
         finally:
             await response.aclose()
         if response.is_success:
             return response
-        error = status_error(response, what)
+        error = self._named(status_error(response, what))
         if safe and response.status_code in GATEWAY_STATUSES:
             raise DroppedError(error.message) from error
         raise error
