@@ -25,7 +25,7 @@ from agentkv_bench.claude import make_project
 from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
 from agentkv_bench.metrics import difference, read_counters
 from agentkv_bench.report import fmt, render_table
-from agentkv_bench.scenarios import Bench, _store
+from agentkv_bench.scenarios import Bench
 from agentkv_server.cli import claude_code_env
 
 __all__ = ["CONFIGS", "CompactionSpec", "compaction_table", "run_compaction"]
@@ -177,7 +177,8 @@ async def run_compaction(
                 async with raw_llama_server(setup.binary, args, log) as url:
                     report = await _session(name, url, url, None, claude, root, spec, setup.ctx)
             else:
-                store = _store(bench, name, fresh=True, tag=f"compaction-{name}")
+                store = bench.out / "stores" / f"compaction-{name}"
+                shutil.rmtree(store, ignore_errors=True)
                 home = root / name / "home"
                 config = NO_PREPARATION if name == "agentkv-noprep" else RuntimeConfig()
                 # The harness's Claude Code has its own home: where its transcripts are.

@@ -30,7 +30,6 @@ from anyio.abc import Process
 from httpx_sse import SSEError, aconnect_sse
 
 from agentkv.runtime.engine import free_port
-from agentkv.runtime.health import probe
 from agentkv.snapshot import RuntimeSnapshot, structure_snapshot, unstructure
 from agentkv_bench.report import fmt, percentile, rounded, write_report
 from agentkv_bench.workload import WORDS
@@ -418,7 +417,7 @@ async def launched_server(
     try:
         async with httpx.AsyncClient(timeout=5.0) as http:
             with anyio.move_on_after(startup_timeout) as waiting:
-                while (await probe(http, url))[0] != "ready":
+                while not await _healthy(http, url):
                     if process.returncode is not None:
                         raise SystemExit(
                             f"agentkv-bench: agentkv-server exited with {process.returncode}; "
@@ -448,6 +447,13 @@ async def _stop_group(process: Process, grace: float = 30.0) -> None:
         await process.wait()
 
 
+async def _healthy(http: httpx.AsyncClient, url: str) -> bool:
+    try:
+        return (await http.get(url + "/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 async def _health(http: httpx.AsyncClient, url: str) -> dict[str, Any]:
     try:
         body = (await http.get(url + "/health")).json()
@@ -464,7 +470,7 @@ async def _engine_back(
     small = Planned(client=-1, turn=0, agent="soak-probe", priority=0, stream=False, word="probe")
     with anyio.move_on_after(max(0.0, killed + limit - time.monotonic())):
         while True:
-            if (await probe(http, url))[0] == "ready":
+            if await _healthy(http, url):
                 exchange = await send_one(
                     http, url, small, api_key=api_key, max_tokens=4, deadline=limit
                 )
