@@ -1,13 +1,16 @@
-"""Claude Code's next request, predicted byte for byte from the request and reply before it.
+"""Claude Code's next request, predicted from the request and reply before it.
 
 Three requests are predicted (docs/claude-code.md, "What the compaction request contains"): the
 compaction request, after a reply that ended its turn with the context (input, cache read, cache
 creation and output tokens) at ``window − min(max_tokens, 20000) − 13000``: the previous request
-with the reply and the instruction appended, every other field as it was (never after a session's
-first reply; one between tool calls carries the tool's result and cannot be known); its retry,
-after a reply without ``<summary>``: the instruction with a paragraph added; and the request after
-the summary, up to the user's next words (:meth:`CompactionForecast.predict_after`; reminders of
-files the conversation read are not predicted). Pure: values in, values out.
+with the reply and the instruction appended, every other field as it was (only a
+``cache_control`` mark moves, which the engine never sees; never after a session's first reply;
+one between tool calls carries the tool's result and cannot be known); its retry, after a reply
+without ``<summary>``: the instruction with a paragraph added; and the request after the summary,
+as a prefix up to the user's next words (:meth:`CompactionForecast.predict_after`; reminders of
+files the conversation read are not predicted, so such a prediction holds up to the kept
+message). A new client version's instruction is learnt from the first start-of-turn compaction
+seen. Pure: values in, values out.
 """
 
 from __future__ import annotations

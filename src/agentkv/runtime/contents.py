@@ -106,7 +106,9 @@ class SlotContents:
     async def guard(self, work: Awaitable[_T]) -> _T | None:
         """Run a store operation; None when it failed, never fatal to the request unless the
         engine is restarting (its slots are gone). A store the engine cannot serve (an error
-        status) is switched off; a link that failed (twice: the client retried) leaves it on."""
+        status) is switched off; a link that failed (twice: the client retried) leaves it on.
+        Either way nothing is lost: a failed restore prefills, a failed save keeps the state in
+        its slot."""
         try:
             return await work
         except EngineRestartingError:
@@ -227,7 +229,8 @@ class SlotContents:
         computed: Callable[[Mapping[str, Any]], object] | None = None,
     ) -> StoreEntry | None:
         """Compute the shareable head alone and save it for other agents to restore; the entry
-        saved, or None. ``computed`` is told the engine's ``timings`` of the head's computation.
+        saved, or None. ``computed`` is told the engine's ``timings`` of the head's computation,
+        as the request counts those tokens as its own.
 
         Requests waiting for the head are let go when it is saved; when the save failed they wait
         for this request to give the slot back, and reuse the head there

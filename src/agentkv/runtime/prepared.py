@@ -5,8 +5,10 @@ When a Claude Code agent's turn ends past the compaction point, its next request
 agent request waits). The agent's next request with the same request key
 (:func:`agentkv.runtime.admission.request_key`) gets the prepared exchange, finished or joined while
 it runs, at the client's priority; any other request is a miss, and the tokens generated are
-counted as wasted. A compaction reply without ``<summary>`` has its retry prepared behind it; one
-with its summary has the conversation after it computed in idle time, up to the user's next words
+counted as wasted (``not_compaction``: the agent sent no compaction; ``differs``: a compaction
+request, not the predicted one). A compaction reply without ``<summary>`` has its retry prepared
+behind it, so that the agent's next two requests are served in turn; one with its summary has the
+conversation after it computed in idle time, up to the user's next words
 (:meth:`~agentkv.forecast.CompactionForecast.predict_after`). Prepared replies wait ``wait``
 seconds at most, one chain per agent, ``max_waiting`` agents at once (the oldest dropped first).
 """
@@ -185,7 +187,8 @@ class Preparations(Generic[E]):
     #: Conversations after a compaction being computed, by agent (stopped on a miss).
     _heads: LRUCache[str, E] = attrs.field(init=False, default=_per_agent)
     _heads_started: int = attrs.field(init=False, default=0)
-    #: The conversation predicted after each agent's compaction, compared with its next request.
+    #: The conversation predicted after each agent's compaction: its next request is compared
+    #: with it, and where it parts is logged.
     _after: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False, default=_per_agent)
     _heads_missed: int = attrs.field(init=False, default=0)
     #: The first reply of a compaction whose retry is prepared (used if the retry has no summary).

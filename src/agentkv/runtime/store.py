@@ -1,14 +1,17 @@
 """The prefix store on disk: llama-server's slot files, indexed by the tokens they hold.
 
 :class:`agentkv.store.StoreIndex` decides; this module saves slots into the store directory
-(llama-server's ``--slot-save-path``), indexes each file by the tokens its header holds, checks
-header and restored count on every restore (a file that fails is deleted and the slot erased, so a
-wrong state never reaches a client), and keeps ``index.json`` next to the files, bound to one
-engine configuration (entries made under another are refused and deleted). Files and directory
-are readable by their owner only: a KV state is as sensitive as the transcript it encodes.
+(llama-server's ``--slot-save-path``) and indexes each file by the tokens its header holds: what
+is really there, not what agentkv assumed. Every restore checks header and restored count (a file
+that fails is deleted and the slot erased, so a wrong state never reaches a client; the caller
+then prefills). ``index.json`` next to the files is bound to one engine configuration (model file
+hash, llama-server build, context per slot, KV cache type): entries made under another are
+refused and deleted, and files no index knows are deleted at startup. Files and directory are
+readable by their owner only: a KV state is as sensitive as the transcript it encodes.
 
 :func:`probe_restore` checks once per engine configuration that a restore gives reuse at all: on
-sliding-window and hybrid models llama-server may recompute every restored token.
+sliding-window and hybrid models llama-server may recompute every restored token, and then a
+store only costs time.
 """
 
 from __future__ import annotations
