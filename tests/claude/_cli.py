@@ -38,7 +38,7 @@ ENV_CLAUDE_BIN = "AGENTKV_CLAUDE_BIN"
 #: Extra ``agentkv-server`` flags (for example ``--ctx-per-slot 32768``); empty: its defaults.
 ENV_SERVER_ARGS = "AGENTKV_CLAUDE_SERVER_ARGS"
 #: The Claude Code version the suite pins (``.ci/run`` installs it).
-CLAUDE_CODE_VERSION = "2.1.328"
+CLAUDE_CODE_VERSION = "2.1.332"
 
 #: The one line Claude Code 2.1.x always writes to stderr in ``-p`` mode for a model id it does not
 #: know. It is a machine-readable diagnostic, not the "doesn't recognize the model" notice, and no
