@@ -7,6 +7,7 @@ CI-sized. See docs/benchmarks.md for what each scenario measures.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -18,20 +19,8 @@ import attrs
 
 from agentkv.runtime.engine import find_llama_server
 from agentkv.runtime.model import default_model_path
-from agentkv_bench.claude_workload import ClaudeSpec, PrioritySpec
 from agentkv_bench.engines import TUNED_ARGS, EngineSetup
-from agentkv_bench.scenarios import (
-    Bench,
-    agents_table,
-    claude_table,
-    priority_table,
-    restart_table,
-    run_agents,
-    run_claude,
-    run_priority,
-    run_restart,
-)
-from agentkv_bench.workload import WorkloadSpec
+from agentkv_bench.scenarios import Bench
 
 __all__ = ["build_parser", "main"]
 
@@ -61,6 +50,8 @@ _CONFIGS = {
     "compaction": ("llama-server", "agentkv-noprep", "agentkv"),
     "band": ("high-water", "band"),
 }
+
+
 #: The size flags and their help, in the order ``--help`` lists them; all but
 #: :data:`_FRACTIONAL` take whole numbers.
 _SIZES = {
@@ -83,6 +74,28 @@ _SIZES = {
     "(default 20; quick 10)",
 }
 _FRACTIONAL = {"--scale", "--delay", "--think", "--disconnect", "--kill-at"}
+#: Each scenario run on an :class:`EngineSetup`: its module, the stem of its ``run_*`` and
+#: ``*_table``, its spec class (in that module), the quick spec's arguments (None: the class's
+#: ``quick()``) and the spec field each size flag sets (``field=flag`` where the names differ);
+#: a spec with ``slots`` gets ``--slots``.
+_ON_ENGINE: dict[str, tuple[str, str, str, dict[str, int] | None, str]] = {
+    "agents": ("scenarios", "agents", "WorkloadSpec", None, "agents turns seed"),
+    "claude": ("scenarios", "claude", "ClaudeSpec", None, "agents sessions followups scale"),
+    "restart": ("scenarios", "restart", "ClaudeSpec", None, "agents sessions followups scale"),
+    "priority": ("scenarios", "priority", "PrioritySpec", None, "subagents rounds delay scale"),
+    "subagents": ("subagents", "subagents", "SubagentsSpec", None, "scale"),
+    "mixed": (
+        "mixed",
+        "mixed",
+        "MixedSpec",
+        None,
+        "claude_agents=agents codex_agents=agents turns scale",
+    ),
+    "real-cli": ("claude", "real_cli", "CliSpec", {"agents": 1, "sessions": 1}, "agents sessions"),
+    "real-cli-fanout": ("fanout", "fanout", "FanoutSpec", {"runs": 1}, "runs"),
+    "compaction": ("compaction", "compaction", "CompactionSpec", {}, "think"),
+    "band": ("band", "band", "BandSpec", None, "turns"),
+}
 #: Context per slot: the synthetic prompts are short; Claude Code's first request is ~11.8K.
 _CTX = {"agents": 4096, "band": 4096}
 _CTX_DEFAULT = 32768
@@ -212,104 +225,32 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
         log_dir=args.out / "logs",
         tuned_args=tuple(args.tuned_args.split()),
     )
-    bench = Bench(setup=setup, out=args.out, say=_say)
+    module_name, stem, spec_name, quick, flags = _ON_ENGINE[scenario]
+    module = importlib.import_module(f"agentkv_bench.{module_name}")
+    spec_class = getattr(module, spec_name)
+    if not args.quick:
+        spec = spec_class()
+    else:
+        spec = spec_class.quick() if quick is None else spec_class(**quick)
+    changes = {}
+    for item in flags.split():
+        field, _, flag = item.partition("=")
+        changes[field] = getattr(args, flag or field)
+    if "slots" in attrs.fields_dict(spec_class):
+        changes["slots"] = setup.slots
+    spec = _evolve(spec, **changes)
+    options: dict[str, Any] = {}
+    if module_name in ("claude", "fanout", "compaction"):
+        from agentkv_bench.claude import find_claude
+
+        options["claude"] = find_claude(args.claude_bin)
     if scenario == "agents":
-        base = WorkloadSpec.quick(args.seed) if args.quick else WorkloadSpec(seed=args.seed)
-        spec = _evolve(base, agents=args.agents, slots=setup.slots, turns=args.turns)
-        report = await run_agents(
-            bench, spec, _configs(args, scenario), overhead=not args.no_overhead
-        )
-        return report, agents_table(report)
-    if scenario in ("claude", "restart"):
-        claude_spec = _evolve(
-            ClaudeSpec.quick() if args.quick else ClaudeSpec(),
-            agents=args.agents,
-            slots=setup.slots,
-            sessions=args.sessions,
-            followups=args.followups,
-            scale=args.scale,
-        )
-        if scenario == "claude":
-            report = await run_claude(bench, claude_spec, _configs(args, scenario))
-            return report, claude_table(report)
-        report = await run_restart(bench, claude_spec)
-        return report, restart_table(report)
-    if scenario == "priority":
-        priority_spec = _evolve(
-            PrioritySpec.quick() if args.quick else PrioritySpec(),
-            slots=setup.slots,
-            subagents=args.subagents,
-            rounds=args.rounds,
-            delay=args.delay,
-            scale=args.scale,
-        )
-        report = await run_priority(bench, priority_spec, _configs(args, scenario))
-        return report, priority_table(report)
-    if scenario == "subagents":
-        from agentkv_bench.subagents import SubagentsSpec, run_subagents, subagents_table
-
-        sub_spec = _evolve(
-            SubagentsSpec.quick() if args.quick else SubagentsSpec(),
-            slots=setup.slots,
-            scale=args.scale,
-        )
-        report = await run_subagents(bench, sub_spec, _configs(args, scenario))
-        return report, subagents_table(report)
-    if scenario == "mixed":
-        from agentkv_bench.mixed import MixedSpec, mixed_table, run_mixed
-
-        mixed_spec = _evolve(
-            MixedSpec.quick() if args.quick else MixedSpec(),
-            claude_agents=args.agents,
-            codex_agents=args.agents,
-            slots=setup.slots,
-            turns=args.turns,
-            scale=args.scale,
-        )
-        report = await run_mixed(bench, mixed_spec, _configs(args, scenario))
-        return report, mixed_table(report)
-    from agentkv_bench.claude import CliSpec, find_claude, real_cli_table, run_real_cli
-
-    if scenario == "compaction":
-        from agentkv_bench.compaction import CompactionSpec, compaction_table, run_compaction
-
-        compaction_spec = _evolve(CompactionSpec(), think=args.think)
-        report = await run_compaction(
-            bench,
-            compaction_spec,
-            claude=find_claude(args.claude_bin),
-            configs=_configs(args, scenario),
-        )
-        return report, compaction_table(report)
-
-    if scenario == "band":
-        from agentkv_bench.band import BandSpec, band_table, run_band
-
-        band_spec = _evolve(BandSpec.quick() if args.quick else BandSpec(), turns=args.turns)
-        report = await run_band(bench, band_spec, _configs(args, scenario))
-        return report, band_table(report)
-
-    if scenario == "real-cli-fanout":
-        from agentkv_bench.fanout import FanoutSpec, fanout_table, run_fanout
-
-        fanout_spec = _evolve(FanoutSpec(runs=1) if args.quick else FanoutSpec(), runs=args.runs)
-        report = await run_fanout(
-            bench,
-            fanout_spec,
-            claude=find_claude(args.claude_bin),
-            configs=_configs(args, scenario),
-        )
-        return report, fanout_table(report)
-
-    cli_spec = _evolve(
-        CliSpec(agents=1, sessions=1) if args.quick else CliSpec(),
-        agents=args.agents,
-        sessions=args.sessions,
-    )
-    report = await run_real_cli(
-        bench, cli_spec, claude=find_claude(args.claude_bin), configs=_configs(args, scenario)
-    )
-    return report, real_cli_table(report)
+        options["overhead"] = not args.no_overhead
+    if scenario != "restart":
+        options["configs"] = _configs(args, scenario)
+    bench = Bench(setup=setup, out=args.out, say=_say)
+    report = await getattr(module, f"run_{stem}")(bench, spec, **options)
+    return report, getattr(module, f"{stem}_table")(report)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
