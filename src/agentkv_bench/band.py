@@ -14,13 +14,12 @@ from typing import Any
 import anthropic
 import anyio
 import attrs
-import httpx
 
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.lifecycle import Runtime
 from agentkv_bench._runs import write_run
 from agentkv_bench.engines import EngineSetup, agentkv_engine
-from agentkv_bench.metrics import difference, read_counters
+from agentkv_bench.metrics import counting
 from agentkv_bench.report import Row, fmt, render_table
 from agentkv_bench.scenarios import Bench
 
@@ -77,51 +76,45 @@ async def _conversation(name: str, setup: EngineSetup, spec: BandSpec) -> dict[s
     config = _config(name, setup.ctx)
     rows: list[dict[str, Any]] = []
     messages: list[dict[str, Any]] = []
-    async with (
-        agentkv_engine(setup, store_dir=None, config=config, name=name) as engine,
-        httpx.AsyncClient() as http,
-    ):
+    async with agentkv_engine(setup, store_dir=None, config=config, name=name) as engine:
         runtime = engine.runtime
         assert runtime is not None
         threshold = runtime.config.compaction_threshold  # the slot's, once assembled
         client = anthropic.AsyncAnthropic(
             base_url=engine.url, api_key="agentkv", default_headers={"x-agent-id": AGENT}
         )
-        before = await read_counters(http, engine.engine_url, engine.engine_key)
-        started = time.monotonic()
-        # the agent's compaction in force after each turn (a fold replaces the one before it)
-        seen: list[object] = []
-        for turn in range(spec.turns):
-            messages.append({"role": "user", "content": _message(turn, spec.lines)})
-            asked = time.monotonic()
-            reply = await client.messages.create(
-                model="agentkv-local",
-                max_tokens=16,
-                messages=messages,  # type: ignore[arg-type]
-            )
-            seconds = time.monotonic() - asked
-            text = "".join(b.text for b in reply.content if b.type == "text") or "ok"
-            messages.append({"role": "assistant", "content": text})
-            record = next(r for r in reversed(runtime.records()) if r.agent == AGENT)
-            waited = await _idle(runtime, spec.idle_limit)
-            latest = runtime.compactor.store.latest(AGENT)
-            if latest is not None and not any(latest is c for c in seen):
-                seen.append(latest)
-            rows.append(
-                {
-                    "turn": turn,
-                    "seconds": round(seconds, 2),
-                    "prompt_tokens": record.prompt_tokens,
-                    "computed_tokens": record.computed_tokens,
-                    "compactions": len(seen),
-                    "idle_wait_s": waited,
-                }
-            )
-        busy = sum(r["seconds"] for r in rows)
-        wall = time.monotonic() - started
-        counters = difference(
-            await read_counters(http, engine.engine_url, engine.engine_key), before
-        )
+        async with counting(engine.engine_url, engine.engine_key) as counters:
+            started = time.monotonic()
+            # the agent's compaction in force after each turn (a fold replaces the one before it)
+            seen: list[object] = []
+            for turn in range(spec.turns):
+                messages.append({"role": "user", "content": _message(turn, spec.lines)})
+                asked = time.monotonic()
+                reply = await client.messages.create(
+                    model="agentkv-local",
+                    max_tokens=16,
+                    messages=messages,  # type: ignore[arg-type]
+                )
+                seconds = time.monotonic() - asked
+                text = "".join(b.text for b in reply.content if b.type == "text") or "ok"
+                messages.append({"role": "assistant", "content": text})
+                record = next(r for r in reversed(runtime.records()) if r.agent == AGENT)
+                waited = await _idle(runtime, spec.idle_limit)
+                latest = runtime.compactor.store.latest(AGENT)
+                if latest is not None and not any(latest is c for c in seen):
+                    seen.append(latest)
+                rows.append(
+                    {
+                        "turn": turn,
+                        "seconds": round(seconds, 2),
+                        "prompt_tokens": record.prompt_tokens,
+                        "computed_tokens": record.computed_tokens,
+                        "compactions": len(seen),
+                        "idle_wait_s": waited,
+                    }
+                )
+            busy = sum(r["seconds"] for r in rows)
+            wall = time.monotonic() - started
     first = next((r["turn"] for r in rows if r["compactions"] > 0), None)
     after = [r["prompt_tokens"] for r in rows if first is not None and r["turn"] > first]
     return {

@@ -26,9 +26,9 @@ from typing import Any
 
 import anyio
 import attrs
-import httpx
 
 from agentkv.snapshot import unstructure
+from agentkv_bench._runs import run_claude
 from agentkv_bench.engines import (
     NO_PREEMPTION,
     Engine,
@@ -37,7 +37,7 @@ from agentkv_bench.engines import (
     llama_server_args,
     raw_llama_server,
 )
-from agentkv_bench.metrics import difference, read_counters
+from agentkv_bench.metrics import counting
 from agentkv_bench.report import fmt, render_table, write_report
 from agentkv_bench.scenarios import Bench
 from agentkv_bench.workload import WORDS
@@ -117,15 +117,7 @@ async def _session(
 ) -> dict[str, Any]:
     started = time.monotonic()
     prompt = f"Reply with the single word: {word}"
-    try:
-        with anyio.fail_after(limit_s):
-            done = await anyio.run_process(
-                [str(claude), "-p", prompt], cwd=project, env=env, check=False
-            )
-        out, err = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
-        rc: int | None = done.returncode
-    except TimeoutError:
-        out, err, rc = "", "timed out", None
+    rc, out, err = await run_claude([str(claude), "-p", prompt], project, env, limit_s)
     answer = out.strip()
     return {
         "word": word,
@@ -229,11 +221,8 @@ async def _measure(
     first_word: int,
 ) -> dict[str, Any]:
     """One configuration's sessions, and llama-server's counters over them."""
-    url, key = engine.engine_url, engine.engine_key
-    async with httpx.AsyncClient() as http:
-        before = await read_counters(http, url, key)
+    async with counting(engine.engine_url, engine.engine_key) as counters:
         wall, sessions = await _run_agents(claude, project, home, engine.url, spec, ctx, first_word)
-        counters = difference(await read_counters(http, url, key), before)
     rows = [row for agent in sessions.values() for row in agent]
     return {
         "name": engine.name,

@@ -16,14 +16,13 @@ from typing import Any
 
 import anyio
 import attrs
-import httpx
 
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.record import request_fields
 from agentkv_bench._runs import run_claude, write_run
 from agentkv_bench.claude import make_project
 from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
-from agentkv_bench.metrics import difference, read_counters
+from agentkv_bench.metrics import counting
 from agentkv_bench.report import fmt, render_table
 from agentkv_bench.scenarios import Bench
 from agentkv_server.cli import claude_code_env
@@ -134,19 +133,17 @@ async def _session(
     env = _env(url, home, ctx)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
-    async with httpx.AsyncClient() as http:
-        for index, (word, prompt, think) in enumerate(turns(spec)):
-            await anyio.sleep(think)
-            before = await read_counters(http, engine_url, engine_key)
+    for index, (word, prompt, think) in enumerate(turns(spec)):
+        await anyio.sleep(think)
+        async with counting(engine_url, engine_key) as counters:
             row = await _turn(claude, project, env, prompt, index == 0, spec.timeout)
-            counters = difference(await read_counters(http, engine_url, engine_key), before)
-            row |= {
-                "word": word,
-                "think_s": think,
-                "prefill_computed": int(counters["prompt_computed"]),
-                "correct": word in row["answer"].lower(),
-            }
-            rows.append(row)
+        row |= {
+            "word": word,
+            "think_s": think,
+            "prefill_computed": int(counters["prompt_computed"]),
+            "correct": word in row["answer"].lower(),
+        }
+        rows.append(row)
     wall = time.monotonic() - started
     return {
         "name": name,

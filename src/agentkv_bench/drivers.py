@@ -79,6 +79,21 @@ class _Reply:
     error: str | None
     text: str
 
+    def result(self, agent: str, priority: int, turn: int, **fields: Any) -> RequestResult:
+        """The reply as its request's result (times rounded, the text's first 200 characters)."""
+        return RequestResult(
+            agent=agent,
+            priority=priority,
+            turn=turn,
+            submitted=round(self.submitted, 4),
+            ttft=None if self.first is None else round(self.first - self.submitted, 4),
+            done=round(self.done, 4),
+            output_tokens=self.output_tokens,
+            error=self.error,
+            text=self.text[:200],
+            **fields,
+        )
+
 
 #: Each API's route.
 ROUTES = {
@@ -303,22 +318,9 @@ async def drive(
             headers = _headers(agent)
             for turn, body in enumerate(agent.requests):
                 reply = await one_request(clients, body, headers, clock, api=agent.api)
+                session = agent.session_of(turn)
                 results.append(
-                    RequestResult(
-                        agent=agent.name,
-                        priority=agent.priority,
-                        turn=turn,
-                        submitted=round(reply.submitted, 4),
-                        ttft=None
-                        if reply.first is None
-                        else round(reply.first - reply.submitted, 4),
-                        done=round(reply.done, 4),
-                        output_tokens=reply.output_tokens,
-                        error=reply.error,
-                        session=agent.session_of(turn),
-                        phase=phase,
-                        text=reply.text[:200],
-                    )
+                    reply.result(agent.name, agent.priority, turn, session=session, phase=phase)
                 )
 
         async with anyio.create_task_group() as tg:

@@ -24,7 +24,7 @@ from agentkv.snapshot import unstructure
 from agentkv_bench._runs import by_name, run_claude, write_run
 from agentkv_bench.claude import _env, make_project
 from agentkv_bench.engines import NO_PREEMPTION, serve_app, start
-from agentkv_bench.metrics import difference, read_counters
+from agentkv_bench.metrics import counting, difference, read_counters
 from agentkv_bench.report import fmt, render_table
 from agentkv_bench.scenarios import Bench, _store
 from agentkv_bench.subagents import agent_call, scripted_sse
@@ -194,8 +194,10 @@ async def _one(
     store_dir = _store(bench, name, fresh=True, tag="real-cli-fanout")
     async with start(setup, _START[name], store_dir=store_dir, config=NO_PREEMPTION) as engine:
         timeout = httpx.Timeout(spec.timeout, connect=10.0)
-        async with httpx.AsyncClient(timeout=timeout) as http:
-            before = await read_counters(http, engine.engine_url, engine.engine_key)
+        async with (
+            counting(engine.engine_url, engine.engine_key) as counters,
+            httpx.AsyncClient(timeout=timeout) as http,
+        ):
             proxy = FanoutProxy(engine.url, engine.engine_url, engine.engine_key)
             async with serve_app(proxy.app(http)) as url:
                 env = _env(url, home, "coordinator", 0, setup.ctx)
@@ -204,9 +206,6 @@ async def _one(
                     [str(claude), "-p", PROMPT], project, env, spec.timeout
                 )
                 wall = time.monotonic() - started
-            counters = difference(
-                await read_counters(http, engine.engine_url, engine.engine_key), before
-            )
         tree = None
         if engine.runtime is not None:
             tree = unstructure(engine.runtime.snapshot().tree)

@@ -11,7 +11,8 @@ The minimum is the prefill no cache can avoid, from the prompts as the engine to
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -25,6 +26,7 @@ __all__ = [
     "COUNTERS",
     "Counters",
     "PrefillYardstick",
+    "counting",
     "parse_counters",
     "read_counters",
 ]
@@ -62,6 +64,17 @@ async def read_counters(
 
 def difference(after: Counters, before: Counters) -> Counters:
     return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
+@contextlib.asynccontextmanager
+async def counting(engine_url: str, api_key: str | None = None) -> AsyncIterator[Counters]:
+    """llama-server's counters over the block: what it yields holds their difference once the
+    block ends."""
+    counters: Counters = {}
+    async with httpx.AsyncClient() as http:
+        before = await read_counters(http, engine_url, api_key)
+        yield counters
+        counters.update(difference(await read_counters(http, engine_url, api_key), before))
 
 
 @attrs.frozen

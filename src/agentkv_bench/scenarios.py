@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import httpx
 
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.snapshot import RuntimeSnapshot, StoreSnapshot, unstructure
@@ -33,13 +32,7 @@ from agentkv_bench.claude_workload import (
 )
 from agentkv_bench.drivers import Clock, RequestResult, drive
 from agentkv_bench.engines import REPLAYED, Engine, EngineSetup, start
-from agentkv_bench.metrics import (
-    PrefillYardstick,
-    difference,
-    read_counters,
-    token_sequences,
-    yardsticks,
-)
+from agentkv_bench.metrics import PrefillYardstick, counting, token_sequences, yardsticks
 from agentkv_bench.report import Panel, fmt, render_table, summarize, write_report
 from agentkv_bench.workload import Workload, WorkloadSpec, build_workload, shared_prefix_len
 
@@ -82,15 +75,13 @@ async def measure(engine: Engine, phases: Sequence[tuple[str, Workload]]) -> Mea
     """Run the phases one after another on ``engine``, counting llama-server's work."""
     clock = Clock()
     results: list[RequestResult] = []
-    async with httpx.AsyncClient() as http:
-        before = await read_counters(http, engine.engine_url, engine.engine_key)
+    async with counting(engine.engine_url, engine.engine_key) as counters:
         for phase, workload in phases:
             _, got = await drive(engine.url, workload, clock=clock, phase=phase)
             results.extend(got)
         wall = clock()
-        after = await read_counters(http, engine.engine_url, engine.engine_key)
     snapshot = engine.runtime.snapshot() if engine.runtime is not None else None
-    return Measured(wall, results, difference(after, before), snapshot)
+    return Measured(wall, results, counters, snapshot)
 
 
 def _store_summary(store: StoreSnapshot | None) -> dict[str, Any]:

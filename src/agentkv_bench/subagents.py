@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
-import httpx
 
 from agentkv.anthropic_sse import anthropic_events, encode_event
 from agentkv.reply import BlockClosed, BlockOpened, Delta, Ended, ReplyEvent, Started, Usage
@@ -26,7 +25,7 @@ from agentkv.tokens import common_prefix
 from agentkv_bench._runs import by_name, claude_code_headers, errors_target
 from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
 from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sdk_clients
-from agentkv_bench.metrics import PrefillYardstick, difference, read_counters, token_sequences
+from agentkv_bench.metrics import PrefillYardstick, counting, token_sequences
 
 if TYPE_CHECKING:
     from agentkv_bench.scenarios import Bench
@@ -290,19 +289,7 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
 
 async def _send(clients: Clients, step: Step, clock: Clock, results: list[RequestResult]) -> None:
     reply = await one_request(clients, step.body, step.headers, clock)
-    results.append(
-        RequestResult(
-            agent=step.name,
-            priority=int(step.headers.get("x-agent-priority", "1")),
-            turn=0,
-            submitted=round(reply.submitted, 4),
-            ttft=None if reply.first is None else round(reply.first - reply.submitted, 4),
-            done=round(reply.done, 4),
-            output_tokens=reply.output_tokens,
-            error=reply.error,
-            text=reply.text[:200],
-        )
-    )
+    results.append(reply.result(step.name, int(step.headers.get("x-agent-priority", "1")), 0))
 
 
 async def play(url: str, workload: SubagentsWorkload, clock: Clock) -> list[RequestResult]:
@@ -335,8 +322,7 @@ async def measure_fan_out(
 ) -> tuple[float, list[RequestResult], dict[str, float]]:
     """Play the fan-out (or one request alone) and count llama-server's prefill."""
     clock = Clock()
-    async with httpx.AsyncClient() as http:
-        before = await read_counters(http, engine_url, engine_key)
+    async with counting(engine_url, engine_key) as counters:
         if only is None:
             results = await play(url, workload, clock)
         else:
@@ -344,8 +330,7 @@ async def measure_fan_out(
             async with sdk_clients(url) as clients:
                 await _send(clients, only, clock, results)
         wall = clock()
-        after = await read_counters(http, engine_url, engine_key)
-    return wall, results, difference(after, before)
+    return wall, results, counters
 
 
 async def fan_out_facts(
