@@ -38,15 +38,14 @@ from agentkv_bench.report import (
     rounded,
     summarize,
     target_lines,
-    write_report,
 )
 from agentkv_bench.scenarios import (
     Bench,
     _first_answer,
     _hits,
-    _machine,
     _slowest_first,
     _store,
+    _write,
     answers_correct,
     measure,
 )
@@ -410,21 +409,16 @@ async def run_mixed(
             f"mixed/{name}: {summary['wall_s']} s; prefill {summary['prefill_computed']} "
             f"(minimum {summary['prefill_minimum']}); errors {summary['errors']}"
         )
-    report: dict[str, Any] = {
-        "scenario": "mixed",
-        "workload": attrs.asdict(spec),
-        **_machine(bench),
-        "yardsticks": {k: v.as_dict() for k, v in sticks.items()},
-        "api_minimum": api_minimum,
-        "configs": reports,
-    }
-    report["targets"] = targets(report)
-    report["total_s"] = round(time.monotonic() - began, 1)
-    await write_report(
-        report,
-        mixed_table(report),
-        bench.out,
-        stem="mixed",
+    return await _write(
+        bench,
+        "mixed",
+        spec,
+        began,
+        mixed_table,
+        yardsticks={k: v.as_dict() for k, v in sticks.items()},
+        api_minimum=api_minimum,
+        configs=reports,
+        targets=targets,
         panels=[
             ("wall time (s)", lambda c: c["wall_s"]),
             ("prefill / minimum", lambda c: c["prefill_ratio"] or 0),
@@ -433,7 +427,6 @@ async def run_mixed(
         title=f"{spec.claude_agents} Claude Code + {spec.codex_agents} Codex agents × "
         f"{spec.turns} turns on {spec.slots} slots (lower is better)",
     )
-    return report
 
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:

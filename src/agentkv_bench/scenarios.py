@@ -159,20 +159,16 @@ async def run_agents(
 
         bench.say("gateway overhead: fake engine")
         measured_overhead["gateway_overhead"] = await gateway_overhead()
-    report = _report(
+    return await _write(
         bench,
         "agents",
         spec,
         started,
+        agents_table,
         prefill_minimum=yardstick.minimum if yardstick else None,
         prefill_naive=yardstick.naive if yardstick else None,
         configs=reports,
         **measured_overhead,
-    )
-    await write_report(
-        report,
-        agents_table(report),
-        bench.out,
         stem="benchmarks",
         panels=[
             _WALL_PANEL,
@@ -182,7 +178,6 @@ async def run_agents(
         title=f"{spec.agents} agents on {spec.slots} slots, {spec.turns} turns each "
         "(lower is better)",
     )
-    return report
 
 
 def _ttft_row(priority: str) -> tuple[str, Callable[[dict[str, Any]], str]]:
@@ -236,17 +231,29 @@ def _machine(bench: Bench) -> dict[str, Any]:
     }
 
 
-def _report(
-    bench: Bench, scenario: str, spec: Any, started: float, **fields: Any
+async def _write(
+    bench: Bench,
+    scenario: str,
+    spec: Any,
+    started: float,
+    table: Callable[[dict[str, Any]], str],
+    *,
+    stem: str = "",
+    panels: Sequence[Panel] = (),
+    title: str = "",
+    targets: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    **fields: Any,
 ) -> dict[str, Any]:
-    """A scenario's report: what ran and on what, then ``fields`` and the run's total seconds."""
-    return {
-        "scenario": scenario,
-        "workload": attrs.asdict(spec),
-        **_machine(bench),
-        **fields,
-        "total_s": round(time.monotonic() - started, 1),
-    }
+    """A scenario's report: what ran and on what, ``fields``, the ``targets`` of all that, and
+    the run's total seconds; written as ``{stem}.{json,txt,png}`` (``stem``: the scenario's)."""
+    report = {"scenario": scenario, "workload": attrs.asdict(spec), **_machine(bench), **fields}
+    if targets is not None:
+        report["targets"] = targets(report)
+    report["total_s"] = round(time.monotonic() - started, 1)
+    await write_report(
+        report, table(report), bench.out, stem=stem or scenario, panels=panels, title=title
+    )
+    return report
 
 
 def _store(bench: Bench, name: str, *, fresh: bool, tag: str = "") -> Path | None:
@@ -291,12 +298,14 @@ async def run_claude(bench: Bench, spec: ClaudeSpec, configs: Sequence[str]) -> 
         summary["agentkv"] = _hits(run.snapshot)
         reports.append(summary)
         bench.say(f"claude/{name}: {summary['wall_s']} s")
-    report = _report(bench, "claude", spec, started, yardsticks=_as_dicts(sticks), configs=reports)
-    await write_report(
-        report,
-        claude_table(report),
-        bench.out,
-        stem="claude",
+    return await _write(
+        bench,
+        "claude",
+        spec,
+        started,
+        claude_table,
+        yardsticks=_as_dicts(sticks),
+        configs=reports,
         panels=[
             _WALL_PANEL,
             ("prefill computed (K tokens)", lambda c: c["prefill_computed"] / 1000),
@@ -305,7 +314,6 @@ async def run_claude(bench: Bench, spec: ClaudeSpec, configs: Sequence[str]) -> 
         title=f"Claude Code sessions: {spec.agents} agents × {spec.sessions} on "
         f"{spec.slots} slots (lower is better)",
     )
-    return report
 
 
 def _as_dicts(sticks: dict[str, PrefillYardstick]) -> dict[str, dict[str, Any]]:
@@ -395,11 +403,12 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
     ttft_cold = cold.results[0].ttft if cold.results else None
     first_life = summarize("agentkv", first.wall, first.results, first.counters, sticks["agentkv"])
     first_life["agentkv"] = _hits(first.snapshot)
-    report = _report(
+    return await _write(
         bench,
         "restart",
         spec,
         started,
+        restart_table,
         newcomer_tokens=newcomer_tokens,
         newcomer_own_tokens=own,
         first_life=first_life,
@@ -409,8 +418,6 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
         speedup=round(ttft_cold / ttft_after, 1) if ttft_after and ttft_cold else None,
         configs=[with_store, without],
     )
-    await write_report(report, restart_table(report), bench.out, stem="restart")
-    return report
 
 
 async def _own_tokens(engine: Engine, warm: Workload, newcomer: Workload) -> tuple[int, int]:
@@ -488,14 +495,14 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
         summary["agentkv"] = _hits(run.snapshot)
         reports.append(summary)
         bench.say(f"priority/{name}: {summary['wall_s']} s")
-    report = _report(
-        bench, "priority", spec, started, yardsticks=_as_dicts(sticks), configs=reports
-    )
-    await write_report(
-        report,
-        priority_table(report),
-        bench.out,
-        stem="priority",
+    return await _write(
+        bench,
+        "priority",
+        spec,
+        started,
+        priority_table,
+        yardsticks=_as_dicts(sticks),
+        configs=reports,
         panels=[
             _P0_PANEL,
             _WALL_PANEL,
@@ -504,7 +511,6 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
         title=f"P0 arriving while {spec.subagents} sub-agents prefill, {spec.rounds} rounds "
         "(lower is better)",
     )
-    return report
 
 
 def priority_table(report: dict[str, Any]) -> str:

@@ -397,8 +397,8 @@ async def run_subagents(
     under ``bench.out``."""
     from agentkv.runtime.config import RuntimeConfig
     from agentkv_bench.engines import start
-    from agentkv_bench.report import summarize, write_report
-    from agentkv_bench.scenarios import _machine, _store
+    from agentkv_bench.report import summarize
+    from agentkv_bench.scenarios import _store, _write
 
     workload = build_subagents(spec)
     facts: dict[str, Any] | None = None
@@ -447,20 +447,15 @@ async def run_subagents(
         partial.parent.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps({"facts": facts, "configs": reports}, indent=1))
     assert facts is not None
-    report: dict[str, Any] = {
-        "scenario": "subagents",
-        "workload": attrs.asdict(spec),
-        **_machine(bench),
-        "facts": facts,
-        "configs": reports,
-    }
-    report["targets"] = targets(report)
-    report["total_s"] = round(time.monotonic() - began, 1)
-    await write_report(
-        report,
-        subagents_table(report),
-        bench.out,
-        stem="subagents",
+    return await _write(
+        bench,
+        "subagents",
+        spec,
+        began,
+        subagents_table,
+        facts=facts,
+        configs=reports,
+        targets=targets,
         panels=[
             ("wall time (s)", lambda c: c["wall_s"]),
             ("foreground sub-agent TTFT (s)", lambda c: _ttft(c, FOREGROUND) or 0),
@@ -471,7 +466,6 @@ async def run_subagents(
         title="A coordinator fans out to 3 sub-agents while another session prefills "
         "(lower is better)",
     )
-    return report
 
 
 def _ttft(config: dict[str, Any], step: str) -> float | None:
