@@ -156,17 +156,23 @@ async def _run_agents(
 
 
 @contextlib.asynccontextmanager
+async def llama_server_alone(setup: EngineSetup, scenario: str) -> AsyncIterator[Engine]:
+    """llama-server alone, as a real client meets it (``--no-kv-unified``)."""
+    args = [*llama_server_args(setup, "plain"), "--no-kv-unified"]
+    log = setup.log_dir / f"llama-server-{scenario}.log"
+    async with raw_llama_server(setup.binary, args, log) as url:
+        yield Engine("llama-server", url, url, " ".join(args))
+
+
+@contextlib.asynccontextmanager
 async def _engine(setup: EngineSetup, name: str, store: Path) -> AsyncIterator[Engine]:
-    """llama-server alone (``--no-kv-unified``), or agentkv on ``store``."""
-    if name != "llama-server":
-        config = NO_PREEMPTION
-        async with agentkv_engine(setup, store_dir=store, config=config, name=name) as engine:
+    """llama-server alone, or agentkv on ``store``."""
+    if name == "llama-server":
+        async with llama_server_alone(setup, "real-cli") as engine:
             yield engine
         return
-    args = [*llama_server_args(setup, "plain"), "--no-kv-unified"]
-    log = setup.log_dir / "llama-server-real-cli.log"
-    async with raw_llama_server(setup.binary, args, log) as url:
-        yield Engine(name, url, url, " ".join(args))
+    async with agentkv_engine(setup, store_dir=store, config=NO_PREEMPTION, name=name) as engine:
+        yield engine
 
 
 async def run_real_cli(

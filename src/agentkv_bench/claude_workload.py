@@ -83,16 +83,22 @@ def _session_id(agent: int, session: int, salt: str) -> str:
 
 
 def fresh_request(
-    template: dict[str, Any], *, words: str, session_id: str, max_tokens: int
+    template: dict[str, Any],
+    *,
+    words: str,
+    session_id: str,
+    max_tokens: int,
+    captured: str = _CAPTURED_WORDS,
 ) -> dict[str, Any]:
-    """The first request of a fresh session: ``template`` with these user words and session id.
+    """The first request of a fresh session: ``template`` (whose first user turn ends with the
+    ``captured`` words) with these user words and session id.
 
     ``max_tokens`` bounds the reply (Claude Code asks for 128000; a one-word answer needs a few),
     and ``temperature`` 0 makes every configuration generate the same reply for the same prompt.
     """
     body = copy.deepcopy(template)
     first = body["messages"][0]["content"]
-    if first[-1].get("text") != _CAPTURED_WORDS:
+    if first[-1].get("text") != captured:
         raise ValueError("the template's first user turn does not end with the captured words")
     first[-1]["text"] = words
     metadata = body.get("metadata")

@@ -20,8 +20,8 @@ import attrs
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.record import request_fields
 from agentkv_bench._runs import run_claude, write_run
-from agentkv_bench.claude import make_project
-from agentkv_bench.engines import EngineSetup, agentkv_engine, raw_llama_server
+from agentkv_bench.claude import llama_server_alone, make_project
+from agentkv_bench.engines import EngineSetup, agentkv_engine
 from agentkv_bench.metrics import counting
 from agentkv_bench.report import fmt, render_table
 from agentkv_bench.scenarios import Bench
@@ -168,11 +168,10 @@ async def run_compaction(
         for name in configs:
             bench.say(f"compaction/{name}: 5 turns, {spec.think:g} s of think time twice")
             if name == "llama-server":
-                args = ["-m", str(setup.model), "-np", str(setup.slots)]
-                args += ["-c", str(setup.slots * setup.ctx), "--no-kv-unified", "--metrics"]
-                log = setup.log_dir / "llama-server-compaction.log"
-                async with raw_llama_server(setup.binary, args, log) as url:
-                    report = await _session(name, url, url, None, claude, root, spec, setup.ctx)
+                async with llama_server_alone(setup, "compaction") as e:
+                    report = await _session(
+                        name, e.url, e.engine_url, None, claude, root, spec, setup.ctx
+                    )
             else:
                 store = bench.out / "stores" / f"compaction-{name}"
                 shutil.rmtree(store, ignore_errors=True)

@@ -12,7 +12,6 @@ import copy
 import json
 import time
 from collections.abc import Sequence
-from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -23,7 +22,13 @@ from agentkv.reply import BlockClosed, BlockOpened, Delta, Ended, ReplyEvent, St
 from agentkv.snapshot import RuntimeSnapshot, unstructure
 from agentkv.tokens import common_prefix
 from agentkv_bench._runs import by_name, claude_code_headers, errors_target
-from agentkv_bench.claude_workload import _cut, claude_template, fresh_request, shrink
+from agentkv_bench.claude_workload import (
+    _captured,
+    _cut,
+    claude_template,
+    fresh_request,
+    shrink,
+)
 from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sdk_clients
 from agentkv_bench.metrics import PrefillYardstick, counting, token_sequences
 
@@ -65,8 +70,7 @@ _BACKGROUND = (
 
 def subagent_template() -> dict[str, Any]:
     """The captured first request of a general-purpose sub-agent (a new copy on every call)."""
-    text = resources.files("agentkv_bench").joinpath("data", _SUBAGENT_TEMPLATE).read_text("utf-8")
-    body: dict[str, Any] = json.loads(text)["body"]
+    body: dict[str, Any] = _captured(_SUBAGENT_TEMPLATE)["body"]
     return body
 
 
@@ -166,21 +170,14 @@ class SubagentsWorkload:
         ]
 
 
-def _subagent(template: dict[str, Any], prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = copy.deepcopy(template)
-    first = body["messages"][0]["content"]
-    if first[-1].get("text") != _SUBAGENT_WORDS:
-        raise ValueError("the sub-agent template's first user turn does not end with its prompt")
-    first[-1]["text"] = prompt
-    metadata = body.get("metadata")
-    if isinstance(metadata, dict) and isinstance(metadata.get("user_id"), str):
-        user = json.loads(metadata["user_id"])
-        user["session_id"] = SESSION
-        metadata["user_id"] = json.dumps(user, separators=(",", ":"))
-    body["max_tokens"] = max_tokens
-    body["temperature"] = 0.0
-    body["stream"] = True
-    return body
+def _subagent(template: dict[str, Any], prompt: str, spec: SubagentsSpec) -> dict[str, Any]:
+    return fresh_request(
+        template,
+        words=prompt,
+        session_id=SESSION,
+        max_tokens=spec.max_tokens,
+        captured=_SUBAGENT_WORDS,
+    )
 
 
 def _shrink_subagent(body: dict[str, Any], scale: float) -> dict[str, Any]:
@@ -243,7 +240,7 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
     background = tuple(
         Step(
             f"background sub-agent ({what.lower()})",
-            _subagent(sub, f"Reply with the single word: {word}", spec.max_tokens),
+            _subagent(sub, f"Reply with the single word: {word}", spec),
             claude_code_headers(SESSION, priority, sid),
         )
         for _, sid, what, word in fan_out
@@ -277,7 +274,7 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
         ),
         foreground=Step(
             FOREGROUND,
-            _subagent(sub, fg_prompt, spec.max_tokens),
+            _subagent(sub, fg_prompt, spec),
             claude_code_headers(SESSION, priority, fg_id),
         ),
         continuation=Step(CONTINUATION, continuation, claude_code_headers(SESSION, priority)),
