@@ -636,22 +636,6 @@ async def drive_soak(
                 await anyio.sleep(0.5)
         settled_s = time.monotonic() - settle_started
         restarts_after = (await _health(http, url)).get("engine_restarts")
-    return _report(
-        spec, results, kill, wall, snapshot, leaked, settled_s, restarts_before, restarts_after
-    )
-
-
-def _report(
-    spec: SoakSpec,
-    results: Sequence[_Result],
-    kill: _Kill,
-    wall: float,
-    snapshot: RuntimeSnapshot | None,
-    leaked: int | None,
-    settled_s: float,
-    restarts_before: Any,
-    restarts_after: Any,
-) -> dict[str, Any]:
     outcomes = Counter(r.outcome for r in results)
     ok_times = [r.seconds for r in results if r.outcome == "ok"]
     errors = Counter(r.detail for r in results if r.outcome == "error")
