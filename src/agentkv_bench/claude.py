@@ -28,7 +28,7 @@ import anyio
 import attrs
 
 from agentkv.snapshot import unstructure
-from agentkv_bench._runs import run_claude
+from agentkv_bench._runs import run_claude, write_run
 from agentkv_bench.engines import (
     NO_PREEMPTION,
     Engine,
@@ -38,7 +38,7 @@ from agentkv_bench.engines import (
     raw_llama_server,
 )
 from agentkv_bench.metrics import counting
-from agentkv_bench.report import fmt, render_table, write_report
+from agentkv_bench.report import fmt, render_table
 from agentkv_bench.scenarios import Bench
 from agentkv_bench.workload import WORDS
 
@@ -203,18 +203,9 @@ async def run_real_cli(
     base = next((r["wall_s"] for r in reports if r["name"] == "llama-server"), None)
     for report in reports:
         report["wall_vs_llama_server"] = round(report["wall_s"] / base, 3) if base else None
-    result = {
-        "scenario": "real-cli",
-        "spec": attrs.asdict(spec),
-        "slots": setup.slots,
-        "ctx_per_slot": setup.ctx,
-        "model": setup.model.name,
-        "engine": setup.binary.name,
-        "configs": reports,
-        "total_s": round(time.monotonic() - started, 1),
-    }
-    await write_report(result, real_cli_table(result), bench.out, stem="real-cli")
-    return result
+    return await write_run(
+        bench, "real-cli", spec, real_cli_table, started, engine=setup.binary.name, configs=reports
+    )
 
 
 async def _measure(
