@@ -15,7 +15,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +71,19 @@ class Measured:
     snapshot: RuntimeSnapshot | None
 
 
-async def measure(engine: Engine, phases: Sequence[tuple[str, Workload]]) -> Measured:
-    """Run the phases one after another on ``engine``, counting llama-server's work."""
+async def measure(
+    engine: Engine,
+    phases: Sequence[tuple[str, Workload]] = (),
+    *,
+    play: Callable[[Clock], Awaitable[list[RequestResult]]] | None = None,
+) -> Measured:
+    """Run ``play`` (given the run's clock), then the phases one after another on ``engine``,
+    counting llama-server's work."""
     clock = Clock()
     results: list[RequestResult] = []
     async with counting(engine.engine_url, engine.engine_key) as counters:
+        if play is not None:
+            results += await play(clock)
         for phase, workload in phases:
             _, got = await drive(engine.url, workload, clock=clock, phase=phase)
             results.extend(got)

@@ -9,6 +9,7 @@ requests still runs on the engine); nothing in agentkv is (docs/benchmarks.md).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from agentkv_bench.claude_workload import (
     shrink,
 )
 from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sdk_clients
-from agentkv_bench.metrics import PrefillYardstick, counting, token_sequences
+from agentkv_bench.metrics import PrefillYardstick, token_sequences
 
 if TYPE_CHECKING:
     from agentkv_bench.scenarios import Bench
@@ -289,10 +290,16 @@ async def _send(clients: Clients, step: Step, clock: Clock, results: list[Reques
     results.append(reply.result(step.name, int(step.headers.get("x-agent-priority", "1")), 0))
 
 
-async def play(url: str, workload: SubagentsWorkload, clock: Clock) -> list[RequestResult]:
-    """The fan-out against ``url``, timed as Claude Code would send it."""
+async def play(
+    url: str, workload: SubagentsWorkload, clock: Clock, only: Step | None = None
+) -> list[RequestResult]:
+    """The fan-out against ``url`` (or the request ``only``, alone), timed as Claude Code would
+    send it."""
     results: list[RequestResult] = []
     async with sdk_clients(url) as clients:
+        if only is not None:
+            await _send(clients, only, clock, results)
+            return results
         await _send(clients, workload.first, clock, results)
 
         async def coordinator() -> None:
@@ -307,27 +314,6 @@ async def play(url: str, workload: SubagentsWorkload, clock: Clock) -> list[Requ
             for step in (*workload.background, workload.other):
                 tg.start_soon(_send, clients, step, clock, results)
     return results
-
-
-async def measure_fan_out(
-    url: str,
-    engine_url: str,
-    workload: SubagentsWorkload,
-    *,
-    only: Step | None = None,
-    engine_key: str | None = None,
-) -> tuple[float, list[RequestResult], dict[str, float]]:
-    """Play the fan-out (or one request alone) and count llama-server's prefill."""
-    clock = Clock()
-    async with counting(engine_url, engine_key) as counters:
-        if only is None:
-            results = await play(url, workload, clock)
-        else:
-            results = []
-            async with sdk_clients(url) as clients:
-                await _send(clients, only, clock, results)
-        wall = clock()
-    return wall, results, counters
 
 
 async def fan_out_facts(
@@ -395,7 +381,7 @@ async def run_subagents(
     from agentkv.runtime.config import RuntimeConfig
     from agentkv_bench.engines import start
     from agentkv_bench.report import summarize
-    from agentkv_bench.scenarios import _store, _write
+    from agentkv_bench.scenarios import _store, _write, measure
 
     workload = build_subagents(spec)
     facts: dict[str, Any] | None = None
@@ -415,13 +401,13 @@ async def run_subagents(
                     engine.engine_url, workload, engine_key=engine.engine_key
                 )
             only = workload.foreground if name == "alone" else None
-            wall, results, counters = await measure_fan_out(
-                engine.url, engine.engine_url, workload, only=only, engine_key=engine.engine_key
+            run = await measure(
+                engine, play=functools.partial(play, engine.url, workload, only=only)
             )
-            snapshot = engine.runtime.snapshot() if engine.runtime is not None else None
-        summary = summarize(name, wall, results, counters, None, {"flags": engine.flags})
+        counters, snapshot = run.counters, run.snapshot
+        summary = summarize(name, run.wall, run.results, counters, None, {"flags": engine.flags})
         summary["label"] = _LABELS.get(name, summary["label"])
-        summary["steps"] = _step_rows(results)
+        summary["steps"] = _step_rows(run.results)
         summary["tree"] = unstructure(snapshot.tree) if snapshot else None
         summary["continuation_record"] = _continuation_record(
             snapshot, facts["tokens"][workload.continuation.name]
