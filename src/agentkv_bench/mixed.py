@@ -239,24 +239,21 @@ class TicketTimes:
         return self.dispatch - self.arrival
 
 
-class TicketLog:
-    """Collects the tickets of ``runtime`` (a record listener), each named by ``names``."""
+def ticket_log(
+    runtime: Runtime, names: Mapping[str, str], apis: Mapping[str, str]
+) -> list[TicketTimes]:
+    """The tickets of ``runtime`` from now on (a record listener fills the list), each named by
+    ``names``."""
+    tickets: list[TicketTimes] = []
 
-    def __init__(self, runtime: Runtime, names: Mapping[str, str], apis: Mapping[str, str]):
-        self._runtime = runtime
-        self._names = names
-        self._apis = apis
-        self.tickets: list[TicketTimes] = []
-        runtime.add_listener(self._heard)
-
-    def _heard(self, record: RequestRecord) -> None:
+    def heard(record: RequestRecord) -> None:
         # Called as the request ends: its record's total_s runs from its arrival to now.
-        arrival = self._runtime.clock() - (record.total_s or 0.0)
-        name = self._names.get(record.agent, record.agent)
-        self.tickets.append(
+        arrival = runtime.clock() - (record.total_s or 0.0)
+        name = names.get(record.agent, record.agent)
+        tickets.append(
             TicketTimes(
                 agent=name,
-                api=self._apis.get(name, "?"),
+                api=apis.get(name, "?"),
                 priority=record.priority,
                 arrival=arrival,
                 dispatch=arrival + record.queued_s,
@@ -267,6 +264,9 @@ class TicketLog:
                 status=record.outcome,
             )
         )
+
+    runtime.add_listener(heard)
+    return tickets
 
 
 def starvation(
@@ -383,12 +383,11 @@ async def run_mixed(
             if not sticks:
                 sticks = await yardsticks(engine.engine_url, [view], api_key=engine.engine_key)
                 api_minimum = await _api_minimums(engine, view, apis)
-            log = None
-            if engine.runtime is not None:
-                log = TicketLog(engine.runtime, _identities(workload), apis)
+            runtime = engine.runtime
+            tickets = None if runtime is None else ticket_log(runtime, _identities(workload), apis)
             bench.say(f"mixed/{name}: {workload.n_requests} requests from {len(apis)} agents")
             run = await measure(engine, [("", direct if name == "direct" else workload)])
-            config = engine.runtime.config if engine.runtime is not None else None
+            config = runtime.config if runtime is not None else None
         correct, asked = answers_correct(view, run.results)
         extra = {"flags": engine.flags, "layout": layout, "answers_correct": correct}
         summary = summarize(name, run.wall, run.results, run.counters, sticks[layout], extra)
@@ -397,12 +396,12 @@ async def run_mixed(
         summary["api"] = apis
         summary["per_api"] = _per_api(run.results, apis, api_minimum[layout])
         summary["agentkv"] = _hits(run.snapshot)
-        if log is not None and config is not None:
-            summary["tickets"] = [attrs.asdict(t) for t in log.tickets]
+        if tickets is not None and config is not None:
+            summary["tickets"] = [attrs.asdict(t) for t in tickets]
             for api, row in summary["per_api"].items():
-                row["prefill_computed"] = sum(t.computed for t in log.tickets if t.api == api)
+                row["prefill_computed"] = sum(t.computed for t in tickets if t.api == api)
             summary["starvation"] = starvation(
-                log.tickets, aging=config.aging, tie_window=config.tie_window
+                tickets, aging=config.aging, tie_window=config.tie_window
             )
         reports.append(summary)
         bench.say(
