@@ -196,7 +196,7 @@ def build_claude_workload(spec: ClaudeSpec, *, salt: str = "bench") -> Workload:
                 sessions=tuple(session for session, _ in pairs),
             )
         )
-    return Workload(agents=tuple(agents), spec=attrs.asdict(spec))
+    return Workload(agents=tuple(agents))
 
 
 def new_agent_workload(spec: ClaudeSpec, *, name: str = "newcomer") -> Workload:
@@ -210,7 +210,7 @@ def new_agent_workload(spec: ClaudeSpec, *, name: str = "newcomer") -> Workload:
     )
     workload = build_claude_workload(single, salt="new")
     agent = attrs.evolve(workload.agents[0], name=name)
-    return Workload(agents=(agent,), spec=attrs.asdict(single))
+    return Workload(agents=(agent,))
 
 
 # -- priority ------------------------------------------------------------------------------------
@@ -261,10 +261,7 @@ def build_priority_workload(spec: PrioritySpec) -> tuple[Workload, list[Workload
         session_id=_session_id(0, 0, "coord"),
         max_tokens=spec.max_tokens,
     )
-    warmup = Workload(
-        agents=(Agent(name="coordinator", priority=0, requests=(turn,)),),
-        spec=attrs.asdict(spec),
-    )
+    warmup = Workload(agents=(Agent(name="coordinator", priority=0, requests=(turn,)),))
     rounds = []
     for rnd in range(spec.rounds):
         turn = follow_up(turn, rnd)
@@ -277,5 +274,5 @@ def build_priority_workload(spec: PrioritySpec) -> tuple[Workload, list[Workload
             for j in range(spec.subagents)
         ]
         coordinator = Agent(name="coordinator", priority=0, requests=(turn,), start=spec.delay)
-        rounds.append(Workload(agents=(*subagents, coordinator), spec=attrs.asdict(spec)))
+        rounds.append(Workload(agents=(*subagents, coordinator)))
     return warmup, rounds

@@ -163,7 +163,7 @@ def build_mixed(spec: MixedSpec) -> Workload:
     agents: list[Agent] = []
     for index in range(max(len(claude), len(codex))):
         agents += claude[index : index + 1] + codex[index : index + 1]
-    return Workload(agents=tuple(agents), spec=attrs.asdict(spec))
+    return Workload(agents=tuple(agents))
 
 
 def _as_messages(agent: Agent, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -104,8 +104,6 @@ class Workload:
     """The agents and their requests; ``canonical_order()`` lists requests turn by turn."""
 
     agents: tuple[Agent, ...]
-    #: What the workload was built from (plain JSON values), for the report.
-    spec: Any = None
 
     def canonical_order(self) -> list[tuple[str, int, dict[str, Any]]]:
         """Every request as ``(agent, turn, body)``: all agents' turn 0, then turn 1, …"""
@@ -242,7 +240,7 @@ def build_workload(spec: WorkloadSpec) -> Workload:
                 requests=_agent_requests(agent_rng, spec, index, system, tools),
             )
         )
-    return Workload(agents=tuple(agents), spec=spec)
+    return Workload(agents=tuple(agents))
 
 
 #: Distinct one-word answers: the user's words of each fresh Claude-Code-shaped session.
