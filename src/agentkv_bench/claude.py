@@ -129,32 +129,6 @@ async def _session(
     }
 
 
-async def _run_agents(
-    claude: Path,
-    project: Path,
-    home: Path,
-    base_url: str,
-    spec: CliSpec,
-    ctx: int,
-    first_word: int,
-) -> tuple[float, dict[str, list[dict[str, Any]]]]:
-    results: dict[str, list[dict[str, Any]]] = {}
-    started = time.monotonic()
-
-    async def agent(index: int) -> None:
-        name = f"agent-{index}"
-        env = _env(base_url, home, name, 1 + index % 2, ctx)
-        rows = results.setdefault(name, [])
-        for session in range(spec.sessions):
-            word = WORDS[(first_word + index * spec.sessions + session) % len(WORDS)]
-            rows.append(await _session(claude, project, env, word, spec.timeout))
-
-    async with anyio.create_task_group() as tg:
-        for index in range(spec.agents):
-            tg.start_soon(agent, index)
-    return time.monotonic() - started, results
-
-
 @contextlib.asynccontextmanager
 async def llama_server_alone(setup: EngineSetup, scenario: str) -> AsyncIterator[Engine]:
     """llama-server alone, as a real client meets it (``--no-kv-unified``)."""
@@ -217,9 +191,23 @@ async def _measure(
     ctx: int,
     first_word: int,
 ) -> dict[str, Any]:
-    """One configuration's sessions, and llama-server's counters over them."""
+    """One configuration's sessions, all agents at once, and llama-server's counters over them."""
+    sessions: dict[str, list[dict[str, Any]]] = {}
+
+    async def agent(index: int) -> None:
+        name = f"agent-{index}"
+        env = _env(engine.url, home, name, 1 + index % 2, ctx)
+        rows = sessions.setdefault(name, [])
+        for session in range(spec.sessions):
+            word = WORDS[(first_word + index * spec.sessions + session) % len(WORDS)]
+            rows.append(await _session(claude, project, env, word, spec.timeout))
+
     async with counting(engine.engine_url, engine.engine_key) as counters:
-        wall, sessions = await _run_agents(claude, project, home, engine.url, spec, ctx, first_word)
+        started = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            for index in range(spec.agents):
+                tg.start_soon(agent, index)
+        wall = time.monotonic() - started
     rows = [row for agent in sessions.values() for row in agent]
     return {
         "name": engine.name,

@@ -104,21 +104,6 @@ def _env(base_url: str, home: Path, ctx: int) -> dict[str, str]:
     return {**keep, **printed, "HOME": str(home)}
 
 
-async def _turn(
-    claude: Path, project: Path, env: dict[str, str], prompt: str, first: bool, limit_s: float
-) -> dict[str, Any]:
-    command = [str(claude), "-p", prompt] if first else [str(claude), "-p", "--continue", prompt]
-    started = time.monotonic()
-    rc, out, err = await run_claude(command, project, env, limit_s)
-    said = out + err
-    return {
-        "seconds": round(time.monotonic() - started, 2),
-        "rc": rc,
-        "compacted": _COMPACTED in said,
-        "answer": said.strip()[-120:],
-    }
-
-
 async def _session(
     name: str,
     url: str,
@@ -135,15 +120,27 @@ async def _session(
     started = time.monotonic()
     for index, (word, prompt, think) in enumerate(turns(spec)):
         await anyio.sleep(think)
+        command = (
+            [str(claude), "-p", prompt] if index == 0 else [str(claude), "-p", "--continue", prompt]
+        )
         async with counting(engine_url, engine_key) as counters:
-            row = await _turn(claude, project, env, prompt, index == 0, spec.timeout)
-        row |= {
-            "word": word,
-            "think_s": think,
-            "prefill_computed": int(counters["prompt_computed"]),
-            "correct": word in row["answer"].lower(),
-        }
-        rows.append(row)
+            asked = time.monotonic()
+            rc, out, err = await run_claude(command, project, env, spec.timeout)
+            seconds = time.monotonic() - asked
+        said = out + err
+        answer = said.strip()[-120:]
+        rows.append(
+            {
+                "seconds": round(seconds, 2),
+                "rc": rc,
+                "compacted": _COMPACTED in said,
+                "answer": answer,
+                "word": word,
+                "think_s": think,
+                "prefill_computed": int(counters["prompt_computed"]),
+                "correct": word in answer.lower(),
+            }
+        )
     wall = time.monotonic() - started
     return {
         "name": name,
