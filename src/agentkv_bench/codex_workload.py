@@ -92,11 +92,9 @@ class CodexSession:
 def fresh_codex_request(
     template: dict[str, Any], *, words: str, session: CodexSession, max_tokens: int
 ) -> dict[str, Any]:
-    """The first request of a fresh Codex session: ``template`` with these user words and ids.
-
-    ``max_output_tokens`` bounds the reply (Codex sets none; a one-word answer needs a few), and
-    ``temperature`` 0 makes every configuration generate the same reply for the same prompt.
-    """
+    """The first request of a fresh Codex session: ``template`` with these user words and ids,
+    its reply bounded (``max_output_tokens``; Codex sets none) and greedy, as
+    :func:`agentkv_bench.claude_workload.fresh_request` makes Claude Code's."""
     body = copy.deepcopy(template)
     last = body["input"][-1]
     if last.get("role") != "user" or last["content"][-1].get("text") != _CAPTURED_WORDS:
