@@ -118,15 +118,6 @@ def _messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [m for m in messages if isinstance(m, Mapping)] if isinstance(messages, list) else []
 
 
-def _request_calls(body: Mapping[str, Any]) -> list[AgentCall]:
-    """The ``Agent`` calls in a request's assistant turns (the caller's own earlier replies)."""
-    calls: list[AgentCall] = []
-    for message in _messages(body):
-        if message.get("role") == "assistant":
-            calls.extend(agent_calls(message.get("content")))
-    return calls
-
-
 def named_subagents(body: Mapping[str, Any]) -> dict[str, str]:
     """Call id → sub-agent id, from tool results that name the sub-agent a call started."""
     named: dict[str, str] = {}
@@ -298,7 +289,9 @@ class AgentDirectory:
         agent.turn_ended = None
         if sub is None:
             agent.priority = priority
-        self._learn_calls(agent, _request_calls(body))
+        # The Agent calls in the request's assistant turns (the caller's own earlier replies).
+        turns = [m.get("content") for m in _messages(body) if m.get("role") == "assistant"]
+        self._learn_calls(agent, (call for content in turns for call in agent_calls(content)))
         for call_id, sub_id in named_subagents(body).items():
             self._link_named(agent, call_id, sub_id)
         if agent.call is None and agent.pending_prompt is not None:
@@ -366,19 +359,18 @@ class AgentDirectory:
             if node.name in seen:
                 continue
             seen.add(node.name)
-            above = self._agents.get(node.parent) if node.parent else None
-            call = node.call
+            place = self._place(node)
             rows.append(
                 AgentView(
                     agent=node.name,
                     root=node.root,
                     parent=node.parent,
                     depth=depth,
-                    priority=self._inferred(node),
-                    description=call.description if call else None,
-                    subagent_type=call.subagent_type if call else None,
-                    background=call.background if call else None,
-                    waited_on=above is not None and self._waited_on(node, above),
+                    priority=place.priority,
+                    description=place.description,
+                    subagent_type=place.subagent_type,
+                    background=node.call.background if node.call else None,
+                    waited_on=place.waited_on,
                     waiting_for=waiting.get(node.name, 0),
                     requests=node.requests,
                     idle_s=round(now - node.last_seen, 3),
