@@ -149,23 +149,18 @@ def _result_text(content: object) -> str:
 
 def first_prompt(body: Mapping[str, Any]) -> str | None:
     """The text a sub-agent's first user message ends with (its last text block), or None."""
-    for message in _messages(body):
-        if message.get("role") != "user":
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            return content.strip()[-_MAX_TEXT * 2 :] or None
-        if isinstance(content, list):
-            texts = [
-                block["text"]
-                for block in content
-                if isinstance(block, Mapping)
-                and block.get("type") == "text"
-                and isinstance(block.get("text"), str)
-            ]
-            return texts[-1].strip()[-_MAX_TEXT * 2 :] if texts and texts[-1].strip() else None
-        return None
-    return None
+    first = next((m for m in _messages(body) if m.get("role") == "user"), None)
+    content = None if first is None else first.get("content")
+    if isinstance(content, list):
+        texts = [
+            block["text"]
+            for block in content
+            if isinstance(block, Mapping)
+            and block.get("type") == "text"
+            and isinstance(block.get("text"), str)
+        ]
+        content = texts[-1] if texts else None
+    return (content.strip()[-_MAX_TEXT * 2 :] or None) if isinstance(content, str) else None
 
 
 @attrs.frozen
@@ -227,21 +222,19 @@ class _Agent:
     turn_calls: frozenset[str] = frozenset()
 
 
-@attrs.define
+@attrs.define(kw_only=True)
 class AgentDirectory:
     """The agents seen lately, as trees; see the module docs for the rules."""
 
     background_offset: int = attrs.field(
-        default=1, kw_only=True, validator=attrs.validators.in_(range(_MAX_PRIORITY + 1))
+        default=1, validator=attrs.validators.in_(range(_MAX_PRIORITY + 1))
     )
-    max_agents: int = attrs.field(default=1024, kw_only=True, validator=attrs.validators.gt(0))
-    max_calls: int = attrs.field(default=64, kw_only=True, validator=attrs.validators.gt(0))
-    idle_ttl: float = attrs.field(
-        default=6 * 3600.0, kw_only=True, validator=attrs.validators.gt(0)
-    )
+    max_agents: int = attrs.field(default=1024, validator=attrs.validators.gt(0))
+    max_calls: int = attrs.field(default=64, validator=attrs.validators.gt(0))
+    idle_ttl: float = attrs.field(default=6 * 3600.0, validator=attrs.validators.gt(0))
     #: A parent counts as waiting only while a sub-agent it waits for was active this recently
     #: (an abandoned fan-out stops holding its slot warm).
-    wait_ttl: float = attrs.field(default=900.0, kw_only=True, validator=attrs.validators.gt(0))
+    wait_ttl: float = attrs.field(default=900.0, validator=attrs.validators.gt(0))
     _agents: OrderedDict[str, _Agent] = attrs.field(init=False, factory=OrderedDict)
     #: Counts the changes (requests, replies): a caller may keep an answer while it is unchanged.
     version: int = attrs.field(init=False, default=0)

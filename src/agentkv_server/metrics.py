@@ -9,7 +9,7 @@ are client input and unbounded); every label takes a handful of values.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -61,11 +61,8 @@ class ServerMetrics(Collector):
         #: pool of engines, every engine's summed).
         self.engine_restarts: Callable[[], int] = lambda: runtime.client.restarts
 
-        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-            return Counter(name, doc, labels, registry=registry)
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(name, doc, ["priority"], buckets=buckets, registry=registry)
+        counter = functools.partial(Counter, registry=registry)
+        histogram = functools.partial(Histogram, labelnames=["priority"], registry=registry)
 
         self.requests = counter(
             "agentkv_requests",
@@ -81,17 +78,17 @@ class ServerMetrics(Collector):
         self.ttft = histogram(
             "agentkv_ttft_seconds",
             "Time from arrival to the first output event, queue wait included",
-            _LATENCY_BUCKETS,
+            buckets=_LATENCY_BUCKETS,
         )
         self.duration = histogram(
             "agentkv_request_duration_seconds",
             "Time from arrival to the end of the reply",
-            _DURATION_BUCKETS,
+            buckets=_DURATION_BUCKETS,
         )
         self.queue_wait = histogram(
             "agentkv_queue_wait_seconds",
             "Time from arrival until the request got its slot",
-            _LATENCY_BUCKETS,
+            buckets=_LATENCY_BUCKETS,
         )
         self.prompt_tokens = counter(
             "agentkv_prompt_tokens",
