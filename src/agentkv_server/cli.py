@@ -126,7 +126,7 @@ def _add_options(groups: dict[str, argparse._ArgumentGroup]) -> None:
                 action="append" if repeated else "store",
                 type=_worded(parse)
                 if parse is not None
-                else (kind if kind in (int, float) else (Path if kind is Path else str)),
+                else (kind if kind in (int, float, Path) else str),
                 default=default,
                 metavar=field.metadata.get("metavar"),
                 choices=field.metadata.get("choices"),
