@@ -118,15 +118,6 @@ def _messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [m for m in messages if isinstance(m, Mapping)] if isinstance(messages, list) else []
 
 
-def _request_calls(body: Mapping[str, Any]) -> list[AgentCall]:
-    """The ``Agent`` calls in a request's assistant turns (the caller's own earlier replies)."""
-    calls: list[AgentCall] = []
-    for message in _messages(body):
-        if message.get("role") == "assistant":
-            calls.extend(agent_calls(message.get("content")))
-    return calls
-
-
 def named_subagents(body: Mapping[str, Any]) -> dict[str, str]:
     """Call id → sub-agent id, from tool results that name the sub-agent a call started."""
     named: dict[str, str] = {}
@@ -158,23 +149,18 @@ def _result_text(content: object) -> str:
 
 def first_prompt(body: Mapping[str, Any]) -> str | None:
     """The text a sub-agent's first user message ends with (its last text block), or None."""
-    for message in _messages(body):
-        if message.get("role") != "user":
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            return content.strip()[-_MAX_TEXT * 2 :] or None
-        if isinstance(content, list):
-            texts = [
-                block["text"]
-                for block in content
-                if isinstance(block, Mapping)
-                and block.get("type") == "text"
-                and isinstance(block.get("text"), str)
-            ]
-            return texts[-1].strip()[-_MAX_TEXT * 2 :] if texts and texts[-1].strip() else None
-        return None
-    return None
+    first = next((m for m in _messages(body) if m.get("role") == "user"), None)
+    content = None if first is None else first.get("content")
+    if isinstance(content, list):
+        texts = [
+            block["text"]
+            for block in content
+            if isinstance(block, Mapping)
+            and block.get("type") == "text"
+            and isinstance(block.get("text"), str)
+        ]
+        content = texts[-1] if texts else None
+    return (content.strip()[-_MAX_TEXT * 2 :] or None) if isinstance(content, str) else None
 
 
 @attrs.frozen
@@ -236,21 +222,19 @@ class _Agent:
     turn_calls: frozenset[str] = frozenset()
 
 
-@attrs.define
+@attrs.define(kw_only=True)
 class AgentDirectory:
     """The agents seen lately, as trees; see the module docs for the rules."""
 
     background_offset: int = attrs.field(
-        default=1, kw_only=True, validator=attrs.validators.in_(range(_MAX_PRIORITY + 1))
+        default=1, validator=attrs.validators.in_(range(_MAX_PRIORITY + 1))
     )
-    max_agents: int = attrs.field(default=1024, kw_only=True, validator=attrs.validators.gt(0))
-    max_calls: int = attrs.field(default=64, kw_only=True, validator=attrs.validators.gt(0))
-    idle_ttl: float = attrs.field(
-        default=6 * 3600.0, kw_only=True, validator=attrs.validators.gt(0)
-    )
+    max_agents: int = attrs.field(default=1024, validator=attrs.validators.gt(0))
+    max_calls: int = attrs.field(default=64, validator=attrs.validators.gt(0))
+    idle_ttl: float = attrs.field(default=6 * 3600.0, validator=attrs.validators.gt(0))
     #: A parent counts as waiting only while a sub-agent it waits for was active this recently
     #: (an abandoned fan-out stops holding its slot warm).
-    wait_ttl: float = attrs.field(default=900.0, kw_only=True, validator=attrs.validators.gt(0))
+    wait_ttl: float = attrs.field(default=900.0, validator=attrs.validators.gt(0))
     _agents: OrderedDict[str, _Agent] = attrs.field(init=False, factory=OrderedDict)
     #: Counts the changes (requests, replies): a caller may keep an answer while it is unchanged.
     version: int = attrs.field(init=False, default=0)
@@ -298,7 +282,9 @@ class AgentDirectory:
         agent.turn_ended = None
         if sub is None:
             agent.priority = priority
-        self._learn_calls(agent, _request_calls(body))
+        # The Agent calls in the request's assistant turns (the caller's own earlier replies).
+        turns = [m.get("content") for m in _messages(body) if m.get("role") == "assistant"]
+        self._learn_calls(agent, (call for content in turns for call in agent_calls(content)))
         for call_id, sub_id in named_subagents(body).items():
             self._link_named(agent, call_id, sub_id)
         if agent.call is None and agent.pending_prompt is not None:
@@ -366,19 +352,18 @@ class AgentDirectory:
             if node.name in seen:
                 continue
             seen.add(node.name)
-            above = self._agents.get(node.parent) if node.parent else None
-            call = node.call
+            place = self._place(node)
             rows.append(
                 AgentView(
                     agent=node.name,
                     root=node.root,
                     parent=node.parent,
                     depth=depth,
-                    priority=self._inferred(node),
-                    description=call.description if call else None,
-                    subagent_type=call.subagent_type if call else None,
-                    background=call.background if call else None,
-                    waited_on=above is not None and self._waited_on(node, above),
+                    priority=place.priority,
+                    description=place.description,
+                    subagent_type=place.subagent_type,
+                    background=node.call.background if node.call else None,
+                    waited_on=place.waited_on,
                     waiting_for=waiting.get(node.name, 0),
                     requests=node.requests,
                     idle_s=round(now - node.last_seen, 3),

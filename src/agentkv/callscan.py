@@ -655,11 +655,8 @@ class HoldGate:
         if opening is not None:
             self._stream(buf[:opening], out)
             return buf[opening:]
-        keep = len(buf)
-        for size in range(min(len(TAG_OPEN) - 1, len(buf)), 0, -1):
-            if TAG_OPEN.startswith(buf[-size:]):
-                keep = len(buf) - size
-                break
+        sizes = range(min(len(TAG_OPEN) - 1, len(buf)), 0, -1)
+        keep = len(buf) - next((n for n in sizes if TAG_OPEN.startswith(buf[-n:])), 0)
         if not self._seen_tag:
             newline = buf.rfind("\n")
             last_line = newline + 1 if newline >= 0 else (0 if self._line_start else None)

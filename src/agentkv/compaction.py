@@ -11,6 +11,7 @@ summarised. Pure: the server decides when to run it.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,10 +47,7 @@ _TRANSCRIPT_MESSAGE_CHARS = 2000
 
 
 def _head_length(messages: Sequence[Mapping[str, Any]]) -> int:
-    head = 0
-    while head < len(messages) and messages[head].get("role") == "system":
-        head += 1
-    return head
+    return next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
 
 
 @attrs.frozen
@@ -81,9 +79,6 @@ class Compaction:
     def saved_tokens(self) -> int:
         return max(0, self.tokens_before - self.tokens_after)
 
-    def summary_message(self) -> dict[str, Any]:
-        return {"role": "user", "content": SUMMARY_OPEN + self.summary.strip() + SUMMARY_CLOSE}
-
     def matches(self, fingerprint: Fingerprint) -> bool:
         index = self.plan.block_index
         return len(fingerprint.blocks) > index and fingerprint.blocks[index] == self.plan.key
@@ -93,7 +88,8 @@ class Compaction:
         messages = list(body["messages"])
         head = _head_length(messages)
         kept = messages[head + self.plan.cut :]
-        return {**body, "messages": [*messages[:head], self.summary_message(), *kept]}
+        summary = {"role": "user", "content": SUMMARY_OPEN + self.summary.strip() + SUMMARY_CLOSE}
+        return {**body, "messages": [*messages[:head], summary, *kept]}
 
 
 def fold_share(tokens: int, low: int, high: int) -> float:
@@ -166,14 +162,9 @@ def _covering(
     body: Mapping[str, Any], conversation: Sequence[Mapping[str, Any]], share: float
 ) -> int:
     """How many of the oldest conversation messages hold ``share`` of the whole request."""
-    sizes = [len(json.dumps(m, ensure_ascii=False)) for m in conversation]
-    whole = len(json.dumps(body, ensure_ascii=False))
-    wanted, held = share * whole, 0
-    for count, size in enumerate(sizes, start=1):
-        held += size
-        if held >= wanted:
-            return count
-    return len(sizes)
+    held = itertools.accumulate(len(json.dumps(m, ensure_ascii=False)) for m in conversation)
+    wanted = share * len(json.dumps(body, ensure_ascii=False))
+    return next((n for n, size in enumerate(held, start=1) if size >= wanted), len(conversation))
 
 
 def _render(message: Mapping[str, Any]) -> str:

@@ -48,9 +48,7 @@ class PrefixFingerprinter:
         messages = body.get("messages", [])
         if not isinstance(messages, Sequence) or isinstance(messages, str | bytes):
             raise ValueError("body.messages must be a list of messages")
-        head = 0
-        while head < len(messages) and _role(messages[head]) == "system":
-            head += 1
+        head = next((i for i, m in enumerate(messages) if _role(m) != "system"), len(messages))
         turns = messages[head:]
         if self.max_turns is not None:
             turns = turns[: self.max_turns]

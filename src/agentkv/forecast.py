@@ -75,12 +75,6 @@ def shipped_retry_paragraph() -> str:
     return "\n\n" + _shipped("claude_code_compaction_retry.txt")
 
 
-def _after_template() -> str:
-    """The summary message that opens the conversation after a compaction (Claude Code 2.1.328),
-    with ``{tools}``, ``{summary}`` and ``{transcript}`` to fill."""
-    return _shipped("claude_code_after_compaction.txt")
-
-
 #: What the request after a compaction opens its summary message with.
 AFTER_OPENING = "This session is being continued from a previous conversation that ran out"
 _TRANSCRIPT = re.compile(r"read the full transcript at: (.+)/projects/[^/\n]+/[^/\n]+\.jsonl\n")
@@ -377,8 +371,9 @@ class CompactionForecast:
                 if block.get("type") == "tool_use"
             }
         )
+        # The summary message that opens the conversation after a compaction.
         opening = (
-            _after_template()
+            _shipped("claude_code_after_compaction.txt")
             .replace("{tools}", ",".join(tools))
             .replace("{transcript}", transcript)
             .replace("{summary}", summary_text(said))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import attrs
 
+from agentkv.tokens import common_prefix
+
 __all__ = ["Repetition", "RepetitionGuard", "cut_tail", "periodic_suffix"]
 
 
@@ -47,28 +49,13 @@ def periodic_suffix(text: str, period: int) -> int:
     """The length of the longest suffix of ``text`` with the given period.
 
     That is the largest ``L`` such that ``text[i] == text[i + period]`` for every ``i`` in the last
-    ``L`` characters but the final ``period``; it is at least ``min(period, len(text))``. Runs in
-    ``O(L log L)`` character comparisons, done by slice comparison (C loops).
+    ``L`` characters but the final ``period``; it is at least ``min(period, len(text))``: the text
+    read backwards compared with itself ``period`` characters on, by :func:`common_prefix`.
     """
-    n = len(text)
-    if period <= 0 or period >= n:
-        return n
-
-    def holds(length: int) -> bool:
-        return text[n - length : n - period] == text[n - length + period :]
-
-    low, high = period, period * 2
-    while high <= n and holds(high):
-        low, high = high, high * 2
-    high = min(high, n + 1)
-    # holds(low) is true and holds(high) false (or high is past the start): bisect between them.
-    while high - low > 1:
-        middle = (low + high) // 2
-        if holds(middle):
-            low = middle
-        else:
-            high = middle
-    return low
+    if period <= 0 or period >= len(text):
+        return len(text)
+    backwards = text[::-1]
+    return period + common_prefix(backwards[period:], backwards)
 
 
 @attrs.define

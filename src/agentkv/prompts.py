@@ -147,14 +147,9 @@ class PromptMemo:
     def nearest(self, prompt: str) -> tuple[str, int] | None:
         """The latest kept prompt that shares the longest beginning with ``prompt`` (at least
         :data:`SPLIT_MIN` characters), and how many characters it shares."""
-        best: tuple[str, int] | None = None
-        for base in reversed(self._recent):
-            if ("k", base) not in self._entries:
-                continue
-            shared = common_prefix(prompt, base)
-            if shared >= SPLIT_MIN and (best is None or shared > best[1]):
-                best = (base, shared)
-        return best
+        kept = [base for base in reversed(self._recent) if ("k", base) in self._entries]
+        found = [(b, n) for b in kept if (n := common_prefix(prompt, b)) >= SPLIT_MIN]
+        return max(found, key=lambda pair: pair[1], default=None)
 
     def window(self, base: str, shared: int) -> str:
         """The text of ``base`` to learn its special tokens from (:func:`marker_candidates`)."""

@@ -48,11 +48,6 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _loads(text: str) -> Any:
-    """Strict JSON: ``json.loads`` without NaN/Infinity. Raises ``ValueError``."""
-    return json.loads(text, parse_constant=_reject_constant)
-
-
 _FENCE = re.compile(r"\A```[A-Za-z0-9_+-]*[ \t]*\n(?P<body>.*?)(?:\n[ \t]*```)?[ \t]*\Z", re.DOTALL)
 _CLOSER = {"{": "}", "[": "]"}
 
@@ -82,9 +77,10 @@ def repair_json(text: str) -> RepairOutcome | None:
 
 
 def _parsed(text: str, fixes: Sequence[str] = ()) -> RepairOutcome | None:
-    """``text`` as strict JSON, with the fixes that gave it; None when it does not parse."""
+    """``text`` as strict JSON (no NaN or Infinity), with the fixes that gave it; None when it
+    does not parse."""
     try:
-        return RepairOutcome(_loads(text), text, tuple(fixes))
+        return RepairOutcome(json.loads(text, parse_constant=_reject_constant), text, tuple(fixes))
     except ValueError:
         return None
 
@@ -248,13 +244,9 @@ def _fenced(text: str) -> list[tuple[int, int, str, bool]]:
 
 
 def _leftover(text: str, cut: Sequence[tuple[int, int]]) -> str:
-    pieces: list[str] = []
-    position = 0
-    for start, end in cut:
-        pieces.append(text[position:start])
-        position = end
-    pieces.append(text[position:])
-    return _TEXT_JOIN.join(p.strip() for p in pieces if p.strip())
+    starts, ends = [0, *(end for _, end in cut)], [*(start for start, _ in cut), len(text)]
+    pieces = [text[start:end].strip() for start, end in zip(starts, ends, strict=True)]
+    return _TEXT_JOIN.join(piece for piece in pieces if piece)
 
 
 def calls_in(

@@ -44,19 +44,13 @@ DEFAULT_MAX_QUEUE = 256
 DEFAULT_TIE_WINDOW = 0.25
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, kw_only=True)
 class FairScheduler:
     """A capped queue of tickets, popped by aged priority; see the module docs for the bound."""
 
-    aging: float = attrs.field(
-        default=DEFAULT_AGING, kw_only=True, validator=attrs.validators.gt(0)
-    )
-    max_queue: int = attrs.field(
-        default=DEFAULT_MAX_QUEUE, kw_only=True, validator=attrs.validators.gt(0)
-    )
-    tie_window: float = attrs.field(
-        default=DEFAULT_TIE_WINDOW, kw_only=True, validator=attrs.validators.ge(0)
-    )
+    aging: float = attrs.field(default=DEFAULT_AGING, validator=attrs.validators.gt(0))
+    max_queue: int = attrs.field(default=DEFAULT_MAX_QUEUE, validator=attrs.validators.gt(0))
+    tie_window: float = attrs.field(default=DEFAULT_TIE_WINDOW, validator=attrs.validators.ge(0))
     _queue: dict[int, Ticket] = attrs.field(init=False, factory=dict)
 
     def submit(self, ticket: Ticket, now: float) -> None:

@@ -13,7 +13,7 @@ Pure: attrs classes and one cattrs converter, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 import cattrs
@@ -296,9 +296,8 @@ class RuntimeSnapshot(DispatcherSnapshot):
 converter = cattrs.Converter(forbid_extra_keys=True, unstruct_collection_overrides={Sequence: list})
 
 
-def unstructure(value: Any) -> Any:
-    """``value`` (a snapshot or any part of it) as plain JSON-ready data."""
-    return converter.unstructure(value)
+#: ``value`` (a snapshot or any part of it) as plain JSON-ready data.
+unstructure = converter.unstructure
 
 
 class SnapshotShapeError(ValueError):

@@ -134,16 +134,9 @@ class StoreIndex:
         Ties go to the smaller file (cheaper to restore). None when nothing shares a token.
         """
         skip = set(exclude)
-        best: tuple[StoreEntry, int] | None = None
-        for entry in self._entries.values():
-            if entry.id in skip:
-                continue
-            shared = common_prefix(tokens, entry.tokens)
-            if shared == 0:
-                continue
-            if best is None or (shared, -entry.nbytes) > (best[1], -best[0].nbytes):
-                best = (entry, shared)
-        return best
+        entries = [e for e in self._entries.values() if e.id not in skip]
+        found = [(e, shared) for e in entries if (shared := common_prefix(tokens, e.tokens))]
+        return max(found, key=lambda c: (c[1], -c[0].nbytes), default=None)
 
     def covers(self, tokens: Tokens, *, slack: int = 0) -> StoreEntry | None:
         """An entry holding all of ``tokens`` but at most ``slack``, if any."""

@@ -142,15 +142,9 @@ async def _all_events(exchange: Exchange) -> list[ReplyEvent]:
 async def _answer(
     request: Request, work: Awaitable[T], answer: Callable[[T], Response]
 ) -> Response:
-    """``answer(await work)``; 499 when the client disconnects first (nobody reads that)."""
-    value = await _unless_gone(request, work)
-    return Response(status_code=499) if value is None else answer(value)
-
-
-async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
-    """``work``'s result, or None when the client disconnects first (``work`` is cancelled: an
-    abandoned count never reaches the engine's templating queue, an abandoned reply is no
-    longer waited for)."""
+    """``answer(await work)``; 499 when the client disconnects first (nobody reads that), and
+    ``work`` is cancelled: an abandoned count never reaches the engine's templating queue, an
+    abandoned reply is no longer waited for."""
     value: T | None = None
     error: AgentKVError | None = None
 
@@ -168,7 +162,7 @@ async def _unless_gone(request: Request, work: Awaitable[T]) -> T | None:
         tg.cancel_scope.cancel()
     if error is not None:
         raise error
-    return value
+    return Response(status_code=499) if value is None else answer(value)
 
 
 class _Routes:

@@ -46,7 +46,6 @@ __all__ = [
 
 log = logging.getLogger("agentkv.server")
 
-DEFAULT_PORT = 8788
 _CONFIGS: tuple[type[Any], ...] = (EngineSettings, ServerConfig, RuntimeConfig)
 #: The option groups of ``--help``, in order; all but "connections" are generated.
 _GROUPS = (
@@ -127,7 +126,7 @@ def _add_options(groups: dict[str, argparse._ArgumentGroup]) -> None:
                 action="append" if repeated else "store",
                 type=_worded(parse)
                 if parse is not None
-                else (kind if kind in (int, float) else (Path if kind is Path else str)),
+                else (kind if kind in (int, float, Path) else str),
                 default=default,
                 metavar=field.metadata.get("metavar"),
                 choices=field.metadata.get("choices"),
@@ -481,6 +480,10 @@ async def _serve(args: argparse.Namespace) -> None:
             for each in supervisors:
                 each.on_give_up = gave_up
         url = f"http://{server_config.host}:{server_config.port}"
+        client: dict[str, Any] = {
+            "model_name": server_config.model_name,
+            "ctx_per_slot": runtime_config.ctx_per_slot,
+        }
         fields = logs.startup_fields(
             engine=", ".join(m.base_url for m in engine.engines),
             engine_name=built.engine_name,
@@ -493,20 +496,11 @@ async def _serve(args: argparse.Namespace) -> None:
             url=url,
             api_key=bool(server_config.api_key),
             claude_code=claude_code_env(
-                url,
-                server_config.api_key,
-                model_name=server_config.model_name,
-                ctx_per_slot=runtime_config.ctx_per_slot,
-                timeout=runtime_config.client_timeout,
+                url, server_config.api_key, timeout=runtime_config.client_timeout, **client
             ),
             device=engine.device,
             warnings=list(built.warnings),
-            codex=codex_config(
-                url,
-                server_config.api_key,
-                model_name=server_config.model_name,
-                ctx_per_slot=runtime_config.ctx_per_slot,
-            ),
+            codex=codex_config(url, server_config.api_key, **client),
         )
         server.on_started = lambda: logs.announce(fields)
         await server.serve()

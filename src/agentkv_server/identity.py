@@ -189,12 +189,10 @@ def codex_turn(headers: Mapping[str, str]) -> CodexTurn | None:
         return None
     if not isinstance(parsed, Mapping):
         return None
-
-    fields: dict[str, str | None] = {}
-    for name in attrs.fields_dict(CodexTurn):
-        value = parsed.get(name)
-        fields[name] = clean_agent_id(value) if isinstance(value, str) else None
-    return CodexTurn(**fields)
+    values = {name: parsed.get(name) for name in attrs.fields_dict(CodexTurn)}
+    return CodexTurn(
+        **{k: clean_agent_id(v) if isinstance(v, str) else None for k, v in values.items()}
+    )
 
 
 def openai_agent_identity(

@@ -8,11 +8,11 @@ how long a client may take to send its request: one dribbling a byte a second ho
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentkv.exceptions import AgentKVError
@@ -21,12 +21,6 @@ if TYPE_CHECKING:  # uvicorn's protocols are asyncio protocols; only their types
     import asyncio
 
 __all__ = ["BodyTimeoutMiddleware", "RequestTimeoutError", "h11_with_header_timeout"]
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class RequestTimeoutError(AgentKVError):
@@ -84,23 +78,10 @@ class BodyTimeoutMiddleware:
         except RequestTimeoutError as exc:
             if response_started:
                 raise
-            await _send_error(send, exc)
-
-
-async def _send_error(send: Send, exc: AgentKVError) -> None:
-    body = json.dumps(exc.to_anthropic()).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": exc.status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+            answer = JSONResponse(
+                exc.to_anthropic(), status_code=exc.status, headers={"connection": "close"}
+            )
+            await answer(scope, receive, send)
 
 
 class _HeaderDeadlineH11Protocol(H11Protocol):

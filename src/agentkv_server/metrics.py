@@ -1,14 +1,15 @@
 """``GET /metrics``: the runtime in Prometheus' text format, through ``prometheus-client``.
 
 Per-request series are fed by the runtime's request listener when a request ends; the rest are read
-from the runtime's state at scrape time by a collector. Each app has its own registry, so several
-apps in a process never collide. No series is labelled by agent (agent ids are client input and
-unbounded); every label takes a handful of values.
+from the runtime's state at scrape time (:meth:`ServerMetrics.collect`). Each app has its own
+registry, so several apps in a process never collide. No series is labelled by agent (agent ids
+are client input and unbounded); every label takes a handful of values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,20 +17,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 
-from agentkv.agents import AgentView
 from agentkv.exceptions import AgentKVError
-from agentkv.prompts import PromptStats
 from agentkv.runtime.lifecycle import Runtime
-from agentkv.runtime.prepared import PreparedStats
 from agentkv.runtime.record import RequestRecord
-from agentkv.snapshot import (
-    CompactionRow,
-    PendingCompactionRow,
-    Placements,
-    RuntimeSnapshot,
-    SlotRow,
-    StoreSnapshot,
-)
+from agentkv.snapshot import CompactionRow
 
 __all__ = ["ServerMetrics"]
 
@@ -39,6 +30,18 @@ _LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640)
 _DURATION_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 1800)
 #: What a divergence's section starts with; anything else counts as "other".
 _SECTIONS = ("system", "tools", "tool", "message", "messages")
+#: The store's counters: the metric's name (after ``agentkv_store_``), the field, the help.
+_STORE_COUNTERS = (
+    ("saves", "saves", "Slot states saved to the store"),
+    ("restores", "restores", "Slot states restored from the store"),
+    ("restored_tokens", "tokens_restored", "Prompt tokens restored instead of computed"),
+    ("seconds_saved", "seconds_saved", "Estimated prefill seconds that restores saved"),
+    ("save_seconds", "save_seconds", "Seconds spent saving slot states"),
+    ("restore_seconds", "restore_seconds", "Seconds spent restoring slot states"),
+    ("evictions", "evicted", "Entries deleted to stay within the budget"),
+    ("expired", "expired", "Parked contexts deleted because their agent went away"),
+    ("refused", "refused", "Entries refused at startup (another engine, bad file)"),
+)
 #: ``out``: the slot's engine, in a pool of engines, is down.
 _STATES = ("idle", "prefilling", "decoding", "out")
 
@@ -48,7 +51,7 @@ def _section_kind(section: object) -> str:
     return word if word in _SECTIONS else "other"
 
 
-class ServerMetrics:
+class ServerMetrics(Collector):
     """The metrics of one app around one runtime; :meth:`response` is the scrape."""
 
     def __init__(self, runtime: Runtime) -> None:
@@ -58,11 +61,8 @@ class ServerMetrics:
         #: pool of engines, every engine's summed).
         self.engine_restarts: Callable[[], int] = lambda: runtime.client.restarts
 
-        def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
-            return Counter(name, doc, labels, registry=registry)
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(name, doc, ["priority"], buckets=buckets, registry=registry)
+        counter = functools.partial(Counter, registry=registry)
+        histogram = functools.partial(Histogram, labelnames=["priority"], registry=registry)
 
         self.requests = counter(
             "agentkv_requests",
@@ -78,17 +78,17 @@ class ServerMetrics:
         self.ttft = histogram(
             "agentkv_ttft_seconds",
             "Time from arrival to the first output event, queue wait included",
-            _LATENCY_BUCKETS,
+            buckets=_LATENCY_BUCKETS,
         )
         self.duration = histogram(
             "agentkv_request_duration_seconds",
             "Time from arrival to the end of the reply",
-            _DURATION_BUCKETS,
+            buckets=_DURATION_BUCKETS,
         )
         self.queue_wait = histogram(
             "agentkv_queue_wait_seconds",
             "Time from arrival until the request got its slot",
-            _LATENCY_BUCKETS,
+            buckets=_LATENCY_BUCKETS,
         )
         self.prompt_tokens = counter(
             "agentkv_prompt_tokens",
@@ -136,7 +136,7 @@ class ServerMetrics:
             "for them (they ran at its priority) or not (background, less urgent)",
             ["waited_on"],
         )
-        registry.register(_RuntimeCollector(self))
+        registry.register(self)
         runtime.add_listener(self.observe)
 
     def observe(self, record: RequestRecord) -> None:
@@ -177,35 +177,165 @@ class ServerMetrics:
         if path.startswith("/v1/messages") and not path.endswith("/count_tokens"):
             self.refused.labels(exc.error_type).inc()
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
-
     def response(self) -> Response:
-        return Response(self.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-
-class _RuntimeCollector(Collector):
-    """Gauges and counters that the runtime already keeps, read when Prometheus scrapes."""
-
-    def __init__(self, metrics: ServerMetrics) -> None:
-        self.metrics = metrics
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
     def describe(self) -> list[Metric]:
         return []  # names are not known before the first scrape (the store may be off)
 
     def collect(self) -> Iterator[Metric]:
-        runtime = self.metrics.runtime
+        """Gauges and counters that the runtime already keeps, read when Prometheus scrapes."""
+        runtime = self.runtime
         snapshot = runtime.snapshot()
-        yield from _slots(snapshot.slots)
-        yield from _queue(snapshot)
-        yield from _placements(snapshot.placements)
+        slots, queue, placements = snapshot.slots, snapshot.queue, snapshot.placements
+        yield _gauge(
+            "agentkv_slots",
+            "Engine slots by state",
+            {state: sum(1 for row in slots if row.state == state) for state in _STATES},
+            label="state",
+        )
+        yield _gauge(
+            "agentkv_slot_tokens",
+            "Tokens of KV cache each slot holds",
+            {str(row.slot): row.tokens for row in slots},
+            label="slot",
+        )
+        yield _gauge("agentkv_queue_depth", "Requests waiting for a slot", len(queue))
+        yield _gauge(
+            "agentkv_queue_longest_wait_seconds",
+            "How long the longest-waiting queued request has waited",
+            max((t.waited_s for t in queue), default=0.0),
+        )
+        yield _gauge(
+            "agentkv_queue_waiting_for_checkpoint",
+            "Queued requests that wait for a shared prefix being computed, to restore it",
+            sum(1 for t in queue if t.waiting_for_checkpoint is not None),
+        )
+        yield _gauge(
+            "agentkv_background_queue_depth",
+            "Background work (compactions, prepared compactions) waiting for an idle slot",
+            len(snapshot.background),
+        )
+        yield _gauge(
+            "agentkv_checkpoints_running",
+            "Shared prompt heads being computed to be saved for other agents",
+            len(snapshot.checkpoints),
+        )
+        yield _counter(
+            "agentkv_placements",
+            "Slots handed out, by where the cached part of the prompt came from: the slot's own "
+            "KV cache, the prefix store, or none (computed from scratch)",
+            {"slot": placements.from_slot, "store": placements.from_store, "none": placements.cold},
+            label="source",
+        )
+        yield _counter(
+            "agentkv_planned_prompt_tokens",
+            "Prompt tokens agentkv expected to reuse or compute when it chose each slot",
+            {
+                "reused": placements.planned_reused_tokens,
+                "computed": placements.planned_computed_tokens,
+            },
+            label="kind",
+        )
+        yield _counter(
+            "agentkv_leases_reclaimed",
+            "Slots taken back by the watchdog from requests that held them too long",
+            placements.reclaimed,
+        )
         store = snapshot.store
         yield _gauge("agentkv_store_enabled", "1 when the prefix store is on", 1 if store else 0)
         if store is not None:
-            yield from _store(store)
-        yield from _compactions(snapshot.compactions)
-        yield from _prepared(runtime.preparations.stats())
-        yield from _tree(snapshot.tree)
+            yield _gauge(
+                "agentkv_store_entries", "Saved slot states in the prefix store", len(store.entries)
+            )
+            yield _gauge("agentkv_store_bytes", "Bytes of saved slot states on disk", store.bytes)
+            yield _gauge(
+                "agentkv_store_budget_bytes", "The prefix store's size budget", store.budget
+            )
+            for name, field, doc in _STORE_COUNTERS:
+                yield _counter(f"agentkv_store_{name}", doc, getattr(store, field))
+        compactions = snapshot.compactions
+        done = [row for row in compactions if isinstance(row, CompactionRow)]
+        yield _gauge(
+            "agentkv_compactions",
+            "Compactions in force (older messages replaced by a summary)",
+            len(done),
+        )
+        yield _gauge(
+            "agentkv_compactions_pending",
+            "Compactions being computed",
+            len(compactions) - len(done),
+        )
+        yield _gauge(
+            "agentkv_compaction_saved_tokens",
+            "Prompt tokens the compactions in force save on every request",
+            sum(row.saved_tokens for row in done),
+        )
+        prepared = runtime.preparations.stats()
+        yield _counter(
+            "agentkv_prepared_compactions",
+            "Claude Code compaction requests (and their retries) predicted and prepared in idle "
+            "time",
+            prepared.prepared,
+        )
+        yield _counter(
+            "agentkv_prepared_compactions_served",
+            "Prepared compactions whose request came as predicted after they had finished: served "
+            "whole",
+            prepared.served,
+        )
+        yield _counter(
+            "agentkv_prepared_compactions_joined",
+            "Prepared compactions whose request came as predicted while they still ran: joined",
+            prepared.joined,
+        )
+        yield _counter(
+            "agentkv_prepared_compactions_missed",
+            "Prepared compactions never served, by reason (not_compaction: the agent's next "
+            "request was none; differs: another compaction request; expired, gave_way, failed, "
+            "replaced)",
+            prepared.missed,
+            label="reason",
+        )
+        yield _counter(
+            "agentkv_prepared_compaction_wasted_tokens",
+            "Tokens generated for prepared compactions that were never served (in idle time)",
+            prepared.wasted_tokens,
+        )
+        yield _gauge(
+            "agentkv_prepared_compactions_waiting",
+            "Prepared compactions (and retries) waiting for their agent's request now",
+            prepared.waiting,
+        )
+        yield _counter(
+            "agentkv_prepared_heads",
+            "Conversations after a prepared compaction computed in idle time, up to the user's "
+            "next words",
+            prepared.heads,
+        )
+        yield _counter(
+            "agentkv_prepared_heads_missed",
+            "Of those, the ones whose request came otherwise than predicted (the log says where it "
+            "parted)",
+            prepared.heads_missed,
+        )
+        tree = snapshot.tree
+        yield _gauge(
+            "agentkv_agents",
+            "Agents known to the agent tree: coordinators (a session or X-Agent-Id) and the "
+            "sub-agents they started, by whether their parent waits for them",
+            {
+                "coordinator": sum(1 for row in tree if row.parent is None),
+                "subagent_waited_on": sum(1 for row in tree if row.parent and row.waited_on),
+                "subagent_background": sum(1 for row in tree if row.parent and not row.waited_on),
+            },
+            label="kind",
+        )
+        yield _gauge(
+            "agentkv_agents_waiting_for_subagents",
+            "Agents waiting for their sub-agents now (their context is kept warm)",
+            sum(1 for row in tree if row.waiting_for),
+        )
         costs = runtime.costs
         yield _gauge(
             "agentkv_prefill_tokens_per_second",
@@ -217,20 +347,30 @@ class _RuntimeCollector(Collector):
             "Tokens generated per second, as measured from the engine",
             costs.decode.rate,
         )
-        yield from _prompt_answers(runtime.client.prompt_answers())
+        answers = runtime.client.prompt_answers()
+        yield _counter(
+            "agentkv_templated_prompts",
+            "Prompts templated for placement and length checks: kept from before, or asked of the "
+            "engine",
+            {"kept": answers.templates_kept, "engine": answers.templates_asked},
+            label="source",
+        )
+        yield _counter(
+            "agentkv_tokenized_prompts",
+            "Prompts tokenized: kept from before, from a kept prompt's tokens and the rest "
+            "(pieces), or asked of the engine whole",
+            {
+                "kept": answers.tokens_kept,
+                "pieces": answers.tokens_pieces,
+                "whole": answers.tokens_whole,
+            },
+            label="source",
+        )
         yield _counter(
             "agentkv_engine_restarts",
             "Times the engine (llama-server) was restarted after it failed",
-            self.metrics.engine_restarts(),
+            self.engine_restarts(),
         )
-
-
-def _gauge(name: str, doc: str, value: float | Mapping[str, float], label: str = "") -> Metric:
-    return _family(GaugeMetricFamily, name, doc, value, label)
-
-
-def _counter(name: str, doc: str, value: float | Mapping[str, float], label: str = "") -> Metric:
-    return _family(CounterMetricFamily, name, doc, value, label)
 
 
 def _family(
@@ -238,7 +378,7 @@ def _family(
     name: str,
     doc: str,
     value: float | Mapping[str, float],
-    label: str,
+    label: str = "",
 ) -> Metric:
     """One sample, or one sample per entry of ``value`` (in order) labelled ``label``."""
     if not isinstance(value, Mapping):
@@ -249,182 +389,5 @@ def _family(
     return family
 
 
-def _prompt_answers(stats: PromptStats) -> Iterator[Metric]:
-    yield _counter(
-        "agentkv_templated_prompts",
-        "Prompts templated for placement and length checks: kept from before, or asked of the "
-        "engine",
-        {"kept": stats.templates_kept, "engine": stats.templates_asked},
-        label="source",
-    )
-    yield _counter(
-        "agentkv_tokenized_prompts",
-        "Prompts tokenized: kept from before, from a kept prompt's tokens and the rest (pieces), "
-        "or asked of the engine whole",
-        {"kept": stats.tokens_kept, "pieces": stats.tokens_pieces, "whole": stats.tokens_whole},
-        label="source",
-    )
-
-
-def _slots(rows: Sequence[SlotRow]) -> Iterator[Metric]:
-    yield _gauge(
-        "agentkv_slots",
-        "Engine slots by state",
-        {state: sum(1 for row in rows if row.state == state) for state in _STATES},
-        label="state",
-    )
-    yield _gauge(
-        "agentkv_slot_tokens",
-        "Tokens of KV cache each slot holds",
-        {str(row.slot): row.tokens for row in rows},
-        label="slot",
-    )
-
-
-def _queue(snapshot: RuntimeSnapshot) -> Iterator[Metric]:
-    queue = snapshot.queue
-    yield _gauge("agentkv_queue_depth", "Requests waiting for a slot", len(queue))
-    yield _gauge(
-        "agentkv_queue_longest_wait_seconds",
-        "How long the longest-waiting queued request has waited",
-        max((t.waited_s for t in queue), default=0.0),
-    )
-    yield _gauge(
-        "agentkv_queue_waiting_for_checkpoint",
-        "Queued requests that wait for a shared prefix being computed, to restore it",
-        sum(1 for t in queue if t.waiting_for_checkpoint is not None),
-    )
-    yield _gauge(
-        "agentkv_background_queue_depth",
-        "Background work (compactions, prepared compactions) waiting for an idle slot",
-        len(snapshot.background),
-    )
-    yield _gauge(
-        "agentkv_checkpoints_running",
-        "Shared prompt heads being computed to be saved for other agents",
-        len(snapshot.checkpoints),
-    )
-
-
-def _placements(stats: Placements) -> Iterator[Metric]:
-    yield _counter(
-        "agentkv_placements",
-        "Slots handed out, by where the cached part of the prompt came from: the slot's own "
-        "KV cache, the prefix store, or none (computed from scratch)",
-        {"slot": stats.from_slot, "store": stats.from_store, "none": stats.cold},
-        label="source",
-    )
-    yield _counter(
-        "agentkv_planned_prompt_tokens",
-        "Prompt tokens agentkv expected to reuse or compute when it chose each slot",
-        {"reused": stats.planned_reused_tokens, "computed": stats.planned_computed_tokens},
-        label="kind",
-    )
-    yield _counter(
-        "agentkv_leases_reclaimed",
-        "Slots taken back by the watchdog from requests that held them too long",
-        stats.reclaimed,
-    )
-
-
-def _store(store: StoreSnapshot) -> Iterator[Metric]:
-    yield _gauge(
-        "agentkv_store_entries", "Saved slot states in the prefix store", len(store.entries)
-    )
-    yield _gauge("agentkv_store_bytes", "Bytes of saved slot states on disk", store.bytes)
-    yield _gauge("agentkv_store_budget_bytes", "The prefix store's size budget", store.budget)
-    counters = (
-        ("saves", store.saves, "Slot states saved to the store"),
-        ("restores", store.restores, "Slot states restored from the store"),
-        ("restored_tokens", store.tokens_restored, "Prompt tokens restored instead of computed"),
-        ("seconds_saved", store.seconds_saved, "Estimated prefill seconds that restores saved"),
-        ("save_seconds", store.save_seconds, "Seconds spent saving slot states"),
-        ("restore_seconds", store.restore_seconds, "Seconds spent restoring slot states"),
-        ("evictions", store.evicted, "Entries deleted to stay within the budget"),
-        ("expired", store.expired, "Parked contexts deleted because their agent went away"),
-        ("refused", store.refused, "Entries refused at startup (another engine, bad file)"),
-    )
-    for name, value, doc in counters:
-        yield _counter(f"agentkv_store_{name}", doc, value)
-
-
-def _tree(rows: Sequence[AgentView]) -> Iterator[Metric]:
-    yield _gauge(
-        "agentkv_agents",
-        "Agents known to the agent tree: coordinators (a session or X-Agent-Id) and the "
-        "sub-agents they started, by whether their parent waits for them",
-        {
-            "coordinator": sum(1 for row in rows if row.parent is None),
-            "subagent_waited_on": sum(1 for row in rows if row.parent and row.waited_on),
-            "subagent_background": sum(1 for row in rows if row.parent and not row.waited_on),
-        },
-        label="kind",
-    )
-    yield _gauge(
-        "agentkv_agents_waiting_for_subagents",
-        "Agents waiting for their sub-agents now (their context is kept warm)",
-        sum(1 for row in rows if row.waiting_for),
-    )
-
-
-def _compactions(rows: Sequence[CompactionRow | PendingCompactionRow]) -> Iterator[Metric]:
-    done = [row for row in rows if isinstance(row, CompactionRow)]
-    yield _gauge(
-        "agentkv_compactions",
-        "Compactions in force (older messages replaced by a summary)",
-        len(done),
-    )
-    yield _gauge("agentkv_compactions_pending", "Compactions being computed", len(rows) - len(done))
-    yield _gauge(
-        "agentkv_compaction_saved_tokens",
-        "Prompt tokens the compactions in force save on every request",
-        sum(row.saved_tokens for row in done),
-    )
-
-
-def _prepared(stats: PreparedStats) -> Iterator[Metric]:
-    yield _counter(
-        "agentkv_prepared_compactions",
-        "Claude Code compaction requests (and their retries) predicted and prepared in idle time",
-        stats.prepared,
-    )
-    yield _counter(
-        "agentkv_prepared_compactions_served",
-        "Prepared compactions whose request came as predicted after they had finished: served "
-        "whole",
-        stats.served,
-    )
-    yield _counter(
-        "agentkv_prepared_compactions_joined",
-        "Prepared compactions whose request came as predicted while they still ran: joined",
-        stats.joined,
-    )
-    yield _counter(
-        "agentkv_prepared_compactions_missed",
-        "Prepared compactions never served, by reason (not_compaction: the agent's next request "
-        "was none; differs: another compaction request; expired, gave_way, failed, replaced)",
-        stats.missed,
-        label="reason",
-    )
-    yield _counter(
-        "agentkv_prepared_compaction_wasted_tokens",
-        "Tokens generated for prepared compactions that were never served (in idle time)",
-        stats.wasted_tokens,
-    )
-    yield _gauge(
-        "agentkv_prepared_compactions_waiting",
-        "Prepared compactions (and retries) waiting for their agent's request now",
-        stats.waiting,
-    )
-    yield _counter(
-        "agentkv_prepared_heads",
-        "Conversations after a prepared compaction computed in idle time, up to the user's next "
-        "words",
-        stats.heads,
-    )
-    yield _counter(
-        "agentkv_prepared_heads_missed",
-        "Of those, the ones whose request came otherwise than predicted (the log says where it "
-        "parted)",
-        stats.heads_missed,
-    )
+_gauge = functools.partial(_family, GaugeMetricFamily)
+_counter = functools.partial(_family, CounterMetricFamily)

@@ -127,7 +127,17 @@ def _bytes(n: int) -> str:
     return f"{value:.1f} GiB"
 
 
-def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> list[str]:
+def _table(
+    title: str,
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    right: set[int],
+    empty: str = "",
+) -> list[str]:
+    """A blank line, ``title``, then ``rows`` in columns under ``header`` (columns ``right``
+    aligned right), or ``empty`` in their place when there are none."""
+    if not rows and empty:
+        return ["", title, f"  {empty}"]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
 
     def line(row: Sequence[str]) -> str:
@@ -137,18 +147,13 @@ def _columns(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[in
         ]
         return "  " + "  ".join(cells).rstrip()
 
-    return [line(header), *(line(row) for row in rows)]
-
-
-def _running_on(snapshot: RuntimeSnapshot, slot: int) -> RequestView | None:
-    for record in snapshot.running:
-        if record.slot == slot and record.status == "running":
-            return record
-    return None
+    return ["", title, line(header), *(line(row) for row in rows)]
 
 
 def _slot_progress(row: SlotRow, snapshot: RuntimeSnapshot) -> str:
-    running = _running_on(snapshot, row.slot)
+    running = next(
+        (r for r in snapshot.running if r.slot == row.slot and r.status == "running"), None
+    )
     if row.state == "prefilling":
         for checkpoint in snapshot.checkpoints:
             if checkpoint.slot == row.slot:
@@ -178,9 +183,6 @@ def _labelled(row: SlotRow | QueueRow | RequestView) -> str:
 
 def _tree(tree: Sequence[AgentView]) -> list[str]:
     """The agent tree: each coordinator, then its sub-agents indented under it."""
-    out = ["", f"agents ({len(tree)})"]
-    if not tree:
-        return [*out, "  none yet"]
     rows = []
     for row in tree:
         name = row.agent
@@ -199,17 +201,16 @@ def _tree(tree: Sequence[AgentView]) -> list[str]:
             kind = row.subagent_type
             what = f"{what} [{kind}]" if what else f"[{kind}]"
         rows.append([name, str(row.priority), str(row.requests), state, what])
-    return out + _columns(["agent", "prio", "requests", "state", "started for"], rows, {2})
+    header = ["agent", "prio", "requests", "state", "started for"]
+    return _table(f"agents ({len(tree)})", header, rows, {2}, "none yet")
 
 
 def render(snapshot: RuntimeSnapshot, *, url: str = "", now: float | None = None) -> str:
     """The snapshot as plain text: slots, queue, the agent tree, store and placements, recent
     requests."""
     stamp = time.strftime("%H:%M:%S", time.localtime(now))
-    out = [f"agentkv {url}  {stamp}" if url else f"agentkv  {stamp}", ""]
-
+    out = [f"agentkv {url}  {stamp}" if url else f"agentkv  {stamp}"]
     slots = snapshot.slots
-    out.append(f"slots ({len(slots)})")
     rows = [
         [
             str(row.slot),
@@ -221,39 +222,33 @@ def render(snapshot: RuntimeSnapshot, *, url: str = "", now: float | None = None
         ]
         for row in slots
     ]
-    out += _columns(["slot", "agent", "prio", "tokens", "state", "progress"], rows, {3})
+    header = ["slot", "agent", "prio", "tokens", "state", "progress"]
+    out += _table(f"slots ({len(slots)})", header, rows, {3})
 
     queue = snapshot.queue
     checkpoints = {c.id: c for c in snapshot.checkpoints}
-    out += ["", f"queue ({len(queue)})"]
-    if queue:
-        rows = []
-        for ticket in queue:
-            waits = "a slot"
-            blocked = ticket.waiting_for_checkpoint
-            if blocked is not None:
-                c = checkpoints.get(blocked)
-                waits = f"checkpoint #{blocked}" + (
-                    f" on slot {c.slot} ({_pct(c.progress, c.tokens)})" if c else ""
-                )
-            rows.append(
-                [
-                    str(ticket.ticket),
-                    _labelled(ticket),
-                    str(ticket.priority),
-                    _num(ticket.tokens),
-                    _secs(ticket.waited_s),
-                    f"{ticket.score:.2f}",
-                    waits,
-                ]
+    rows = []
+    for ticket in queue:
+        waits = "a slot"
+        blocked = ticket.waiting_for_checkpoint
+        if blocked is not None:
+            c = checkpoints.get(blocked)
+            waits = f"checkpoint #{blocked}" + (
+                f" on slot {c.slot} ({_pct(c.progress, c.tokens)})" if c else ""
             )
-        out += _columns(
-            ["ticket", "agent", "prio", "tokens", "waited", "score", "waits for"],
-            rows,
-            {3, 4, 5},
+        rows.append(
+            [
+                str(ticket.ticket),
+                _labelled(ticket),
+                str(ticket.priority),
+                _num(ticket.tokens),
+                _secs(ticket.waited_s),
+                f"{ticket.score:.2f}",
+                waits,
+            ]
         )
-    else:
-        out.append("  nobody is waiting")
+    header = ["ticket", "agent", "prio", "tokens", "waited", "score", "waits for"]
+    out += _table(f"queue ({len(queue)})", header, rows, {3, 4, 5}, "nobody is waiting")
     out += _tree(snapshot.tree)
 
     out.append("")
@@ -274,30 +269,22 @@ def render(snapshot: RuntimeSnapshot, *, url: str = "", now: float | None = None
             f"{store.seconds_saved:.1f}s of prefill saved"
         )
 
-    recent = list(reversed(snapshot.recent))[:8]
-    out += ["", "recent requests (newest first)"]
-    if recent:
-        rows = [
-            [
-                _labelled(r),
-                str(r.priority),
-                "-" if r.slot is None else str(r.slot),
-                r.source or "-",
-                f"{_num(r.cached_tokens)}/{_num(r.prompt_tokens)}",
-                _secs(r.ttft_s),
-                _secs(r.total_s),
-                r.status,
-                divergence_text(attrs.asdict(r.divergence)) if r.divergence else "",
-            ]
-            for r in recent
+    rows = [
+        [
+            _labelled(r),
+            str(r.priority),
+            "-" if r.slot is None else str(r.slot),
+            r.source or "-",
+            f"{_num(r.cached_tokens)}/{_num(r.prompt_tokens)}",
+            _secs(r.ttft_s),
+            _secs(r.total_s),
+            r.status,
+            divergence_text(attrs.asdict(r.divergence)) if r.divergence else "",
         ]
-        out += _columns(
-            ["agent", "prio", "slot", "source", "cached/prompt", "ttft", "total", "status", "why"],
-            rows,
-            {4, 5, 6},
-        )
-    else:
-        out.append("  none yet")
+        for r in list(reversed(snapshot.recent))[:8]
+    ]
+    header = ["agent", "prio", "slot", "source", "cached/prompt", "ttft", "total", "status", "why"]
+    out += _table("recent requests (newest first)", header, rows, {4, 5, 6}, "none yet")
     return "\n".join(out) + "\n"
 
 
