@@ -440,16 +440,12 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def _progress(message: str) -> None:
-    print(f"agentkv-server: {message}", file=sys.stderr, flush=True)
-
-
 async def _serve(args: argparse.Namespace) -> None:
     settings: EngineSettings = _from_args(EngineSettings, args)
     name = engine_name(settings.engine_kind)
     for upstream in settings.upstream:
         logs.say(f"waiting for {name} at {upstream.rstrip('/')}")
-    async with assemble(settings, _from_args(RuntimeConfig, args), on_progress=_progress) as built:
+    async with assemble(settings, _from_args(RuntimeConfig, args), on_progress=logs.say) as built:
         engine, runtime = built.engine, built.runtime
         runtime_config = runtime.config
         server_config = _server_config(args)

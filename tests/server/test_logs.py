@@ -286,3 +286,28 @@ def test_engine_http_chatter_is_debug_only() -> None:
         root.setLevel(saved[1])
         for name in ("httpx", "uvicorn", "uvicorn.error", "uvicorn.access", "uvicorn.asgi"):
             logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_launch_progress_is_written_in_the_log_format(
+    fmt: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CLI hands logs.say to assemble() as its progress callback (device, context plan, pool
+    # layout, llama-server's loading lines): in JSON mode those lines are JSON objects too.
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    monkeypatch.setattr(logs, "_format", "text")  # restored after the test
+    try:
+        logs.configure("info", fmt)
+        logs.say("loading the model")
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+    (line,) = capsys.readouterr().err.splitlines()
+    if fmt == "json":
+        assert json.loads(line)["message"] == "loading the model"
+    else:
+        assert line == "agentkv-server: loading the model"
