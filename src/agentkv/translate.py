@@ -22,7 +22,6 @@ from agentkv._anthropic import (
     ImageBlock,
     Message,
     MessagesRequest,
-    RedactedThinkingBlock,
     TextBlock,
     ThinkingBlock,
     Tool,
@@ -511,10 +510,8 @@ def _user(blocks: Sequence[ContentBlock]) -> list[dict[str, Any]]:
                 parts.append({"type": "text", "text": block.text})
         elif isinstance(block, ImageBlock):
             parts.append(_image(block))
-        elif isinstance(block, ThinkingBlock | RedactedThinkingBlock | ToolUseBlock):
-            # Only assistants think or call tools; a client replaying them in a user turn has
-            # nothing the model should read as user text.
-            continue
+        # Thinking and tool_use blocks are left out: only assistants think or call tools, and a
+        # client replaying them in a user turn has nothing the model should read as user text.
     if parts:
         out.append({"role": "user", "content": _content(parts)})
     elif not out:
@@ -534,10 +531,8 @@ def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
 def _tool_result(block: ToolResultBlock) -> tuple[str, list[dict[str, Any]]]:
     content = block.content
     images: list[dict[str, Any]] = []
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
+    if content is None or isinstance(content, str):
+        text = content or ""
     else:
         text = _TEXT_JOIN.join(b.text for b in content if isinstance(b, TextBlock) and b.text)
         images = [_image(b) for b in content if isinstance(b, ImageBlock)]
