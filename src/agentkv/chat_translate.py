@@ -196,9 +196,8 @@ def chat_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIReques
         raise InvalidRequestError('only ["text"] is supported', "modalities")
     tools, origins, _ = declare_tools(_chat_tools(request.tools or [], limits), limits)
     choice = _chat_tool_choice(request.tool_choice, origins)
-    max_tokens, max_tokens_from = request.max_completion_tokens, "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, max_tokens_from = request.max_tokens, "max_tokens"
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    max_tokens_from = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     conversation = read_conversation(
         required(request.messages, "messages"),
         _chat_message,

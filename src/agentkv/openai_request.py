@@ -351,11 +351,7 @@ class Conversation:
             self.add("system", text, path)
 
     def assistant(self, blocks: list[dict[str, Any]], path: str) -> None:
-        if self._open == "assistant":
-            self._merge(blocks, path)
-        else:
-            self.add("assistant", list(blocks), path)
-            self._open = "assistant"
+        self._merge_or_add("assistant", "assistant", blocks, path)
 
     def tool_result(
         self, call_id: str, content: str | Sequence[Part] | None, path: str, content_path: str
@@ -363,14 +359,15 @@ class Conversation:
         """A tool's output; the results that follow one another merge into one user message."""
         output = content if isinstance(content, str) else content_blocks(content, content_path)
         block = {"type": "tool_result", "tool_use_id": call_id, "content": output}
-        if self._open == "results":
-            self._merge([block], path)
-        else:
-            self.add("user", [block], path)
-            self._open = "results"
+        self._merge_or_add("results", "user", [block], path)
 
-    def _merge(self, blocks: list[dict[str, Any]], path: str) -> None:
-        """Blocks of another item in the last message (a turn's parallel calls, their results)."""
+    def _merge_or_add(self, kind: str, role: str, blocks: list[dict[str, Any]], path: str) -> None:
+        """Blocks into the last message if it is open for ``kind`` (a turn's parallel calls,
+        their results), else a new message of ``role``, open for ``kind``."""
+        if self._open != kind:
+            self.add(role, list(blocks), path)
+            self._open = kind
+            return
         content = self.messages[-1]["content"]
         where = f"messages[{len(self.messages) - 1}]"
         for block in blocks:

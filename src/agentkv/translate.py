@@ -137,15 +137,13 @@ class MessagesTranslator:
         choice = request.tool_choice
 
         forced: Tool | None = None
-        forced_tool: ForcedTool | None = None
         if isinstance(choice, ToolChoiceTool):
             forced = next(tool for tool in tools if tool.name == choice.name)
-            forced_tool = forced.name
-        elif isinstance(choice, ToolChoiceAny):
-            if len(tools) == 1:
-                forced, forced_tool = tools[0], tools[0].name
-            else:
-                forced_tool = ANY_TOOL
+        elif isinstance(choice, ToolChoiceAny) and len(tools) == 1:
+            forced = tools[0]
+        forced_tool: ForcedTool | None = forced.name if forced is not None else None
+        if isinstance(choice, ToolChoiceAny) and forced is None:
+            forced_tool = ANY_TOOL
 
         system, turns = _lay_out(request, self.session_layout)
         system_text = _TEXT_JOIN.join(text for _, text in system if text)
@@ -170,10 +168,7 @@ class MessagesTranslator:
                 if choice.disable_parallel_tool_use is not None:
                     body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
 
-        stem_body = None
-        if stem is not None:
-            stem_body = {k: v for k, v in body.items() if k != "messages"}
-            stem_body["messages"] = stem
+        stem_body = None if stem is None else {**body, "messages": stem}
         body["max_tokens"] = request.max_tokens
         body["stream"] = request.stream
         if request.stream:
