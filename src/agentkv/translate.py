@@ -226,18 +226,17 @@ def has_images(body: Mapping[str, Any]) -> bool:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return False
-    for message in messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        for block in content if isinstance(content, list) else ():
-            if not isinstance(block, Mapping):
-                continue
-            inner = block.get("content")
-            if block.get("type") == "image" or (
-                isinstance(inner, list)
-                and any(isinstance(b, Mapping) and b.get("type") == "image" for b in inner)
-            ):
-                return True
-    return False
+
+    def blocks(holder: Any) -> list[Any]:
+        content = holder.get("content") if isinstance(holder, Mapping) else None
+        return content if isinstance(content, list) else []
+
+    return any(
+        isinstance(b, Mapping) and b.get("type") == "image"
+        for message in messages
+        for block in blocks(message)
+        for b in (block, *blocks(block))
+    )
 
 
 def _images_as_notes(request: MessagesRequest) -> MessagesRequest:
