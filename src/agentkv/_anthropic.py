@@ -1,9 +1,5 @@
-"""attrs shapes of an Anthropic Messages API request, as agentkv understands it.
-
-Only the fields agentkv acts on are modelled. Everything else a client sends (``cache_control``,
-``context_management``, ``output_config``, fields the API grows later) is tolerated and dropped by
-the converter in :mod:`agentkv._convert`, which also turns these types into a 400 that names the
-offending field when a *known* field has the wrong shape.
+"""attrs shapes of an Anthropic Messages API request: only the fields agentkv acts on (what else a
+client sends, ``cache_control`` and the like, the converter in :mod:`agentkv._convert` drops).
 """
 
 from __future__ import annotations

@@ -255,9 +255,7 @@ def _leaves(exc: BaseException, path: str) -> Iterator[tuple[str, BaseException]
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, KeyError):
         return "field required"
-    if isinstance(exc, FieldError):
-        return str(exc)
-    # cattrs' own messages (e.g. a value outside a Literal) are readable as they are.
+    # Ours (FieldError) and cattrs' own messages (e.g. a value outside a Literal) read as they are.
     return str(exc) or type(exc).__name__
 
 

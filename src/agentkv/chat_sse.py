@@ -1,8 +1,5 @@
-"""A reply's events in, Chat Completions chunks out (``POST /v1/chat/completions``).
-
-Fed the whole event list at once, :class:`ChatAssembler` gives the non-streaming reply too
-(:attr:`ChatAssembler.completion`), so both modes share one code path. Pure: events and the
-creation time go in, dicts come out.
+"""A reply's events in, Chat Completions chunks out (``POST /v1/chat/completions``). Pure: events
+and the creation time go in, dicts come out.
 """
 
 from __future__ import annotations
@@ -18,7 +15,6 @@ from agentkv.openai_reply import (
     openai_call_id,
     openai_error,
     tool_origin,
-    usage_counts,
 )
 from agentkv.openai_request import OpenAIRequest
 from agentkv.reply import BlockOpened, Delta
@@ -65,12 +61,12 @@ class ChatAssembler(EventWalk):
 
     @property
     def usage(self) -> dict[str, Any]:
-        prompt, cached, output = usage_counts(self._usage)
+        usage = self._usage
         return {
-            "prompt_tokens": prompt,
-            "completion_tokens": output,
-            "total_tokens": prompt + output,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.output_tokens,
+            "total_tokens": usage.prompt_tokens + usage.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cache_read_tokens},
         }
 
     @property
@@ -84,14 +80,9 @@ class ChatAssembler(EventWalk):
         if self._reasoning:
             message["reasoning_content"] = self._reasoning
         if self._calls:
-            message["tool_calls"] = [
-                {
-                    "id": call["id"],
-                    "type": "function",
-                    "function": {"name": call["name"], "arguments": call["arguments"] or "{}"},
-                }
-                for call in self._calls
-            ]
+            message["tool_calls"] = [{**c, "function": {**c["function"]}} for c in self._calls]
+            for call in message["tool_calls"]:
+                call["function"]["arguments"] = call["function"]["arguments"] or "{}"
         return {
             "id": self._id,
             "object": "chat.completion",
@@ -115,8 +106,6 @@ class ChatAssembler(EventWalk):
         return bool(self._id)
 
     def _start(self, message_id: str, out: list[dict[str, Any]]) -> None:
-        if self._started:
-            return
         source = message_id or digest(self.created)
         self._id = "chatcmpl-" + source.removeprefix("msg_")
         out.append(self._chunk({"role": "assistant", "content": ""}))
@@ -153,24 +142,16 @@ class ChatAssembler(EventWalk):
             return
         origin = tool_origin(self.request, block.tool_name)
         index = len(self._calls)
-        call = {
+        call: dict[str, Any] = {
             "id": openai_call_id(block.tool_id or f"toolu_{digest(self._id, index)}"),
-            "name": origin.name,
-            "arguments": "",
+            "type": "function",
+            "function": {"name": origin.name, "arguments": ""},
         }
         self._calls.append(call)
+        # The chunk gets copies: the call's arguments grow as deltas come.
         out.append(
             self._chunk(
-                {
-                    "tool_calls": [
-                        {
-                            "index": index,
-                            "id": call["id"],
-                            "type": "function",
-                            "function": {"name": call["name"], "arguments": ""},
-                        }
-                    ]
-                }
+                {"tool_calls": [{"index": index, **call, "function": {**call["function"]}}]}
             )
         )
 
@@ -183,8 +164,7 @@ class ChatAssembler(EventWalk):
             self._reasoning += text
             out.append(self._chunk({"reasoning_content": text}))
         elif kind == "input" and self._block == "tool_use" and self._calls:
-            call = self._calls[-1]
-            call["arguments"] += text
+            self._calls[-1]["function"]["arguments"] += text
             index = len(self._calls) - 1
             out.append(
                 self._chunk({"tool_calls": [{"index": index, "function": {"arguments": text}}]})

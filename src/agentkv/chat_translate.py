@@ -6,7 +6,7 @@ grows by appending; only tool results merge into one user turn. Pure: no I/O, no
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal, NewType, TypeAlias
 
 import attrs
@@ -37,9 +37,9 @@ from agentkv.openai_request import (
     Text,
     TextFormat,
     ToolOrigin,
-    add_tool,
     check_text_format,
     content_blocks,
+    declare_tools,
     function_tool,
     messages_body,
     read_conversation,
@@ -194,11 +194,10 @@ def chat_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIReques
     check_text_format(request.response_format, "response_format")
     if request.modalities is not None and request.modalities != ["text"]:
         raise InvalidRequestError('only ["text"] is supported', "modalities")
-    tools, origins = _chat_tools(request.tools or [], limits)
+    tools, origins, _ = declare_tools(_chat_tools(request.tools or [], limits), limits)
     choice = _chat_tool_choice(request.tool_choice, origins)
-    max_tokens, max_tokens_from = request.max_completion_tokens, "max_completion_tokens"
-    if max_tokens is None:
-        max_tokens, max_tokens_from = request.max_tokens, "max_tokens"
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    max_tokens_from = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
     conversation = read_conversation(
         required(request.messages, "messages"),
         _chat_message,
@@ -247,14 +246,11 @@ _CHAT_REFUSED: Final = {
 
 def _chat_tools(
     declared: list[ChatTool], limits: RequestLimits
-) -> tuple[list[dict[str, Any]], dict[str, ToolOrigin]]:
-    tools: list[dict[str, Any]] = []
-    origins: dict[str, ToolOrigin] = {}
+) -> Iterator[tuple[dict[str, Any], ToolOrigin, str]]:
     check_count(declared, limits.max_tools, "tools", "tools")
     for i, entry in enumerate(declared):
-        tool = function_tool(entry.function, entry.function.name)
-        add_tool(tools, origins, {}, tool, ToolOrigin(entry.function.name), f"tools[{i}]")
-    return tools, origins
+        name = entry.function.name
+        yield function_tool(entry.function, name), ToolOrigin(name), f"tools[{i}]"
 
 
 def _chat_tool_choice(

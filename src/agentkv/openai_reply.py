@@ -90,11 +90,6 @@ def openai_call_id(tool_use_id: str) -> str:
     return "call_" + tool_use_id.removeprefix("toolu_")
 
 
-def usage_counts(usage: Usage) -> tuple[int, int, int]:
-    """(prompt tokens, of which cached, output tokens)."""
-    return usage.prompt_tokens, usage.cache_read_tokens, usage.output_tokens
-
-
 def tool_origin(request: OpenAIRequest, engine_name: str) -> ToolOrigin:
     return request.tools.get(engine_name) or ToolOrigin(engine_name)
 
@@ -116,23 +111,20 @@ class EventWalk:
 
     A subclass says what each event becomes (:meth:`_start`, :meth:`_open`, :meth:`_delta`,
     :meth:`_close`, :meth:`_finish`); the walk keeps the stop reason and the usage, and passes
-    nothing on before ``Started`` or after the end.
+    nothing on before ``Started`` (only the first counts) or after the end.
     """
 
     _stop_reason: str | None = attrs.field(default=None, init=False)
     _usage: Usage = attrs.field(factory=Usage, init=False)
     _ended: bool = attrs.field(default=False, init=False)
 
-    @property
-    def ended(self) -> bool:
-        return self._ended
-
     def feed(self, events: Iterable[ReplyEvent]) -> list[dict[str, Any]]:
         """What these reply events become, in order."""
         out: list[dict[str, Any]] = []
         for event in events:
             if isinstance(event, Started):
-                self._start(event.message_id, out)
+                if not self._started:
+                    self._start(event.message_id, out)
             elif not self._started or self._ended:
                 continue
             elif isinstance(event, BlockOpened):

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Annotated, Any, Final, Literal, NewType, TypeAlias, TypeVar
 
 import attrs
 
 from agentkv._convert import AbsentIsNull, FieldError, NonEmptyStr, converter, register_tagged
 from agentkv.exceptions import InvalidRequestError
-from agentkv.limits import check_count
+from agentkv.limits import RequestLimits, check_count
 from agentkv.schema import json_type
 
 __all__ = [
@@ -64,7 +64,8 @@ class OpenAIRequest:
     tools: Mapping[str, ToolOrigin] = attrs.field(factory=dict)
     #: Chat Completions ``stream_options.include_usage``: a last chunk with the usage.
     include_usage: bool = False
-    #: Request fields the Responses object repeats (instructions, tools, temperature, ...).
+    #: The Response object's fields after its ``status``, in order: mostly what the request set
+    #: (instructions, tools, temperature, ...); ``output`` is replaced by a fresh list.
     echo: Mapping[str, Any] = attrs.field(factory=dict)
     #: Where each Messages field came from in the OpenAI body (``messages[2]`` -> ``input[5]``),
     #: so that an error found later names what the client sent.
@@ -277,21 +278,23 @@ def function_tool(function: Function, name: str) -> dict[str, Any]:
     return tool
 
 
-def add_tool(
-    tools: list[dict[str, Any]],
-    origins: dict[str, ToolOrigin],
-    sources: dict[str, str],
-    tool: dict[str, Any],
-    origin: ToolOrigin,
-    path: str,
-) -> None:
-    """Declare ``tool`` once: its name must be new, and an error in it names ``path``."""
-    name = tool["name"]
-    if name in origins:
-        raise InvalidRequestError(f"declares the tool {shown(name)} a second time", path)
-    sources[f"tools[{len(tools)}]"] = path
-    tools.append(tool)
-    origins[name] = origin
+def declare_tools(
+    declared: Iterable[tuple[dict[str, Any], ToolOrigin, str]], limits: RequestLimits
+) -> tuple[list[dict[str, Any]], dict[str, ToolOrigin], dict[str, str]]:
+    """The Messages tools, each ``(tool, origin, path)`` declared once: its name must be new, and
+    an error in it names ``path``. Returns the tools, their origins by name, and their sources."""
+    tools: list[dict[str, Any]] = []
+    origins: dict[str, ToolOrigin] = {}
+    sources: dict[str, str] = {}
+    for tool, origin, path in declared:
+        name = tool["name"]
+        if name in origins:
+            raise InvalidRequestError(f"declares the tool {shown(name)} a second time", path)
+        sources[f"tools[{len(tools)}]"] = path
+        tools.append(tool)
+        origins[name] = origin
+    check_count(tools, limits.max_tools, "tools", "tools")
+    return tools, origins, sources
 
 
 def tool_choice(
@@ -316,24 +319,6 @@ def tool_choice(
     if engine not in origins:
         raise InvalidRequestError(f"tool {shown(choice.name)} is not in tools", "tool_choice.name")
     return {"type": "tool", "name": engine}
-
-
-def _apply_tools(
-    out: dict[str, Any],
-    tools: list[dict[str, Any]],
-    choice: dict[str, Any] | None,
-    parallel: bool | None,
-) -> None:
-    if not tools:
-        if choice is not None and choice["type"] != "none":
-            raise InvalidRequestError("names a tool, but no tools are declared", "tool_choice")
-        return
-    out["tools"] = tools
-    if choice is None:
-        choice = {"type": "auto"}
-    if parallel is not None and choice["type"] != "none":
-        choice = {**choice, "disable_parallel_tool_use": not parallel}
-    out["tool_choice"] = choice
 
 
 # -- conversations ---------------------------------------------------------------------------------
@@ -366,11 +351,7 @@ class Conversation:
             self.add("system", text, path)
 
     def assistant(self, blocks: list[dict[str, Any]], path: str) -> None:
-        if self._open == "assistant":
-            self._merge(blocks, path)
-        else:
-            self.add("assistant", list(blocks), path)
-            self._open = "assistant"
+        self._merge_or_add("assistant", "assistant", blocks, path)
 
     def tool_result(
         self, call_id: str, content: str | Sequence[Part] | None, path: str, content_path: str
@@ -378,14 +359,15 @@ class Conversation:
         """A tool's output; the results that follow one another merge into one user message."""
         output = content if isinstance(content, str) else content_blocks(content, content_path)
         block = {"type": "tool_result", "tool_use_id": call_id, "content": output}
-        if self._open == "results":
-            self._merge([block], path)
-        else:
-            self.add("user", [block], path)
-            self._open = "results"
+        self._merge_or_add("results", "user", [block], path)
 
-    def _merge(self, blocks: list[dict[str, Any]], path: str) -> None:
-        """Blocks of another item in the last message (a turn's parallel calls, their results)."""
+    def _merge_or_add(self, kind: str, role: str, blocks: list[dict[str, Any]], path: str) -> None:
+        """Blocks into the last message if it is open for ``kind`` (a turn's parallel calls,
+        their results), else a new message of ``role``, open for ``kind``."""
+        if self._open != kind:
+            self.add(role, list(blocks), path)
+            self._open = kind
+            return
         content = self.messages[-1]["content"]
         where = f"messages[{len(self.messages) - 1}]"
         for block in blocks:
@@ -440,7 +422,15 @@ def messages_body(
 ) -> dict[str, Any]:
     """The Messages body: the conversation, its tools, and the sampling the OpenAI body sets."""
     out = conversation.body(model, max_tokens or DEFAULT_MAX_TOKENS, request.stream or False)
-    _apply_tools(out, tools, choice, request.parallel_tool_calls)
+    if tools:
+        out["tools"] = tools
+        choice = choice or {"type": "auto"}
+        parallel = request.parallel_tool_calls
+        if parallel is not None and choice["type"] != "none":
+            choice = {**choice, "disable_parallel_tool_use": not parallel}
+        out["tool_choice"] = choice
+    elif choice is not None and choice["type"] != "none":
+        raise InvalidRequestError("names a tool, but no tools are declared", "tool_choice")
     # ``temperature`` (0–2, as OpenAI allows) and ``top_p`` (0–1), passed to the engine.
     for name, value, high in (
         ("temperature", request.temperature, 2.0),

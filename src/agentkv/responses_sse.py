@@ -1,9 +1,7 @@
 """A reply's events in, the Responses event stream out (``POST /v1/responses``).
 
-Fed the whole event list at once, :class:`ResponsesAssembler` gives the non-streaming reply too
-(:attr:`ResponsesAssembler.response`), so both modes share one code path. A tool call arrives from
-the runtime whole (its input is known to be a JSON object), so its arguments go out as one delta.
-Pure: events and the creation time go in, dicts come out.
+A tool call arrives from the runtime whole (its input is known to be a JSON object), so its
+arguments go out as one delta. Pure: events and the creation time go in, dicts come out.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from agentkv.openai_reply import (
     openai_call_id,
     openai_error,
     tool_origin,
-    usage_counts,
 )
 from agentkv.openai_request import OpenAIRequest
 from agentkv.reply import BlockOpened, Delta
@@ -120,36 +117,14 @@ class ResponsesAssembler(EventWalk):
         return json.loads(json.dumps(self.response))  # type: ignore[no-any-return]
 
     def _start(self, message_id: str, out: list[dict[str, Any]]) -> None:
-        if self._response is not None:
-            return
         source = message_id or digest(self.created_at)
-        echo = self.request.echo
         self._response = {
             "id": "resp_" + source.removeprefix("msg_"),
             "object": "response",
             "created_at": self.created_at,
             "status": "in_progress",
-            "background": False,
-            "error": None,
-            "incomplete_details": None,
-            "instructions": echo.get("instructions"),
-            "max_output_tokens": echo.get("max_output_tokens"),
-            "model": self.request.model,
+            **self.request.echo,
             "output": [],
-            "parallel_tool_calls": echo.get("parallel_tool_calls", True),
-            "previous_response_id": None,
-            "prompt_cache_key": echo.get("prompt_cache_key"),
-            "reasoning": echo.get("reasoning", {"effort": None, "summary": None}),
-            "store": False,
-            "temperature": echo.get("temperature", 1.0),
-            "text": echo.get("text", {"format": {"type": "text"}}),
-            "tool_choice": echo.get("tool_choice", "auto"),
-            "tools": echo.get("tools", []),
-            "top_p": echo.get("top_p", 1.0),
-            "truncation": "disabled",
-            "usage": None,
-            "user": echo.get("user"),
-            "metadata": echo.get("metadata", {}),
         }
         out.append(self._event("response.created", response=self._snapshot()))
         out.append(self._event("response.in_progress", response=self._snapshot()))
@@ -257,13 +232,13 @@ class ResponsesAssembler(EventWalk):
     def _finish(self, out: list[dict[str, Any]]) -> None:
         self._close(out)
         response = self.response
-        prompt, cached, output = usage_counts(self._usage)
+        usage = self._usage
         response["usage"] = {
-            "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output,
+            "input_tokens": usage.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": usage.cache_read_tokens},
+            "output_tokens": usage.output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + output,
+            "total_tokens": usage.prompt_tokens + usage.output_tokens,
         }
         self._ended = True
         cut = self._stop_reason == "max_tokens"

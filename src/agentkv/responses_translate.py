@@ -8,7 +8,7 @@ the tools OpenAI's servers run themselves are left out. Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Final, Literal, TypeAlias, get_args
 
 import attrs
@@ -39,9 +39,9 @@ from agentkv.openai_request import (
     Refusal,
     TextFormat,
     ToolOrigin,
-    add_tool,
     check_text_format,
     content_blocks,
+    declare_tools,
     engine_tool,
     function_tool,
     messages_body,
@@ -238,7 +238,9 @@ def responses_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIR
     model = required(request.model, "model")
     if request.text is not None:
         check_text_format(request.text.format, "text.format")
-    tools, origins, tool_sources = _responses_tools(request.tools or [], limits)
+    tools, origins, tool_sources = declare_tools(
+        _responses_tools(request.tools or [], limits), limits
+    )
     choice = tool_choice(request.tool_choice, origins)
     raw = request.input
     items = [UserMessage("user", raw)] if isinstance(raw, str) else required(raw, "input")
@@ -255,18 +257,27 @@ def responses_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIR
     sources = {**conversation.sources, **tool_sources, "max_tokens": "max_output_tokens"}
     parallel = request.parallel_tool_calls
     echo = {
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
         "instructions": request.instructions,
         "max_output_tokens": max_tokens,
+        "model": model,
+        "output": [],
         "parallel_tool_calls": True if parallel is None else parallel,
+        "previous_response_id": None,
+        "prompt_cache_key": body.get("prompt_cache_key"),
+        "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
+        "store": False,
+        "temperature": body.get("temperature", 1.0),
+        "text": body.get("text") or {"format": {"type": "text"}},
         "tool_choice": body.get("tool_choice", "auto"),
         "tools": body.get("tools") or [],
-        "temperature": body.get("temperature", 1.0),
         "top_p": body.get("top_p", 1.0),
-        "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
-        "text": body.get("text") or {"format": {"type": "text"}},
-        "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
+        "truncation": "disabled",
+        "usage": None,
         "user": body.get("user"),
-        "prompt_cache_key": body.get("prompt_cache_key"),
+        "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
     }
     return OpenAIRequest(
         api="responses",
@@ -315,10 +326,7 @@ def _custom_tool(custom: CustomTool, engine_name: str) -> dict[str, Any]:
 
 def _responses_tools(
     declared: list[ResponsesTool], limits: RequestLimits
-) -> tuple[list[dict[str, Any]], dict[str, ToolOrigin], dict[str, str]]:
-    tools: list[dict[str, Any]] = []
-    origins: dict[str, ToolOrigin] = {}
-    sources: dict[str, str] = {}
+) -> Iterator[tuple[dict[str, Any], ToolOrigin, str]]:
     check_count(declared, limits.max_tools, "tools", "tools")
     for i, entry in enumerate(declared):
         path = f"tools[{i}]"
@@ -332,16 +340,12 @@ def _responses_tools(
             continue  # a HostedTool is run by OpenAI's servers (see HOSTED_TOOL_TYPES)
         for member, space, where in members:
             name = engine_tool(member.name, space)
-            tool = (
-                _custom_tool(member, name)
-                if isinstance(member, CustomTool)
-                else function_tool(member, name)
-            )
             custom = isinstance(member, CustomTool)
             origin = ToolOrigin(member.name, namespace=space, custom=custom)
-            add_tool(tools, origins, sources, tool, origin, where)
-    check_count(tools, limits.max_tools, "tools", "tools")
-    return tools, origins, sources
+            if isinstance(member, CustomTool):
+                yield _custom_tool(member, name), origin, where
+            else:
+                yield function_tool(member, name), origin, where
 
 
 # -- items -----------------------------------------------------------------------------------------

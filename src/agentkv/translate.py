@@ -22,7 +22,6 @@ from agentkv._anthropic import (
     ImageBlock,
     Message,
     MessagesRequest,
-    RedactedThinkingBlock,
     TextBlock,
     ThinkingBlock,
     Tool,
@@ -138,15 +137,13 @@ class MessagesTranslator:
         choice = request.tool_choice
 
         forced: Tool | None = None
-        forced_tool: ForcedTool | None = None
         if isinstance(choice, ToolChoiceTool):
             forced = next(tool for tool in tools if tool.name == choice.name)
-            forced_tool = forced.name
-        elif isinstance(choice, ToolChoiceAny):
-            if len(tools) == 1:
-                forced, forced_tool = tools[0], tools[0].name
-            else:
-                forced_tool = ANY_TOOL
+        elif isinstance(choice, ToolChoiceAny) and len(tools) == 1:
+            forced = tools[0]
+        forced_tool: ForcedTool | None = forced.name if forced is not None else None
+        if isinstance(choice, ToolChoiceAny) and forced is None:
+            forced_tool = ANY_TOOL
 
         system, turns = _lay_out(request, self.session_layout)
         system_text = _TEXT_JOIN.join(text for _, text in system if text)
@@ -171,10 +168,7 @@ class MessagesTranslator:
                 if choice.disable_parallel_tool_use is not None:
                     body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
 
-        stem_body = None
-        if stem is not None:
-            stem_body = {k: v for k, v in body.items() if k != "messages"}
-            stem_body["messages"] = stem
+        stem_body = None if stem is None else {**body, "messages": stem}
         body["max_tokens"] = request.max_tokens
         body["stream"] = request.stream
         if request.stream:
@@ -232,18 +226,17 @@ def has_images(body: Mapping[str, Any]) -> bool:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return False
-    for message in messages:
-        content = message.get("content") if isinstance(message, Mapping) else None
-        for block in content if isinstance(content, list) else ():
-            if not isinstance(block, Mapping):
-                continue
-            inner = block.get("content")
-            if block.get("type") == "image" or (
-                isinstance(inner, list)
-                and any(isinstance(b, Mapping) and b.get("type") == "image" for b in inner)
-            ):
-                return True
-    return False
+
+    def blocks(holder: Any) -> list[Any]:
+        content = holder.get("content") if isinstance(holder, Mapping) else None
+        return content if isinstance(content, list) else []
+
+    return any(
+        isinstance(b, Mapping) and b.get("type") == "image"
+        for message in messages
+        for block in blocks(message)
+        for b in (block, *blocks(block))
+    )
 
 
 def _images_as_notes(request: MessagesRequest) -> MessagesRequest:
@@ -511,10 +504,8 @@ def _user(blocks: Sequence[ContentBlock]) -> list[dict[str, Any]]:
                 parts.append({"type": "text", "text": block.text})
         elif isinstance(block, ImageBlock):
             parts.append(_image(block))
-        elif isinstance(block, ThinkingBlock | RedactedThinkingBlock | ToolUseBlock):
-            # Only assistants think or call tools; a client replaying them in a user turn has
-            # nothing the model should read as user text.
-            continue
+        # Thinking and tool_use blocks are left out: only assistants think or call tools, and a
+        # client replaying them in a user turn has nothing the model should read as user text.
     if parts:
         out.append({"role": "user", "content": _content(parts)})
     elif not out:
@@ -534,10 +525,8 @@ def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
 def _tool_result(block: ToolResultBlock) -> tuple[str, list[dict[str, Any]]]:
     content = block.content
     images: list[dict[str, Any]] = []
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
+    if content is None or isinstance(content, str):
+        text = content or ""
     else:
         text = _TEXT_JOIN.join(b.text for b in content if isinstance(b, TextBlock) and b.text)
         images = [_image(b) for b in content if isinstance(b, ImageBlock)]
