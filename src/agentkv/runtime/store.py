@@ -37,6 +37,7 @@ from agentkv.exceptions import (
     EngineTimeoutError,
     EngineUnavailableError,
 )
+from agentkv.runtime.model import write_atomic
 from agentkv.runtime.seam import Engine
 from agentkv.snapshot import StoreEntryRow, StoreSnapshot
 from agentkv.store import EntryKind, StoreEntry, StoreIndex, entry_id
@@ -488,9 +489,4 @@ def _write_probe(path: Path, record: dict[str, Any]) -> None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` at once (a temporary file renamed), readable by its owner only."""
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(temp, path)
+    write_atomic(path, json.dumps(data).encode())

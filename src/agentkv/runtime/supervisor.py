@@ -26,8 +26,8 @@ import httpx
 from anyio.abc import TaskStatus
 
 from agentkv.exceptions import AgentKVError, EngineUnavailableError
-from agentkv.runtime.client import probe
 from agentkv.runtime.engine import LlamaServerProcess, crash_hint, exit_words
+from agentkv.runtime.health import probe
 from agentkv.runtime.status import EngineStatus
 
 __all__ = ["EngineGaveUpError", "EngineSupervisor"]
