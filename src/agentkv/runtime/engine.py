@@ -349,11 +349,6 @@ class EngineConfig:
         return min(self.ctx_per_slot, self.n_ctx_train)
 
     @property
-    def total_ctx(self) -> int:
-        """The ``-c`` value: without a unified KV cache llama-server splits it evenly over slots."""
-        return self.slots * self.effective_ctx_per_slot
-
-    @property
     def base_url(self) -> str:
         """Where a client on this machine reaches the server."""
         return _base_url(self.host, self.port)
@@ -363,7 +358,8 @@ class EngineConfig:
         args = [
             "-m", str(self.model),
             "-np", str(self.slots),
-            "-c", str(self.total_ctx),
+            # Without a unified KV cache llama-server splits -c evenly over the slots.
+            "-c", str(self.slots * self.effective_ctx_per_slot),
             # Separate KV per slot: a unified KV pool makes -c the per-slot limit and, with the
             # idle-slot cache, clears idle slots when another starts, losing the prefix agentkv
             # pinned there.

@@ -290,7 +290,7 @@ class PrefixStore:
             "compat": self.index.compat,
             "entries": [entry.to_record() for entry in self.index.entries()],
         }
-        _write_json(self.directory / INDEX_FILE, data)
+        write_atomic(self.directory / INDEX_FILE, json.dumps(data).encode())
 
     def snapshot(self) -> StoreSnapshot:
         """The store's size, counters and entries (most valuable first), for the operator."""
@@ -485,8 +485,4 @@ def _read_probe(path: Path, compat: str, n_tokens: int) -> RestoreProbe | None:
 
 def _write_probe(path: Path, record: dict[str, Any]) -> None:
     _private_dir(path.parent)
-    _write_json(path, record)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    write_atomic(path, json.dumps(data).encode())
+    write_atomic(path, json.dumps(record).encode())
