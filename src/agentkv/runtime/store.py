@@ -241,7 +241,8 @@ class PrefixStore:
                     reply.get("n_restored"),
                     entry.n_tokens,
                 )
-            await self._erase(slot)
+            with contextlib.suppress(AgentKVError):
+                await self.client.erase_slot(slot)
             await self.drop(entry.id)
             return None
         finally:
@@ -273,10 +274,6 @@ class PrefixStore:
             if removed:
                 await self._delete(removed)
         return len(removed)
-
-    async def _erase(self, slot: int) -> None:
-        with contextlib.suppress(AgentKVError):
-            await self.client.erase_slot(slot)
 
     async def _delete(self, entries: list[StoreEntry]) -> None:
         """Delete the files of entries the index no longer has, and write the index."""
