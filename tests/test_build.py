@@ -115,8 +115,8 @@ def test_hashes_are_cached_until_a_file_changes(
     exe = make_build(tmp_path / "a")
     cache = tmp_path / "cache"
     hashed: list[str] = []
-    real = build_mod._sha256
-    monkeypatch.setattr(build_mod, "_sha256", lambda path: hashed.append(path.name) or real(path))
+    real = build_mod.sha256_of
+    monkeypatch.setattr(build_mod, "sha256_of", lambda path: hashed.append(path.name) or real(path))
     first = build_digest(exe, cache_dir=cache)
     assert len(hashed) == 4
     hashed.clear()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import attrs
 
-from agentkv.runtime.model import default_cache_dir, write_atomic
+from agentkv.runtime.model import default_cache_dir, sha256_of, write_atomic
 
 __all__ = [
     "ALL_LAYERS",
@@ -43,7 +43,6 @@ __all__ = [
     "plan_offload",
 ]
 
-_CHUNK = 1 << 20
 _CACHE_FILE = "build-hashes.json"
 #: The llama.cpp libraries that make up the engine (what ldd lists, or what lies beside it).
 _ENGINE_LIBRARY = re.compile(r"^lib(llama|ggml|mtmd)[\w.+-]*\.(so(\.[0-9]+)*|dylib|dll)$")
@@ -108,14 +107,6 @@ def engine_files(binary: Path) -> list[Path]:
     return [executable, *sorted(libraries, key=lambda p: (p.name, str(p)))]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _stat_key(path: Path) -> str | None:
     try:
         stat = path.stat()
@@ -143,7 +134,7 @@ def _file_hashes(files: Iterable[Path], cache_dir: Path) -> list[str]:
         key = _stat_key(path)
         value = known.get(key) if key is not None else None
         if value is None:
-            value = _sha256(path)
+            value = sha256_of(path)
             if key is not None:
                 known[key] = value
                 changed = True

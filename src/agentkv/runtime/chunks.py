@@ -137,39 +137,6 @@ class EventParser:
         return events
 
 
-class _Events:
-    """``(event, data)`` of each server-sent event of a response, a read's worth at a time.
-
-    Each read of the body gives a batch of events (a burst of the engine's stream often holds
-    several); the events of a batch are handed out without another trip through the event loop.
-    """
-
-    def __init__(self, response: httpx.Response) -> None:
-        self._texts = response.aiter_text()
-        self._parser = EventParser()
-        self._batch: deque[tuple[str, str]] = deque()
-        self._ended = False
-
-    async def next(self) -> tuple[str, str] | None:
-        """The next event; None once the body has ended."""
-        batch = self._batch
-        while not batch:
-            if self._ended:
-                return None
-            try:
-                text = await self._texts.__anext__()
-            except StopAsyncIteration:
-                self._ended = True
-                # A last event without its closing blank line still counts.
-                batch.extend(self._parser.close())
-                continue
-            batch.extend(self._parser.feed(text))
-        return batch.popleft()
-
-    async def aclose(self) -> None:
-        await self._texts.aclose()  # type: ignore[attr-defined]
-
-
 class ChunkStream:
     """Async iterator over the chunk dicts of one streamed completion.
 
@@ -182,7 +149,12 @@ class ChunkStream:
 
     def __init__(self, response: httpx.Response, engine_error: EngineErrorFor) -> None:
         self._engine_error = engine_error
-        self._events = _Events(response)
+        self._texts = response.aiter_text()
+        self._parser = EventParser()
+        #: The events of the last read of the body: a burst of the engine's stream often holds
+        #: several, handed out without another trip through the event loop.
+        self._batch: deque[tuple[str, str]] = deque()
+        self._ended = False
         self._done = False
         self._finished = False
 
@@ -190,11 +162,23 @@ class ChunkStream:
         return self
 
     async def _next_event(self) -> tuple[str, str] | None:
-        try:
-            return await self._events.next()
-        except HTTPX_ERRORS as exc:
-            self._done = True
-            raise await self._engine_error(exc) from exc
+        """The next ``(event, data)``; None once the body has ended."""
+        batch = self._batch
+        while not batch:
+            if self._ended:
+                return None
+            try:
+                text = await self._texts.__anext__()
+            except StopAsyncIteration:
+                self._ended = True
+                # A last event without its closing blank line still counts.
+                batch.extend(self._parser.close())
+                continue
+            except HTTPX_ERRORS as exc:
+                self._done = True
+                raise await self._engine_error(exc) from exc
+            batch.extend(self._parser.feed(text))
+        return batch.popleft()
 
     async def __anext__(self) -> dict[str, Any]:
         while not self._done:
@@ -221,5 +205,5 @@ class ChunkStream:
             if finish_reason(chunk) is not None:
                 self._finished = True
             return chunk
-        await self._events.aclose()
+        await self._texts.aclose()  # type: ignore[attr-defined]
         raise StopAsyncIteration

@@ -19,29 +19,14 @@ import anyio
 
 from agentkv.exceptions import EngineResponseError, EngineStreamBrokenError
 from agentkv.prompts import PromptMemo, PromptStats, marker_candidates, template_key
-from agentkv.runtime.error_map import HTTPX_ERROR_MAP, map_httpx_error
-from agentkv.runtime.health import probe, wait_until_ready
-from agentkv.runtime.transport import (
-    CHAT_PATH,
-    LinkedEngine,
-    LinkOptions,
-    LinkStats,
-    new_http_client,
-)
+from agentkv.runtime.error_map import map_httpx_error
+from agentkv.runtime.health import wait_until_ready
+from agentkv.runtime.transport import CHAT_PATH, LinkedEngine, LinkOptions
 
 if TYPE_CHECKING:
     from agentkv.runtime.hints import EngineHints
 
-__all__ = [
-    "CHAT_PATH",
-    "HTTPX_ERROR_MAP",
-    "LinkStats",
-    "LlamaSlotClient",
-    "map_httpx_error",
-    "new_http_client",
-    "probe",
-    "wait_until_ready",
-]
+__all__ = ["CHAT_PATH", "LlamaSlotClient", "map_httpx_error", "wait_until_ready"]
 
 log = logging.getLogger("agentkv.client")
 

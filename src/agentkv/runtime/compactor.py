@@ -27,14 +27,12 @@ from agentkv.compaction import (
     summary_request,
 )
 from agentkv.runtime.dispatcher import Dispatcher
-from agentkv.runtime.hints import EngineHints
+from agentkv.runtime.hints import LEAST_URGENT, EngineHints
 from agentkv.runtime.seam import Engine
 
 __all__ = ["Compactor"]
 
 log = logging.getLogger("agentkv.server")
-
-BACKGROUND_PRIORITY = 3
 
 
 @attrs.define
@@ -77,7 +75,7 @@ class Compactor:
 
     async def _background(self, agent: str, tokens: int, job: _Job) -> None:
         try:
-            await self._run(agent, tokens, job, priority=BACKGROUND_PRIORITY, background=True)
+            await self._run(agent, tokens, job, priority=LEAST_URGENT, background=True)
         except AgentKVError as exc:
             log.warning("background compaction for agent %s failed: %s", agent, exc.message)
 

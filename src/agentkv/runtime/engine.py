@@ -170,21 +170,11 @@ DEFAULT_KV_TYPE = "f16"
 #: llama-server's ``-fa`` values.
 FLASH_ATTN = ("on", "off", "auto")
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1 << 20,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1 << 30,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "tib": 1 << 40,
+#: Size units: ``k``, ``kb`` (10^3), ``kib`` (2^10), and so on up to tera.
+_SIZE_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: base ** (power + 1)
+    for power, prefix in enumerate("kmgt")
+    for suffix, base in (("", 1000), ("b", 1000), ("ib", 1024))
 }
 
 
@@ -359,11 +349,6 @@ class EngineConfig:
         return min(self.ctx_per_slot, self.n_ctx_train)
 
     @property
-    def total_ctx(self) -> int:
-        """The ``-c`` value: without a unified KV cache llama-server splits it evenly over slots."""
-        return self.slots * self.effective_ctx_per_slot
-
-    @property
     def base_url(self) -> str:
         """Where a client on this machine reaches the server."""
         return _base_url(self.host, self.port)
@@ -373,7 +358,8 @@ class EngineConfig:
         args = [
             "-m", str(self.model),
             "-np", str(self.slots),
-            "-c", str(self.total_ctx),
+            # Without a unified KV cache llama-server splits -c evenly over the slots.
+            "-c", str(self.slots * self.effective_ctx_per_slot),
             # Separate KV per slot: a unified KV pool makes -c the per-slot limit and, with the
             # idle-slot cache, clears idle slots when another starts, losing the prefix agentkv
             # pinned there.
@@ -500,10 +486,6 @@ def private_file(path: Path, *, truncate: bool = False) -> None:
     os.chmod(path, 0o600)
 
 
-def _new_api_key() -> str:
-    return secrets.token_urlsafe(32)
-
-
 def _write_key_file(key: str) -> Path:
     """A private (0600) temporary file holding ``key``, for ``--api-key-file``."""
     fd, name = tempfile.mkstemp(prefix="agentkv-engine-key-", suffix=".txt")
@@ -534,7 +516,7 @@ class LlamaServerProcess:
     startup_timeout: float = 600.0
     stop_grace: float = 10.0
     on_progress: Callable[[str], None] | None = None
-    api_key: str | None = attrs.field(factory=_new_api_key, repr=False)
+    api_key: str | None = attrs.field(factory=lambda: secrets.token_urlsafe(32), repr=False)
     log_name: str | None = None
     #: Seconds the last start took until the model was loaded (None before the first).
     startup_seconds: float | None = attrs.field(default=None, init=False)

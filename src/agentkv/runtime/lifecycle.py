@@ -60,16 +60,7 @@ from agentkv.sse import SSEAssembler
 from agentkv.tokens import Tokens
 from agentkv.translate import MessagesTranslator
 
-__all__ = [
-    "Emitted",
-    "Event",
-    "Exchange",
-    "Failed",
-    "KeepAlive",
-    "Prepared",
-    "RequestRecord",
-    "Runtime",
-]
+__all__ = ["Emitted", "Exchange", "Failed", "KeepAlive", "Prepared", "Runtime"]
 
 log = logging.getLogger("agentkv.runtime")
 

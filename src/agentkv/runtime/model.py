@@ -40,6 +40,7 @@ __all__ = [
     "kv_bytes_per_element",
     "model_part_paths",
     "read_model_shape",
+    "sha256_of",
     "write_atomic",
 ]
 
@@ -91,12 +92,10 @@ def model_part_paths() -> list[Path]:
     return paths
 
 
-def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
+def sha256_of(path: Path) -> str:
+    """The SHA-256 of a file's content, in hex."""
     with path.open("rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_atomic(dest: Path, data: bytes) -> None:
@@ -135,7 +134,7 @@ def assemble_model(parts: Sequence[Path], dest: Path, *, size: int, sha256: str)
     if _trusted(dest, size, sha256):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.is_file() and dest.stat().st_size == size and _sha256_of(dest) == sha256:
+    if dest.is_file() and dest.stat().st_size == size and sha256_of(dest) == sha256:
         write_atomic(_marker(dest), sha256.encode() + b"\n")
         return dest
     fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")

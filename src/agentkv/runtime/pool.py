@@ -135,10 +135,6 @@ class EnginePool:
     """Several llama-servers of one model as one :class:`~agentkv.runtime.seam.Engine`; see the
     module docstring.
 
-    Every part of the runtime that takes the engine (the runtime, the prefix store, the
-    compactor, the startup probe) takes a pool as it takes one client. Each call goes to a
-    member's own client, which keeps its retries and its error map.
-
     ``members`` are the engines' clients (closed by :meth:`aclose`), ``slots`` how many slots
     each has, ``slot_dirs`` each one's ``--slot-save-path`` (None entries, or none given: the
     engine writes into ``store_dir`` itself), ``store_dir`` the prefix store's directory.
@@ -250,11 +246,6 @@ class EnginePool:
             self._failed(member, exc)
             raise
 
-    def _route(self, slot: int | None) -> tuple[PoolMember, int | None]:
-        if slot is None:
-            return self._any()[0], None
-        return self.member_of(slot)
-
     @contextlib.asynccontextmanager
     async def _watched(self, member: PoolMember) -> AsyncIterator[None]:
         """Note a failure of ``member`` while the block runs (a stream being read included)."""
@@ -277,7 +268,7 @@ class EnginePool:
     async def stream(
         self, body: Mapping[str, Any], *, slot: int | None, hints: EngineHints | None = None
     ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        member, local = self._route(slot)
+        member, local = (self._any()[0], None) if slot is None else self.member_of(slot)
         async with (
             self._watched(member),
             member.client.stream(body, slot=local, hints=hints) as chunks,

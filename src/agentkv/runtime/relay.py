@@ -87,12 +87,6 @@ class Relay:
     #: Prompt tokens the engine's last call found cached (its ``cache_n``).
     last_cached: int = 0
 
-    def hints(self) -> EngineHints:
-        """What an engine that places requests itself is told about this one: its agent, that
-        agent's parent in the tree, and the priority it runs at now."""
-        record = self.record
-        return EngineHints(agent=record.agent, priority=record.priority, parent=record.parent)
-
     @property
     def deadline(self) -> float:
         """When the reply must be complete: the client's timeout, less a margin."""
@@ -201,6 +195,9 @@ class Relay:
         """One engine call: chunks in, reply events out, until the engine ends, the client's
         deadline comes or the assembler asks to stop (a degenerate loop)."""
         asm, record, client = self.assembler, self.record, self.client
+        # What an engine that places requests itself is told about this one: its agent, that
+        # agent's parent in the tree, and the priority it runs at now.
+        hints = EngineHints(agent=record.agent, priority=record.priority, parent=record.parent)
         send, receive = anyio.create_memory_object_stream[dict[str, Any]](64)
         failure: list[AgentKVError] = []
         #: The call's last prompt progress, and whether its timings came (a call stopped here,
@@ -213,7 +210,7 @@ class Relay:
                     send,
                     client.complete(body, slot=slot)
                     if raw
-                    else client.stream(body, slot=slot, hints=self.hints()) as chunks,
+                    else client.stream(body, slot=slot, hints=hints) as chunks,
                 ):
                     async for chunk in chunks:
                         await _hand_over(send, as_chat_chunk(chunk) if raw else chunk)

@@ -40,11 +40,6 @@ class EngineStatus:
     restarts: int = 0
     _changed: anyio.Event | None = attrs.field(default=None, init=False, repr=False)
 
-    def _notify(self) -> None:
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
     def set_state(
         self, state: EngineState, detail: str = "", *, retry_after: float | None = None
     ) -> None:
@@ -53,7 +48,9 @@ class EngineStatus:
         self.detail = detail
         if retry_after is not None:
             self.retry_after = max(1.0, retry_after)
-        self._notify()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     def new_generation(self) -> int:
         """A restarted engine serves: ready again, every slot empty. Returns the generation."""
@@ -74,11 +71,6 @@ class EngineStatus:
         while self.generation <= after:
             await self.changed()
         return self.generation
-
-    async def wait_ready(self) -> None:
-        """Wait until the engine serves (returns at once when it does)."""
-        while self.state != "ready":
-            await self.changed()
 
     def error(self) -> EngineUnavailableError | None:
         """The error a request gets now, or None while the engine is ready."""

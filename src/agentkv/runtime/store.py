@@ -37,6 +37,7 @@ from agentkv.exceptions import (
     EngineTimeoutError,
     EngineUnavailableError,
 )
+from agentkv.runtime.model import write_atomic
 from agentkv.runtime.seam import Engine
 from agentkv.snapshot import StoreEntryRow, StoreSnapshot
 from agentkv.store import EntryKind, StoreEntry, StoreIndex, entry_id
@@ -240,7 +241,8 @@ class PrefixStore:
                     reply.get("n_restored"),
                     entry.n_tokens,
                 )
-            await self._erase(slot)
+            with contextlib.suppress(AgentKVError):
+                await self.client.erase_slot(slot)
             await self.drop(entry.id)
             return None
         finally:
@@ -273,10 +275,6 @@ class PrefixStore:
                 await self._delete(removed)
         return len(removed)
 
-    async def _erase(self, slot: int) -> None:
-        with contextlib.suppress(AgentKVError):
-            await self.client.erase_slot(slot)
-
     async def _delete(self, entries: list[StoreEntry]) -> None:
         """Delete the files of entries the index no longer has, and write the index."""
         for entry in entries:
@@ -289,7 +287,7 @@ class PrefixStore:
             "compat": self.index.compat,
             "entries": [entry.to_record() for entry in self.index.entries()],
         }
-        _write_json(self.directory / INDEX_FILE, data)
+        write_atomic(self.directory / INDEX_FILE, json.dumps(data).encode())
 
     def snapshot(self) -> StoreSnapshot:
         """The store's size, counters and entries (most valuable first), for the operator."""
@@ -484,13 +482,4 @@ def _read_probe(path: Path, compat: str, n_tokens: int) -> RestoreProbe | None:
 
 def _write_probe(path: Path, record: dict[str, Any]) -> None:
     _private_dir(path.parent)
-    _write_json(path, record)
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` at once (a temporary file renamed), readable by its owner only."""
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(temp, path)
+    write_atomic(path, json.dumps(record).encode())

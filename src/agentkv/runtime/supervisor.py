@@ -26,8 +26,8 @@ import httpx
 from anyio.abc import TaskStatus
 
 from agentkv.exceptions import AgentKVError, EngineUnavailableError
-from agentkv.runtime.client import probe
 from agentkv.runtime.engine import LlamaServerProcess, crash_hint, exit_words
+from agentkv.runtime.health import probe
 from agentkv.runtime.status import EngineStatus
 
 __all__ = ["EngineGaveUpError", "EngineSupervisor"]
@@ -111,15 +111,12 @@ class EngineSupervisor:
                 tg.start_soon(unhealthy)
         return reasons[0]
 
-    def _count_failure(self) -> int:
-        now = self.clock()
-        self._failures = [t for t in self._failures if now - t < self.window] + [now]
-        return len(self._failures)
-
     async def _recover(self, reason: str) -> bool:
         """Restart until the engine serves (True) or it is time to give up (False)."""
         while True:
-            failures = self._count_failure()
+            now = self.clock()
+            self._failures = [t for t in self._failures if now - t < self.window] + [now]
+            failures = len(self._failures)
             if failures > self.max_failures:
                 self._give_up(reason, failures)
                 return False

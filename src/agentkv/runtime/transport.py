@@ -186,7 +186,6 @@ class EngineTransport:
 
     @property
     def status(self) -> EngineStatus | None:
-        """The supervisor's view of the engine (None: not supervised by this process)."""
         return self._status
 
     @status.setter
@@ -204,7 +203,6 @@ class EngineTransport:
     # -- readiness ------------------------------------------------------------------------------
 
     async def health(self) -> bool:
-        """True when the engine is up and has loaded its model (one probe, no retries)."""
         state, _ = await probe(self._http, self.base_url)
         return state == "ready"
 
@@ -246,13 +244,7 @@ class EngineTransport:
             self._status.set_state("unavailable", detail)
         return True
 
-    @property
-    def restarts(self) -> int:
-        """The engine's restarts by its supervisor so far (none when not supervised here)."""
-        return self.status.restarts if self.status is not None else 0
-
     async def aclose(self) -> None:
-        """Close the HTTP client if this object created it."""
         if self._owns_http:
             await self._http.aclose()
             await self._kept.aclose()
@@ -459,7 +451,7 @@ class LinkedEngine:
     @property
     def restarts(self) -> int:
         """The engine's restarts by its supervisor so far (none when not supervised here)."""
-        return self._transport.restarts
+        return self.status.restarts if self.status is not None else 0
 
     async def health(self) -> bool:
         """True when the engine is up and has loaded its model (one probe, no retries)."""

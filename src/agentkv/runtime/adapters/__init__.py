@@ -11,13 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentkv.runtime.adapters.base import (
-    EngineCard,
-    OpenAIEngineClient,
-    Usage,
-    adapter_shape,
-    estimated_tokens,
-)
+from agentkv.runtime.adapters.base import OpenAIEngineClient, adapter_shape, estimated_tokens
 from agentkv.runtime.adapters.dynamo import DynamoClient
 from agentkv.runtime.adapters.sglang import SGLangClient
 from agentkv.runtime.adapters.vllm import VLLMClient
@@ -27,10 +21,8 @@ __all__ = [
     "ENGINE_KINDS",
     "LLAMA",
     "DynamoClient",
-    "EngineCard",
     "OpenAIEngineClient",
     "SGLangClient",
-    "Usage",
     "VLLMClient",
     "adapter",
     "adapter_shape",

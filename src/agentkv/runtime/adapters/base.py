@@ -54,7 +54,6 @@ __all__ = [
     "OpenAIEngineClient",
     "Usage",
     "adapter_shape",
-    "context_tokens",
     "estimated_tokens",
     "header_value",
 ]
@@ -465,21 +464,13 @@ class OpenAIEngineClient(LinkedEngine):
         yield  # pragma: no cover - an async context manager needs a yield
 
 
-def context_tokens(card: EngineCard, requested: int | None) -> int | None:
-    """The context per request agentkv checks prompts against: the one asked for, else the
-    model's (where the engine reports it)."""
-    if requested is not None:
-        return requested
-    return card.max_model_len
-
-
 async def adapter_shape(
     client: OpenAIEngineClient, slots: int, ctx_per_slot: int | None
 ) -> tuple[int, int | None]:
     """Requests sent at once (``slots``, as given) and the context a prompt is checked against:
     ``ctx_per_slot``, else the model's length as ``/v1/models`` reports it."""
     card = await client.describe()
-    ctx = context_tokens(card, ctx_per_slot)
+    ctx = ctx_per_slot if ctx_per_slot is not None else card.max_model_len
     log.info(
         "%s serves %s (context %s); agentkv sends it up to %d requests at once",
         client.engine_name,
