@@ -622,15 +622,21 @@ def open_client(
 ) -> LlamaSlotClient | OpenAIEngineClient:
     """The engine's client: llama-server's, or the adapter for ``settings.engine_kind``
     (:mod:`agentkv.runtime.adapters`), which names ``settings.model`` as the engine's model."""
-    link: dict[str, Any] = {
-        "api_key": engine.api_key,
-        "status": engine.status,
-        "templating_limit": settings.templating_limit,
-    }
     if settings.engine_kind == LLAMA:
-        return LlamaSlotClient(engine.base_url, **link)
-    model = str(settings.model) if settings.model is not None else None
-    return adapter(settings.engine_kind, engine.base_url, model=model, **link)
+        return LlamaSlotClient(
+            engine.base_url,
+            api_key=engine.api_key,
+            status=engine.status,
+            templating_limit=settings.templating_limit,
+        )
+    return adapter(
+        settings.engine_kind,
+        engine.base_url,
+        model=str(settings.model) if settings.model is not None else None,
+        api_key=engine.api_key,
+        status=engine.status,
+        templating_limit=settings.templating_limit,
+    )
 
 
 async def engine_shape(
