@@ -52,11 +52,6 @@ class Fingerprint:
     def total_size(self) -> int:
         return sum(self.sizes)
 
-    @property
-    def short(self) -> str:
-        """A short, human-readable id for logs and the slot table."""
-        return self.blocks[-1][:12] if self.blocks else "-"
-
 
 class Source(enum.Enum):
     """Where the cached part of a request's prompt comes from once its slot is prepared: the
@@ -131,8 +126,3 @@ class SlotView:
     stored: str | None = None
     #: The prompt sections (label, digest) of the request that left ``tokens`` there.
     sections: tuple[tuple[str, str], ...] = ()
-
-    @property
-    def refcount(self) -> int:
-        """Deprecated: :attr:`held` as a number (a slot is only ever held once)."""
-        return int(self.held)

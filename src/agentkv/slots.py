@@ -61,12 +61,6 @@ class SlotStats:
         """Share of acquisitions that reused cached tokens (0.0 before the first one)."""
         return (self.from_slot + self.from_store) / self.acquired if self.acquired else 0.0
 
-    @property
-    def reuse_ratio(self) -> float | None:
-        """Share of prompt tokens that were reused rather than computed."""
-        total = self.reused_tokens + self.computed_tokens
-        return self.reused_tokens / total if total else None
-
     def view(self) -> Placements:
         """The counters as the operator's view shows them."""
         return Placements(
@@ -194,6 +188,8 @@ class ContentWriter(SlotReader, Protocol):
 
 @attrs.define
 class _Slot:
+    """One slot's row: the fields of :class:`SlotView` but its index."""
+
     tokens: Tokens = ()
     held: bool = False
     last_used: float | None = None
@@ -231,16 +227,8 @@ class SlotManager:
 
     def _view(self, index: int) -> SlotView:
         slot = self._slots[index]
-        return SlotView(
-            slot=index,
-            tokens=slot.tokens,
-            held=slot.held,
-            last_used=slot.last_used,
-            agent=slot.agent,
-            lease_ids=tuple(slot.lease_ids),
-            stored=slot.stored,
-            sections=slot.sections,
-        )
+        fields = attrs.asdict(slot, recurse=False)
+        return SlotView(index, **{**fields, "lease_ids": tuple(slot.lease_ids)})
 
     def idle(self) -> list[SlotView]:
         """The slots no request holds and placement may use, in slot order."""
