@@ -33,6 +33,8 @@ from typing import Any, Final
 
 import attrs
 
+from agentkv.scheduler import MAX_PRIORITY
+
 __all__ = [
     "AGENT_TOOL",
     "AgentCall",
@@ -49,7 +51,6 @@ __all__ = [
 AGENT_TOOL: Final = "Agent"
 #: What separates a root from a sub-agent id in an agent's name.
 SEPARATOR: Final = "/"
-_MAX_PRIORITY = 3
 #: How Claude Code's tool results name the sub-agent a call started: ``agentId: a0d8…`` for a
 #: foreground one, ``…/tasks/a496….output`` for a background one.
 _NAMED = re.compile(r"agentId: ([0-9a-f]{8,32})\b|/tasks/([0-9a-f]{8,32})\.output\b")
@@ -227,7 +228,7 @@ class AgentDirectory:
     """The agents seen lately, as trees; see the module docs for the rules."""
 
     background_offset: int = attrs.field(
-        default=1, validator=attrs.validators.in_(range(_MAX_PRIORITY + 1))
+        default=1, validator=attrs.validators.in_(range(MAX_PRIORITY + 1))
     )
     max_agents: int = attrs.field(default=1024, validator=attrs.validators.gt(0))
     max_calls: int = attrs.field(default=64, validator=attrs.validators.gt(0))
@@ -325,11 +326,6 @@ class AgentDirectory:
         node = self._agents.get(agent)
         return None if node is None else self._place(node)
 
-    def priority_of(self, agent: str, now: float) -> int | None:
-        """The priority ``agent``'s next request would run at now (None: not known)."""
-        node = self._agents.get(agent)
-        return None if node is None else self._inferred(node)
-
     def waiting_parents(self, now: float) -> frozenset[str]:
         """Agents that wait for sub-agents now: their context is worth keeping warm."""
         self._expire(now)
@@ -352,18 +348,11 @@ class AgentDirectory:
             if node.name in seen:
                 continue
             seen.add(node.name)
-            place = self._place(node)
             rows.append(
                 AgentView(
-                    agent=node.name,
-                    root=node.root,
-                    parent=node.parent,
+                    **attrs.asdict(self._place(node)),
                     depth=depth,
-                    priority=place.priority,
-                    description=place.description,
-                    subagent_type=place.subagent_type,
                     background=node.call.background if node.call else None,
-                    waited_on=place.waited_on,
                     waiting_for=waiting.get(node.name, 0),
                     requests=node.requests,
                     idle_s=round(now - node.last_seen, 3),
@@ -398,7 +387,7 @@ class AgentDirectory:
         # A sub-agent parent's priority is the one last inferred for it (no walk up the tree).
         if self._waited_on(node, parent):
             return parent.priority
-        return min(_MAX_PRIORITY, parent.priority + self.background_offset)
+        return min(MAX_PRIORITY, parent.priority + self.background_offset)
 
     def _waited_on(self, node: _Agent, parent: _Agent) -> bool:
         """Whether ``parent`` is blocked on ``node`` (see the module docs)."""
