@@ -194,15 +194,11 @@ def summary_request(
     messages = list(body["messages"])
     head = _head_length(messages)
     transcript = "\n\n".join(_render(m) for m in messages[head : head + plan.cut])
+    ask = f"Summarise this conversation:\n\n{transcript}\n\nWrite the summary now."
     return {
         "messages": [
             {"role": "system", "content": SUMMARY_INSTRUCTIONS},
-            {
-                "role": "user",
-                "content": "Summarise this conversation:\n\n"
-                + transcript
-                + "\n\nWrite the summary now.",
-            },
+            {"role": "user", "content": ask},
         ],
         "max_tokens": max_tokens,
         "temperature": 0.2,

@@ -186,12 +186,7 @@ def facts_blocks(facts: SessionFacts) -> tuple[str | None, str | None]:
         lines = sorted(
             (item for item in ranked if item[0] in order), key=lambda i: order.index(i[0])
         )
-        if not lines:
-            return None
-        return (
-            "<system-reminder>\n"
-            + "\n".join([header, *(t for _, t in lines)])
-            + "\n</system-reminder>"
-        )
+        body = [header, *(t for _, t in lines)]
+        return "\n".join(["<system-reminder>", *body, "</system-reminder>"]) if lines else None
 
     return block(SESSION_HEADER, _SESSION_ORDER), block(PROJECT_HEADER, _PROJECT_ORDER)

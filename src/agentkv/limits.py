@@ -131,11 +131,7 @@ def check_limits(request: MessagesRequest, limits: RequestLimits) -> None:
     stop = request.stop_sequences or []
     check_count(stop, limits.max_stop_sequences, "stop sequences", "stop_sequences")
     for i, sequence in enumerate(stop):
-        if len(sequence) > limits.max_stop_sequence_chars:
-            raise InvalidRequestError(
-                f"is {len(sequence)} characters; the limit is {limits.max_stop_sequence_chars}",
-                f"stop_sequences[{i}]",
-            )
+        _check_chars(sequence, limits.max_stop_sequence_chars, f"stop_sequences[{i}]")
     if request.max_tokens > _INT32_MAX:
         raise InvalidRequestError(f"must be at most {_INT32_MAX}", "max_tokens")
     if request.top_k is not None and not -_INT32_MAX <= request.top_k <= _INT32_MAX:
@@ -147,6 +143,11 @@ def check_count(items: Sequence[Any], limit: int, what: str, path: str) -> None:
     """At most ``limit`` ``items`` (``what`` names them in the error)."""
     if len(items) > limit:
         raise InvalidRequestError(f"has {len(items)} {what}; the limit is {limit}", path)
+
+
+def _check_chars(text: str, limit: int, path: str) -> None:
+    if len(text) > limit:
+        raise InvalidRequestError(f"is {len(text)} characters; the limit is {limit}", path)
 
 
 def _utf8_size(value: Any) -> int:
@@ -178,11 +179,7 @@ def _check_tools(request: MessagesRequest, limits: RequestLimits) -> None:
     for i, tool in enumerate(tools):
         if not tool.name:
             raise InvalidRequestError("must not be empty", f"tools[{i}].name")
-        if len(tool.name) > limits.max_tool_name_chars:
-            raise InvalidRequestError(
-                f"is {len(tool.name)} characters; the limit is {limits.max_tool_name_chars}",
-                f"tools[{i}].name",
-            )
+        _check_chars(tool.name, limits.max_tool_name_chars, f"tools[{i}].name")
         if tool.name in seen:
             raise InvalidRequestError("tool names must be unique", f"tools[{i}].name")
         seen.add(tool.name)
