@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
-from typing import Protocol
 
 import attrs
 
@@ -130,62 +129,6 @@ def place(
     return min(candidates, key=lambda candidate: candidate[0])[1]
 
 
-class SlotReader(Protocol):
-    """The slot table as everyone may read it: the dispatcher hands this face out, so a reader
-    cannot write what a slot holds nor who holds it (the type checker says so)."""
-
-    @property
-    def n_slots(self) -> int: ...
-
-    @property
-    def free(self) -> int: ...
-
-    def idle(self) -> list[SlotView]: ...
-
-    def is_out(self, slot: int) -> bool: ...
-
-    def place(
-        self,
-        tokens: Tokens,
-        costs: CostModel,
-        *,
-        store: StoreIndex | None = None,
-        park_min: int = 256,
-        keep: Collection[str] = (),
-    ) -> Placement | None: ...
-
-    def lease(self, lease_id: int) -> Lease | None: ...
-
-    def table(self) -> list[SlotView]: ...
-
-    def stats(self) -> SlotStats: ...
-
-
-class ContentWriter(SlotReader, Protocol):
-    """The writer of what each slot holds, and the only one: the dispatcher that creates the
-    table hands this face to the slot-content owner once. Who holds a slot (leases) is written
-    by the dispatcher alone, through the :class:`SlotManager` it keeps to itself."""
-
-    def set_content(
-        self,
-        slot: int,
-        tokens: Tokens,
-        *,
-        stored: str | None = None,
-        sections: tuple[tuple[str, str], ...] = (),
-    ) -> None: ...
-
-    def mark_stored(self, slot: int, entry_id: str | None) -> None: ...
-
-    def forget_entry(self, entry_id: str) -> None: ...
-
-    def invalidate(self, slot: int) -> None: ...
-
-    def take_out(self, slots: Collection[int]) -> None: ...
-
-    def bring_back(self, slots: Collection[int]) -> None: ...
-
-
 @attrs.define
 class _Slot:
     """One slot's row: the fields of :class:`SlotView` but its index."""
@@ -200,23 +143,13 @@ class _Slot:
 
 
 @attrs.define(eq=False)
-class SlotManager:
-    """The slot table of one engine: content, leases and a watchdog. Never leases a busy slot.
-
-    Its writers come in two faces: the leases (``acquire``, ``release``, ``touch``, ``sweep``)
-    for the one dispatcher that creates the table, and :class:`ContentWriter` for the one owner of
-    what slots hold; everyone else reads it as a :class:`SlotReader`.
-    """
+class SlotReader:
+    """The slot table as everyone may read it: the dispatcher hands this face out, so a reader
+    cannot write what a slot holds nor who holds it (the type checker says so)."""
 
     n_slots: int = attrs.field(validator=attrs.validators.gt(0))
-    lease_ttl: float = attrs.field(
-        default=DEFAULT_LEASE_TTL, kw_only=True, validator=attrs.validators.gt(0)
-    )
     _slots: list[_Slot] = attrs.field(init=False)
     _leases: dict[int, Lease] = attrs.field(init=False, factory=dict)
-    #: When each live lease last showed a sign of life (engine progress), if after acquisition.
-    _alive_at: dict[int, float] = attrs.field(init=False, factory=dict)
-    _next_lease: int = attrs.field(init=False, default=1)
     _stats: SlotStats = attrs.field(init=False, factory=SlotStats)
     #: Slots out of placement: their engine is down (a pool of engines).
     _out: set[int] = attrs.field(init=False, factory=set)
@@ -237,21 +170,6 @@ class SlotManager:
     def _idle(self) -> list[int]:
         return [i for i, slot in enumerate(self._slots) if not slot.held and i not in self._out]
 
-    def take_out(self, slots: Collection[int]) -> None:
-        """Keep ``slots`` out of placement (their engine is down) and forget what they held.
-
-        Leases on them stay live until released: the requests running there end on their own.
-        """
-        for slot in slots:
-            self.invalidate(slot)
-            self._out.add(slot)
-
-    def bring_back(self, slots: Collection[int]) -> None:
-        """Put ``slots`` back into placement, empty (their engine rejoined, or restarted)."""
-        for slot in slots:
-            self.invalidate(slot)
-            self._out.discard(slot)
-
     def is_out(self, slot: int) -> bool:
         """Whether ``slot`` is out of placement."""
         return slot in self._out
@@ -267,6 +185,93 @@ class SlotManager:
     ) -> Placement | None:
         """:func:`place` over this table's idle slots."""
         return place(tokens, self.idle(), costs, store=store, park_min=park_min, keep=keep)
+
+    def lease(self, lease_id: int) -> Lease | None:
+        """The live lease with this id, if any."""
+        return self._leases.get(lease_id)
+
+    def table(self) -> list[SlotView]:
+        """One read-only row per slot, in slot order."""
+        return [self._view(i) for i in range(self.n_slots)]
+
+    def stats(self) -> SlotStats:
+        return self._stats
+
+    @property
+    def free(self) -> int:
+        """How many slots are idle and in placement."""
+        return len(self._idle())
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"no slot {slot}: slots are 0..{self.n_slots - 1}")
+
+
+@attrs.define(eq=False)
+class ContentWriter(SlotReader):
+    """The writer of what each slot holds, and the only one: the dispatcher that creates the
+    table hands this face to the slot-content owner once. Who holds a slot (leases) is written
+    by the dispatcher alone, through the :class:`SlotManager` it keeps to itself."""
+
+    def set_content(
+        self,
+        slot: int,
+        tokens: Tokens,
+        *,
+        stored: str | None = None,
+        sections: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        """Record what a slot holds now (after a restore, a park or a finished request)."""
+        self._check(slot)
+        content = self._slots[slot]
+        content.tokens, content.stored, content.sections = tuple(tokens), stored, sections
+
+    def mark_stored(self, slot: int, entry_id: str | None) -> None:
+        """The slot's content is (or, with None, is no longer) held by a store entry."""
+        self._check(slot)
+        self._slots[slot].stored = entry_id
+
+    def forget_entry(self, entry_id: str) -> None:
+        """A store entry is gone: slots it covered now hold unsaved content."""
+        for slot in self._slots:
+            if slot.stored == entry_id:
+                slot.stored = None
+
+    def invalidate(self, slot: int) -> None:
+        """Forget what ``slot`` holds (it was erased, or a request on it failed)."""
+        self.set_content(slot, ())
+
+    def take_out(self, slots: Collection[int]) -> None:
+        """Keep ``slots`` out of placement (their engine is down) and forget what they held.
+
+        Leases on them stay live until released: the requests running there end on their own.
+        """
+        for slot in slots:
+            self.invalidate(slot)
+            self._out.add(slot)
+
+    def bring_back(self, slots: Collection[int]) -> None:
+        """Put ``slots`` back into placement, empty (their engine rejoined, or restarted)."""
+        for slot in slots:
+            self.invalidate(slot)
+            self._out.discard(slot)
+
+
+@attrs.define(eq=False)
+class SlotManager(ContentWriter):
+    """The slot table of one engine: content, leases and a watchdog. Never leases a busy slot.
+
+    Its writers come in two faces: the leases (``acquire``, ``release``, ``touch``, ``sweep``)
+    for the one dispatcher that creates the table, and :class:`ContentWriter` for the one owner of
+    what slots hold; everyone else reads it as a :class:`SlotReader`.
+    """
+
+    lease_ttl: float = attrs.field(
+        default=DEFAULT_LEASE_TTL, kw_only=True, validator=attrs.validators.gt(0)
+    )
+    #: When each live lease last showed a sign of life (engine progress), if after acquisition.
+    _alive_at: dict[int, float] = attrs.field(init=False, factory=dict)
+    _next_lease: int = attrs.field(init=False, default=1)
 
     def acquire(self, placement: Placement, now: float, *, agent: str, tokens: Tokens) -> Lease:
         """Lease the slot ``placement`` names for a request of ``tokens``.
@@ -305,30 +310,6 @@ class SlotManager:
         )
         return lease
 
-    def set_content(
-        self,
-        slot: int,
-        tokens: Tokens,
-        *,
-        stored: str | None = None,
-        sections: tuple[tuple[str, str], ...] = (),
-    ) -> None:
-        """Record what a slot holds now (after a restore, a park or a finished request)."""
-        self._check(slot)
-        content = self._slots[slot]
-        content.tokens, content.stored, content.sections = tuple(tokens), stored, sections
-
-    def mark_stored(self, slot: int, entry_id: str | None) -> None:
-        """The slot's content is (or, with None, is no longer) held by a store entry."""
-        self._check(slot)
-        self._slots[slot].stored = entry_id
-
-    def forget_entry(self, entry_id: str) -> None:
-        """A store entry is gone: slots it covered now hold unsaved content."""
-        for slot in self._slots:
-            if slot.stored == entry_id:
-                slot.stored = None
-
     def release(
         self,
         lease: Lease,
@@ -354,10 +335,6 @@ class SlotManager:
         elif sections is not None:
             slot.sections = sections
         return True
-
-    def invalidate(self, slot: int) -> None:
-        """Forget what ``slot`` holds (it was erased, or a request on it failed)."""
-        self.set_content(slot, ())
 
     def touch(self, lease_id: int, now: float) -> bool:
         """The request holding ``lease_id`` made progress at ``now`` (the engine reported
@@ -389,26 +366,6 @@ class SlotManager:
         if expired:
             self._stats = attrs.evolve(self._stats, reclaimed=self._stats.reclaimed + len(expired))
         return expired
-
-    def lease(self, lease_id: int) -> Lease | None:
-        """The live lease with this id, if any."""
-        return self._leases.get(lease_id)
-
-    def table(self) -> list[SlotView]:
-        """One read-only row per slot, in slot order."""
-        return [self._view(i) for i in range(self.n_slots)]
-
-    def stats(self) -> SlotStats:
-        return self._stats
-
-    @property
-    def free(self) -> int:
-        """How many slots are idle and in placement."""
-        return len(self._idle())
-
-    def _check(self, slot: int) -> None:
-        if not 0 <= slot < self.n_slots:
-            raise ValueError(f"no slot {slot}: slots are 0..{self.n_slots - 1}")
 
     def _drop(self, lease: Lease) -> _Slot:
         del self._leases[lease.id]
