@@ -260,14 +260,7 @@ class AgentDirectory:
         if sub is not None and root not in self._agents:
             # A sub-agent whose coordinator agentkv has not seen (its requests went elsewhere,
             # or were forgotten): the coordinator stands in the tree, silent since.
-            self._agents[root] = _Agent(
-                name=root,
-                root=root,
-                sub=None,
-                priority=priority,
-                first_seen=now,
-                last_request=-math.inf,
-            )
+            self._agents[root] = _Agent(root, root, None, priority, now, last_request=-math.inf)
         name = agent_name(root, sub)
         agent = self._agents.get(name)
         if agent is None:
@@ -461,15 +454,9 @@ class AgentDirectory:
 
     def _candidates(self, child: _Agent) -> Sequence[_Agent]:
         """Agents of the child's tree that may have started it, the most recent first."""
-        return sorted(
-            (
-                node
-                for node in self._agents.values()
-                if node.root == child.root and node.name != child.name and node.calls
-            ),
-            key=lambda node: node.last_seen,
-            reverse=True,
-        )
+        nodes = self._agents.values()
+        found = [n for n in nodes if n.root == child.root and n.name != child.name and n.calls]
+        return sorted(found, key=lambda node: node.last_seen, reverse=True)
 
     # -- bounds ---------------------------------------------------------------------------------
 

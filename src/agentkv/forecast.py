@@ -191,17 +191,9 @@ def _last_text(content: Any) -> str | None:
 
 def _whole_text(content: Any) -> str | None:
     """A message's content when it is text alone: a string, or one text block."""
-    if isinstance(content, str):
-        return content
-    if (
-        isinstance(content, Sequence)
-        and len(content) == 1
-        and isinstance(content[0], Mapping)
-        and content[0].get("type") == "text"
-        and isinstance(content[0].get("text"), str)
-    ):
-        return str(content[0]["text"])
-    return None
+    texts = _block_texts(content)
+    alone = len(texts) == 1 and (isinstance(content, str) or len(content) == 1)
+    return texts[0] if alone else None
 
 
 def _messages(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:

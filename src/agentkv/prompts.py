@@ -170,11 +170,8 @@ class PromptMemo:
             return None
         tokens = entry[0]
         end = shared - _MARGIN
-        cut, marker = -1, ""
-        for text in markers:
-            at = base.rfind(text, 0, end)
-            if at > cut:
-                cut, marker = at, text
+        marker = max(markers, key=lambda text: base.rfind(text, 0, end))  # the first of the latest
+        cut = base.rfind(marker, 0, end)
         if cut < SPLIT_MIN // 2:
             return None
         token = markers[marker]

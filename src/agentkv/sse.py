@@ -457,10 +457,7 @@ class SSEAssembler:
     def _emit_held(self, held: str, out: list[ReplyEvent]) -> None:
         assert self.tool_schemas is not None
         found = extract_tool_calls(held, self.tool_schemas, repair=not self._cut())
-        if not found.calls:
-            self._emit_text(held, out)
-            return
-        self._emit_text(found.text, out)
+        self._emit_text(found.text if found.calls else held, out)
         for call in found.calls:
             self._emit_tool("", call.name, json.dumps(call.input, ensure_ascii=False), out)
 
