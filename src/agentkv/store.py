@@ -11,7 +11,7 @@ in, because entries outlive a restart.
 from __future__ import annotations
 
 import enum
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -91,6 +91,10 @@ class StoreStats:
     refused: int
 
 
+#: The counters of :class:`StoreStats` kept as whole numbers.
+_COUNTERS = ("saves", "restores", "hits_tokens", "evicted", "expired", "refused")
+
+
 def entry_id(kind: EntryKind, tokens: Tokens) -> str:
     """A stable id: the same state saved twice replaces itself."""
     return f"akv-{kind.value}-{digest(tokens)}"
@@ -107,7 +111,7 @@ class StoreIndex:
     compat: str = ""
     context_ttl: float = 6 * 3600.0
     _entries: dict[str, StoreEntry] = attrs.field(init=False, factory=dict)
-    _pins: dict[str, int] = attrs.field(init=False, factory=dict)
+    _pins: Counter[str] = attrs.field(init=False, factory=Counter)
     _counts: defaultdict[str, float] = attrs.field(init=False, factory=lambda: defaultdict(int))
 
     # -- reading ------------------------------------------------------------------------------
@@ -146,32 +150,20 @@ class StoreIndex:
         return None
 
     def stats(self) -> StoreStats:
-        counts = self._counts
-        return StoreStats(
-            entries=len(self._entries),
-            bytes=self.total_bytes,
-            budget=self.budget,
-            saves=int(counts["saves"]),
-            restores=int(counts["restores"]),
-            hits_tokens=int(counts["hits_tokens"]),
-            seconds_saved=round(counts["seconds_saved"], 3),
-            evicted=int(counts["evicted"]),
-            expired=int(counts["expired"]),
-            refused=int(counts["refused"]),
-        )
+        counts = {name: int(self._counts[name]) for name in _COUNTERS}
+        seconds = round(self._counts["seconds_saved"], 3)
+        return StoreStats(len(self), self.total_bytes, self.budget, seconds_saved=seconds, **counts)
 
     # -- pins ---------------------------------------------------------------------------------
 
     def pin(self, entry_id: str) -> None:
         """Keep an entry from eviction and expiry (it is being restored, or it is suspended)."""
-        self._pins[entry_id] = self._pins.get(entry_id, 0) + 1
+        self._pins[entry_id] += 1
 
     def unpin(self, entry_id: str) -> None:
-        count = self._pins.get(entry_id, 0) - 1
-        if count > 0:
-            self._pins[entry_id] = count
-        else:
-            self._pins.pop(entry_id, None)
+        self._pins[entry_id] -= 1
+        if self._pins[entry_id] <= 0:
+            del self._pins[entry_id]
 
     def pinned(self, entry_id: str) -> bool:
         return entry_id in self._pins
