@@ -354,14 +354,9 @@ class CompactionForecast:
         ):
             return None
         git_status = first_texts[0] if first_texts[0].endswith("\n") else first_texts[0] + "\n"
+        ours = [_blocks(m.get("content")) for m in messages if m.get("role") == "assistant"]
         tools = sorted(
-            {
-                str(block.get("name"))
-                for m in messages
-                if m.get("role") == "assistant"
-                for block in _blocks(m.get("content"))
-                if block.get("type") == "tool_use"
-            }
+            {str(b.get("name")) for bs in ours for b in bs if b.get("type") == "tool_use"}
         )
         # The summary message that opens the conversation after a compaction.
         opening = (

@@ -352,14 +352,8 @@ class SlotManager(ContentWriter):
         reclaimed slot's cache is forgotten: the request may still be running on the engine,
         and nobody knows what the slot will hold when it stops.
         """
-        expired = sorted(
-            (
-                lease
-                for lease in self._leases.values()
-                if now - self._alive_at.get(lease.id, lease.acquired_at) > self.lease_ttl
-            ),
-            key=lambda lease: lease.id,
-        )
+        by_id, alive = sorted(self._leases.values(), key=lambda lease: lease.id), self._alive_at
+        expired = [x for x in by_id if now - alive.get(x.id, x.acquired_at) > self.lease_ttl]
         for lease in expired:
             slot = self._drop(lease)
             slot.tokens, slot.stored = (), None
