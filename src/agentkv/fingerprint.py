@@ -12,6 +12,7 @@ enter it; volatile text (Claude Code's billing header) is normalised by the tran
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,17 +56,13 @@ class PrefixFingerprinter:
         tools = {key: body[key] for key in _TOOL_KEYS if body.get(key) is not None}
         parts = [canonical_json(list(messages[:head])), canonical_json(tools)]
         parts.extend(canonical_json(message) for message in turns)
-        return _chain(parts)
+        blocks = tuple(itertools.accumulate(parts, _link, initial=""))[1:]
+        return Fingerprint(blocks=blocks, sizes=tuple(len(part) for part in parts))
 
 
 def _role(message: Any) -> Any:
     return message.get("role") if isinstance(message, Mapping) else None
 
 
-def _chain(parts: Sequence[str]) -> Fingerprint:
-    blocks: list[str] = []
-    previous = ""
-    for part in parts:
-        previous = hashlib.sha256((previous + part).encode()).hexdigest()
-        blocks.append(previous)
-    return Fingerprint(blocks=tuple(blocks), sizes=tuple(len(part) for part in parts))
+def _link(previous: str, part: str) -> str:
+    return hashlib.sha256((previous + part).encode()).hexdigest()
