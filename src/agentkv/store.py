@@ -284,7 +284,9 @@ class StoreIndex:
             try:
                 entry_id_ = str(record["id"])
                 tokens = tokens_of.get(entry_id_)
-                if tokens is None or digest(tokens) != record["digest"]:
+                # A suspended request does not survive a restart: its client is gone.
+                suspended = record["kind"] == EntryKind.SUSPENDED.value
+                if tokens is None or suspended or digest(tokens) != record["digest"]:
                     refused.append(entry_id_)
                     continue
                 entry = StoreEntry(
@@ -302,10 +304,6 @@ class StoreIndex:
                 )
             except (KeyError, TypeError, ValueError):
                 refused.append(str(record.get("id", "?")) if isinstance(record, Mapping) else "?")
-                continue
-            if entry.kind is EntryKind.SUSPENDED:
-                # A suspended request does not survive a restart: its client is gone.
-                refused.append(entry.id)
                 continue
             self._entries[entry.id] = entry
         return refused
