@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -138,15 +139,11 @@ async def llama_server_alone(setup: EngineSetup, scenario: str) -> AsyncIterator
         yield Engine("llama-server", url, url, " ".join(args))
 
 
-@contextlib.asynccontextmanager
-async def _engine(setup: EngineSetup, name: str, store: Path) -> AsyncIterator[Engine]:
+def _engine(setup: EngineSetup, name: str, store: Path) -> AbstractAsyncContextManager[Engine]:
     """llama-server alone, or agentkv on ``store``."""
     if name == "llama-server":
-        async with llama_server_alone(setup, "real-cli") as engine:
-            yield engine
-        return
-    async with agentkv_engine(setup, store_dir=store, config=NO_PREEMPTION, name=name) as engine:
-        yield engine
+        return llama_server_alone(setup, "real-cli")
+    return agentkv_engine(setup, store_dir=store, config=NO_PREEMPTION, name=name)
 
 
 async def run_real_cli(

@@ -232,10 +232,8 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
         spec = spec_class()
     else:
         spec = spec_class.quick() if quick is None else spec_class(**quick)
-    changes = {}
-    for item in flags.split():
-        field, _, flag = item.partition("=")
-        changes[field] = getattr(args, flag or field)
+    pairs = (item.partition("=") for item in flags.split())
+    changes = {field: getattr(args, flag or field) for field, _, flag in pairs}
     if "slots" in attrs.fields_dict(spec_class):
         changes["slots"] = setup.slots
     spec = _evolve(spec, **changes)
