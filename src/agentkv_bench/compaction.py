@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +18,7 @@ import attrs
 
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.record import request_fields
-from agentkv_bench._runs import run_claude, write_run
+from agentkv_bench._runs import run_claude, scratch, write_run
 from agentkv_bench.claude import llama_server_alone, make_project
 from agentkv_bench.engines import Engine, EngineSetup, agentkv_engine
 from agentkv_bench.metrics import counting
@@ -134,10 +133,9 @@ async def run_compaction(
 ) -> dict[str, Any]:
     """The session against each configuration, one after another; ``compaction.{json,txt}``."""
     setup: EngineSetup = bench.setup
-    root = Path(tempfile.mkdtemp(prefix="agentkv-bench-compaction-"))
     reports: list[dict[str, Any]] = []
     started = time.monotonic()
-    try:
+    with scratch("compaction") as root:
         for name in configs:
             bench.say(f"compaction/{name}: 5 turns, {spec.think:g} s of think time twice")
             if name == "llama-server":
@@ -158,8 +156,6 @@ async def run_compaction(
                     report["requests"] = [request_fields(r) for r in e.runtime.records()]
             reports.append(report)
             bench.say(f"compaction/{name}: {report['wall_s']} s ({report['busy_s']} s busy)")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     for report in reports:
         for base in ("llama-server", "agentkv-noprep"):
             other = next((r for r in reports if r["name"] == base), None)
