@@ -3,8 +3,10 @@ limit, the report of a run of configurations, and its check that no configuratio
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +16,7 @@ import attrs
 if TYPE_CHECKING:
     from agentkv_bench.scenarios import Bench
 
-__all__ = ["by_name", "claude_code_headers", "errors_target", "run_claude", "write_run"]
+__all__ = ["by_name", "claude_code_headers", "errors_target", "run_claude", "scratch", "write_run"]
 
 
 def claude_code_headers(session: str, priority: int, agent_id: str | None = None) -> dict[str, str]:
@@ -28,6 +30,15 @@ def claude_code_headers(session: str, priority: int, agent_id: str | None = None
     if agent_id is not None:
         headers["x-claude-code-agent-id"] = agent_id
     return headers
+
+
+@contextlib.contextmanager
+def scratch(kind: str) -> Iterator[Path]:
+    """A temporary directory for a run's projects, removed (whatever is left) once it ends."""
+    with tempfile.TemporaryDirectory(
+        prefix=f"agentkv-bench-{kind}-", ignore_cleanup_errors=True
+    ) as root:
+        yield Path(root)
 
 
 async def run_claude(

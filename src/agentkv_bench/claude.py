@@ -18,7 +18,6 @@ import contextlib
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -28,7 +27,7 @@ import anyio
 import attrs
 
 from agentkv.snapshot import unstructure
-from agentkv_bench._runs import run_claude, write_run
+from agentkv_bench._runs import run_claude, scratch, write_run
 from agentkv_bench.engines import (
     NO_PREEMPTION,
     Engine,
@@ -138,15 +137,13 @@ async def llama_server_alone(setup: EngineSetup, scenario: str) -> AsyncIterator
         yield Engine("llama-server", url, url, " ".join(args))
 
 
-@contextlib.asynccontextmanager
-async def _engine(setup: EngineSetup, name: str, store: Path) -> AsyncIterator[Engine]:
+def _engine(
+    setup: EngineSetup, name: str, store: Path
+) -> contextlib.AbstractAsyncContextManager[Engine]:
     """llama-server alone, or agentkv on ``store``."""
     if name == "llama-server":
-        async with llama_server_alone(setup, "real-cli") as engine:
-            yield engine
-        return
-    async with agentkv_engine(setup, store_dir=store, config=NO_PREEMPTION, name=name) as engine:
-        yield engine
+        return llama_server_alone(setup, "real-cli")
+    return agentkv_engine(setup, store_dir=store, config=NO_PREEMPTION, name=name)
 
 
 async def run_real_cli(
@@ -154,13 +151,12 @@ async def run_real_cli(
 ) -> dict[str, Any]:
     """The real-CLI runs, one configuration after another; ``real-cli.{json,txt}``."""
     setup: EngineSetup = bench.setup
-    root = Path(tempfile.mkdtemp(prefix="agentkv-bench-cli-"))
     reports: list[dict[str, Any]] = []
     started = time.monotonic()
     store = bench.out / "stores" / "real-cli"
     if store.exists():
         shutil.rmtree(store)
-    try:
+    with scratch("cli") as root:
         project, home = make_project(root)
         for name in configs:
             bench.say(f"real-cli/{name}: {spec.agents} agents × {spec.sessions} sessions")
@@ -172,8 +168,6 @@ async def run_real_cli(
                     report["placements"] = unstructure(engine.runtime.snapshot().placements)
             reports.append(report)
             bench.say(f"real-cli/{name}: {report['wall_s']} s, {report['correct']} right")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     base = next((r["wall_s"] for r in reports if r["name"] == "llama-server"), None)
     for report in reports:
         report["wall_vs_llama_server"] = round(report["wall_s"] / base, 3) if base else None

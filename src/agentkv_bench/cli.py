@@ -213,13 +213,12 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
         from agentkv_bench.decode import DecodeSpec, decode_table, run_decode
 
         decode_spec = DecodeSpec.quick() if args.quick else DecodeSpec()
-        model = Path(args.model) if args.model else None
-        report = await run_decode(decode_spec, args.out, model=model, echo=_say)
+        report = await run_decode(decode_spec, args.out, model=args.model, echo=_say)
         return report, decode_table(report)
     ctx = args.ctx_per_slot or _CTX.get(scenario, _CTX_DEFAULT)
     setup = EngineSetup(
         binary=find_llama_server(args.llama_server),
-        model=Path(args.model or default_model_path()),
+        model=args.model or default_model_path(),
         slots=args.slots or 2,
         ctx=ctx,
         log_dir=args.out / "logs",
@@ -232,10 +231,8 @@ async def _run(args: argparse.Namespace, scenario: str) -> tuple[dict[str, Any],
         spec = spec_class()
     else:
         spec = spec_class.quick() if quick is None else spec_class(**quick)
-    changes = {}
-    for item in flags.split():
-        field, _, flag = item.partition("=")
-        changes[field] = getattr(args, flag or field)
+    pairs = (item.partition("=") for item in flags.split())
+    changes = {field: getattr(args, flag or field) for field, _, flag in pairs}
     if "slots" in attrs.fields_dict(spec_class):
         changes["slots"] = setup.slots
     spec = _evolve(spec, **changes)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,9 +18,9 @@ import attrs
 
 from agentkv.runtime.config import RuntimeConfig
 from agentkv.runtime.record import request_fields
-from agentkv_bench._runs import run_claude, write_run
+from agentkv_bench._runs import run_claude, scratch, write_run
 from agentkv_bench.claude import llama_server_alone, make_project
-from agentkv_bench.engines import EngineSetup, agentkv_engine
+from agentkv_bench.engines import Engine, EngineSetup, agentkv_engine
 from agentkv_bench.metrics import counting
 from agentkv_bench.report import fmt, render_table
 from agentkv_bench.scenarios import Bench
@@ -39,26 +38,10 @@ _LABELS = {
 NO_PREPARATION = RuntimeConfig(prepare_compaction=False)
 #: Claude Code's ``-p`` output names the query that produced it; a compaction's is "compact".
 _COMPACTED = '"query_source":"compact"'
-_WORDS = [
-    "module",
-    "cache",
-    "slot",
-    "prefix",
-    "agent",
-    "request",
-    "token",
-    "engine",
-    "queue",
-    "summary",
-    "reply",
-    "context",
-    "window",
-    "turn",
-    "file",
-    "test",
-    "build",
-    "review",
-]
+_WORDS = (
+    "module", "cache", "slot", "prefix", "agent", "request", "token", "engine", "queue",
+    "summary", "reply", "context", "window", "turn", "file", "test", "build", "review",
+)  # fmt: skip
 
 
 @attrs.frozen
@@ -105,25 +88,17 @@ def _env(base_url: str, home: Path, ctx: int) -> dict[str, str]:
 
 
 async def _session(
-    name: str,
-    url: str,
-    engine_url: str,
-    engine_key: str | None,
-    claude: Path,
-    root: Path,
-    spec: CompactionSpec,
-    ctx: int,
+    engine: Engine, claude: Path, root: Path, spec: CompactionSpec, ctx: int
 ) -> dict[str, Any]:
+    name = engine.name
     project, home = make_project(root / name)
-    env = _env(url, home, ctx)
+    env = _env(engine.url, home, ctx)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     for index, (word, prompt, think) in enumerate(turns(spec)):
         await anyio.sleep(think)
-        command = (
-            [str(claude), "-p", prompt] if index == 0 else [str(claude), "-p", "--continue", prompt]
-        )
-        async with counting(engine_url, engine_key) as counters:
+        command = [str(claude), "-p", *(["--continue"] if index else []), prompt]
+        async with counting(engine.engine_url, engine.engine_key) as counters:
             asked = time.monotonic()
             rc, out, err = await run_claude(command, project, env, spec.timeout)
             seconds = time.monotonic() - asked
@@ -158,17 +133,13 @@ async def run_compaction(
 ) -> dict[str, Any]:
     """The session against each configuration, one after another; ``compaction.{json,txt}``."""
     setup: EngineSetup = bench.setup
-    root = Path(tempfile.mkdtemp(prefix="agentkv-bench-compaction-"))
     reports: list[dict[str, Any]] = []
     started = time.monotonic()
-    try:
+    with scratch("compaction") as root:
         for name in configs:
             bench.say(f"compaction/{name}: 5 turns, {spec.think:g} s of think time twice")
             if name == "llama-server":
-                async with llama_server_alone(setup, "compaction") as e:
-                    report = await _session(
-                        name, e.url, e.engine_url, None, claude, root, spec, setup.ctx
-                    )
+                engine = llama_server_alone(setup, "compaction")
             else:
                 store = bench.out / "stores" / f"compaction-{name}"
                 shutil.rmtree(store, ignore_errors=True)
@@ -176,18 +147,15 @@ async def run_compaction(
                 config = NO_PREPARATION if name == "agentkv-noprep" else RuntimeConfig()
                 # The harness's Claude Code has its own home: where its transcripts are.
                 config = attrs.evolve(config, claude_config_dir=str(home / ".claude"))
-                async with agentkv_engine(setup, store_dir=store, config=config, name=name) as e:
-                    report = await _session(
-                        name, e.url, e.engine_url, e.engine_key, claude, root, spec, setup.ctx
-                    )
-                    if e.runtime is not None:
-                        report["prepared"] = attrs.asdict(e.runtime.preparations.stats())
-                        # what each request computed and where it parted from the cache
-                        report["requests"] = [request_fields(r) for r in e.runtime.records()]
+                engine = agentkv_engine(setup, store_dir=store, config=config, name=name)
+            async with engine as e:
+                report = await _session(e, claude, root, spec, setup.ctx)
+                if e.runtime is not None:
+                    report["prepared"] = attrs.asdict(e.runtime.preparations.stats())
+                    # what each request computed and where it parted from the cache
+                    report["requests"] = [request_fields(r) for r in e.runtime.records()]
             reports.append(report)
             bench.say(f"compaction/{name}: {report['wall_s']} s ({report['busy_s']} s busy)")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     for report in reports:
         for base in ("llama-server", "agentkv-noprep"):
             other = next((r for r in reports if r["name"] == base), None)

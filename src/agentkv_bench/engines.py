@@ -93,8 +93,7 @@ class Engine:
 def llama_server_args(setup: EngineSetup, name: str) -> list[str]:
     """The command line (without the binary and port) of the ``plain`` or ``tuned`` server."""
     base = ["-m", str(setup.model), "-np", str(setup.slots), "-c", str(setup.slots * setup.ctx)]
-    base.append("--metrics")
-    return base + (list(setup.tuned_args) if name == "tuned" else [])
+    return [*base, "--metrics", *(setup.tuned_args if name == "tuned" else ())]
 
 
 @contextlib.asynccontextmanager

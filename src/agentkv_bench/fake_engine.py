@@ -148,12 +148,8 @@ class FakeLlama:
                 self.slot_actions.append((slot, action, filename))
             return self._slot_action(slot, action, filename)
         if path == "/slots":
-            return httpx.Response(
-                200,
-                json=[
-                    {"id": i, "is_processing": bool(self.active.get(i))} for i in range(self.slots)
-                ],
-            )
+            busy = [{"id": i, "is_processing": bool(self.active.get(i))} for i in range(self.slots)]
+            return httpx.Response(200, json=busy)
         return httpx.Response(404, json={"error": {"message": "not found", "code": 404}})
 
     def _refuses_images(self, request: httpx.Request) -> bool:

@@ -10,8 +10,6 @@ script; the sub-agents and the coordinator's continuation pass unchanged, and ll
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
@@ -21,7 +19,7 @@ import attrs
 import httpx
 
 from agentkv.snapshot import unstructure
-from agentkv_bench._runs import by_name, run_claude, write_run
+from agentkv_bench._runs import by_name, run_claude, scratch, write_run
 from agentkv_bench.claude import _env, make_project
 from agentkv_bench.engines import NO_PREEMPTION, serve_app, start
 from agentkv_bench.metrics import counting, difference, read_counters
@@ -242,10 +240,9 @@ async def run_fanout(
     for name in configs:
         if name not in CONFIGS:
             raise ValueError(f"unknown configuration {name!r} (one of {', '.join(CONFIGS)})")
-    root = Path(tempfile.mkdtemp(prefix="agentkv-bench-fanout-"))
     started = time.monotonic()
     runs: list[dict[str, Any]] = []
-    try:
+    with scratch("fanout") as root:
         project, home = make_project(root)
         for run in range(1, spec.runs + 1):
             reports = []
@@ -259,8 +256,6 @@ async def run_fanout(
                 )
                 reports.append(report)
             runs.append({"run": run, "configs": reports})
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     return await write_run(
         bench, "real-cli-fanout", spec, fanout_table, started, runs=runs, targets=targets(runs)
     )

@@ -45,10 +45,11 @@ Counters = dict[str, float]
 def parse_counters(text: str, names: Mapping[str, str] = COUNTERS) -> Counters:
     """The counters named in ``names`` (report name → sample name) from Prometheus text; a
     counter llama-server did not report is 0."""
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name] = float(sample.value)
+    samples = {
+        sample.name: float(sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
     return {key: samples.get(name, 0.0) for key, name in names.items()}
 
 
@@ -109,11 +110,8 @@ async def token_sequences(
     agentkv's translation. ``session_layout=False`` renders the messages in the order the client
     sent them, as llama-server's own ``/v1/messages`` does."""
     translator = MessagesTranslator(session_layout=session_layout)
-    sequences = []
     async with LlamaSlotClient(engine_url, api_key=api_key) as client:
-        for body in bodies:
-            sequences.append(await client.prompt_tokens(translator.translate(body).body))
-    return sequences
+        return [await client.prompt_tokens(translator.translate(body).body) for body in bodies]
 
 
 async def yardsticks(

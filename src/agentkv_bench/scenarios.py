@@ -33,7 +33,7 @@ from agentkv_bench.claude_workload import (
 from agentkv_bench.drivers import Clock, RequestResult, drive
 from agentkv_bench.engines import REPLAYED, Engine, EngineSetup, start
 from agentkv_bench.metrics import PrefillYardstick, counting, token_sequences, yardsticks
-from agentkv_bench.report import Panel, fmt, render_table, summarize, write_report
+from agentkv_bench.report import Panel, Row, fmt, render_table, summarize, write_report
 from agentkv_bench.workload import Workload, WorkloadSpec, build_workload, shared_prefix_len
 
 __all__ = [
@@ -188,7 +188,7 @@ async def run_agents(
     )
 
 
-def _ttft_row(priority: str) -> tuple[str, Callable[[dict[str, Any]], str]]:
+def _ttft_row(priority: str) -> Row:
     def cell(c: dict[str, Any]) -> str:
         row = c["ttft"].get(priority, {})
         return f"{fmt(row.get('ttft_p50_s'), ' s')} / {fmt(row.get('ttft_p95_s'), ' s')}"
@@ -350,9 +350,7 @@ def _first_answer(agent: str) -> Callable[[dict[str, Any]], str]:
 def claude_table(report: dict[str, Any]) -> str:
     configs = report["configs"]
     agents = sorted({a for c in configs for a in c["agents"]})
-    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-        ("wall time", lambda c: fmt(c["wall_s"], " s"))
-    ]
+    rows: list[Row] = [("wall time", lambda c: fmt(c["wall_s"], " s"))]
     rows += [(f"{agent}: first answer", _first_answer(agent)) for agent in agents]
     rows += [
         (
