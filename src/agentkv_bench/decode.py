@@ -131,16 +131,13 @@ async def _complete(
         "cache_prompt": True,
         "stream": False,
     }
-    for attempt in range(2):  # a kept-alive connection that llama-server closed
-        try:
-            response = await http.post("/completion", json=payload)
-            response.raise_for_status()
-            data: dict[str, Any] = response.json()
-            return data
-        except httpx.TransportError:
-            if attempt:
-                raise
-    raise AssertionError("unreachable")
+    try:
+        response = await http.post("/completion", json=payload)
+    except httpx.TransportError:  # a kept-alive connection that llama-server closed: once more
+        response = await http.post("/completion", json=payload)
+    response.raise_for_status()
+    data: dict[str, Any] = response.json()
+    return data
 
 
 async def _slot_action(http: httpx.AsyncClient, slot: int, action: str, filename: str) -> Any:
