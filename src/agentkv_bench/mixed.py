@@ -8,6 +8,7 @@ runs over agentkv's tickets of both APIs (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +33,7 @@ from agentkv_bench.drivers import RequestResult
 from agentkv_bench.engines import Engine, start
 from agentkv_bench.metrics import PrefillYardstick, yardsticks
 from agentkv_bench.report import (
+    Row,
     fmt,
     percentile,
     render_table,
@@ -140,9 +142,8 @@ def _codex_agents(spec: MixedSpec) -> list[Agent]:
             session=session,
             max_tokens=spec.max_tokens,
         )
-        requests = [body]
-        for turn in range(spec.turns - 1):
-            requests.append(codex_follow_up(requests[-1], turn))
+        # Each follow-up continues the request before it.
+        requests = itertools.accumulate(range(spec.turns - 1), codex_follow_up, initial=body)
         priority = spec.priority(index)
         agents.append(
             Agent(
@@ -458,11 +459,8 @@ def _api_cell(api: str, key: str, unit: str = "") -> Callable[[dict[str, Any]], 
 
 
 def _api_ttft(api: str) -> Callable[[dict[str, Any]], str]:
-    def cell(c: dict[str, Any]) -> str:
-        row = c["per_api"].get(api, {})
-        return f"{fmt(row.get('ttft_p50_s'), ' s')} / {fmt(row.get('ttft_worst_s'), ' s')}"
-
-    return cell
+    p50, worst = _api_cell(api, "ttft_p50_s", " s"), _api_cell(api, "ttft_worst_s", " s")
+    return lambda c: f"{p50(c)} / {worst(c)}"
 
 
 def _wait_cell(c: dict[str, Any]) -> str:
@@ -492,34 +490,28 @@ def mixed_table(report: dict[str, Any]) -> str:
     first = configs[0]
     agents = list(first["api"])
     apis = sorted(set(first["api"].values()))
-    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-        ("wall time", lambda c: fmt(c["wall_s"], " s")),
-    ]
     priority = {row["agent"]: row["priority"] for row in first["per_request"]}
-    rows += [
-        (
-            f"{agent} ({first['api'][agent]}, P{priority.get(agent, '?')}): first answer",
-            _first_answer(agent),
-        )
-        for agent in agents
-    ]
-    rows += [(f"{api}: TTFT p50 / worst", _api_ttft(api)) for api in apis]
-    rows += [
+    rows: list[Row] = [
+        ("wall time", lambda c: fmt(c["wall_s"], " s")),
+        *(
+            (
+                f"{agent} ({first['api'][agent]}, P{priority.get(agent, '?')}): first answer",
+                _first_answer(agent),
+            )
+            for agent in agents
+        ),
+        *((f"{api}: TTFT p50 / worst", _api_ttft(api)) for api in apis),
         ("prefill computed (tokens)", lambda c: fmt(c["prefill_computed"])),
         ("minimum, as this route lays prompts out", lambda c: fmt(c["prefill_minimum"])),
         ("computed / minimum", lambda c: fmt(c["prefill_ratio"], "×")),
-    ]
-    rows += [
-        (
-            f"{api}: computed (agentkv's records, checkpoints too)",
-            _api_cell(api, "prefill_computed"),
-        )
-        for api in apis
-    ]
-    rows += [
-        (f"{api}: minimum of its own prompts", _api_cell(api, "prefill_minimum")) for api in apis
-    ]
-    rows += [
+        *(
+            (f"{api}: {what}", _api_cell(api, key))
+            for what, key in (
+                ("computed (agentkv's records, checkpoints too)", "prefill_computed"),
+                ("minimum of its own prompts", "prefill_minimum"),
+            )
+            for api in apis
+        ),
         ("one-word answers right", lambda c: f"{c['answers_correct']}/{c['asked']}"),
         ("errors", lambda c: fmt(c["errors"])),
         ("worst wait for a slot", _wait_cell),
