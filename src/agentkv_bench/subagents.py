@@ -44,9 +44,9 @@ __all__ = [
     "build_subagents",
     "scripted_reply",
     "scripted_sse",
-    "subagent_template",
 ]
 
+#: The captured first request of a general-purpose sub-agent.
 _SUBAGENT_TEMPLATE = "claude_code_subagent_request.json"
 _SUBAGENT_WORDS = "Reply with the single word: back"
 SESSION = "5ab0c0de-0000-4000-8000-00000000c0de"
@@ -67,12 +67,6 @@ _BACKGROUND = (
     "user.)\nThe agent is working in the background. You will be notified automatically when it "
     "completes.\noutput_file: /tmp/claude-0/-tmp-agentkv-demo/{session}/tasks/{agent}.output"
 )
-
-
-def subagent_template() -> dict[str, Any]:
-    """The captured first request of a general-purpose sub-agent (a new copy on every call)."""
-    body: dict[str, Any] = _captured(_SUBAGENT_TEMPLATE)["body"]
-    return body
 
 
 def agent_call(
@@ -217,7 +211,7 @@ def _turn(
 def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
     """The scenario's requests, identical for every configuration."""
     coordinator = shrink(claude_template(), spec.scale)
-    sub = _shrink_subagent(subagent_template(), spec.scale)
+    sub = _shrink_subagent(_captured(_SUBAGENT_TEMPLATE)["body"], spec.scale)
     first = fresh_request(
         coordinator,
         words="Build the app: split the front end, the back end and the tests between agents.",
