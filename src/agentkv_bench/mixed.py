@@ -283,23 +283,22 @@ def starvation(
     dispatched = [t for t in tickets if t.seq is not None]
     worst_pair: dict[str, Any] | None = None
     pairs = 0
-    for waiting in dispatched:
-        for ahead in dispatched:
-            assert ahead.seq is not None and waiting.seq is not None
-            if ahead is waiting or ahead.seq > waiting.seq or ahead.dispatch <= waiting.arrival:
-                continue
-            pairs += 1
-            bound = (waiting.priority - ahead.priority + tie_window) / aging
-            overtook = ahead.arrival - waiting.arrival
-            margin = bound - overtook
-            if worst_pair is None or margin < worst_pair["margin_s"]:
-                worst_pair = {
-                    "waiting": f"{waiting.agent} (P{waiting.priority})",
-                    "ahead": f"{ahead.agent} (P{ahead.priority})",
-                    "arrived_after_s": round(overtook, 3),
-                    "bound_s": round(bound, 3),
-                    "margin_s": round(margin, 3),
-                }
+    for waiting, ahead in itertools.permutations(dispatched, 2):
+        assert ahead.seq is not None and waiting.seq is not None
+        if ahead.seq > waiting.seq or ahead.dispatch <= waiting.arrival:
+            continue
+        pairs += 1
+        bound = (waiting.priority - ahead.priority + tie_window) / aging
+        overtook = ahead.arrival - waiting.arrival
+        margin = bound - overtook
+        if worst_pair is None or margin < worst_pair["margin_s"]:
+            worst_pair = {
+                "waiting": f"{waiting.agent} (P{waiting.priority})",
+                "ahead": f"{ahead.agent} (P{ahead.priority})",
+                "arrived_after_s": round(overtook, 3),
+                "bound_s": round(bound, 3),
+                "margin_s": round(margin, 3),
+            }
     per_api: dict[str, Any] = {}
     for api in sorted({t.api for t in tickets}):
         mine = [t for t in dispatched if t.api == api]
@@ -377,9 +376,8 @@ async def run_mixed(
         if name not in CONFIGS:
             raise ValueError(f"unknown configuration {name!r}")
         bench.say(f"mixed/{name}: starting")
-        engine_name = "plain" if name == "direct" else "agentkv"
+        engine_name, layout = ("plain", "client") if name == "direct" else ("agentkv", "agentkv")
         store = _store(bench, engine_name, fresh=True, tag="mixed")
-        layout = "client" if name == "direct" else "agentkv"
         async with start(bench.setup, engine_name, store_dir=store) as engine:
             if not sticks:
                 sticks = await yardsticks(engine.engine_url, [view], api_key=engine.engine_key)
