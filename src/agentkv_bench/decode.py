@@ -461,8 +461,7 @@ async def _run_alone(
 async def _run_agentkv(
     spec: DecodeSpec, root: Path, model: Path, echo: Any
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """agentkv as ``agentkv-server`` builds it: :func:`assemble` with the defaults, pre-emption
-    included (only the model, slots, context per slot and store directory are given)."""
+    """agentkv as ``agentkv-server`` builds it (:func:`agentkv_engine`), pre-emption included."""
     from agentkv.runtime.config import RuntimeConfig
     from agentkv_bench.engines import EngineSetup, agentkv_engine
 
