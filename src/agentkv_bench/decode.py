@@ -19,7 +19,6 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from agentkv.runtime.engine import EngineConfig, LlamaServerProcess, find_llama_
 from agentkv.runtime.model import default_model_path, read_model_shape
 from agentkv.tokens import common_prefix
 from agentkv.translate import MessagesTranslator
+from agentkv_bench.claude_workload import _captured, claude_template
 from agentkv_bench.drivers import Clients, open_stream, sdk_clients
 
 __all__ = [
@@ -53,14 +53,10 @@ _SECONDS = 1800.0
 _TIMEOUT = httpx.Timeout(_SECONDS, connect=10.0)
 
 
-def _data(name: str) -> Any:
-    return json.loads(resources.files("agentkv_bench").joinpath("data", name).read_text())
-
-
 def bodies(depth: str, *, max_tokens: int) -> dict[str, dict[str, Any]]:
     """The Messages request of each kind of reply at ``depth`` (greedy, not streamed)."""
-    work = _data("decode_workload.json")
-    base = _data("claude_code_first_request.json")["body"]
+    work = _captured("decode_workload.json")
+    base = claude_template()
     read = next(tool for tool in base["tools"] if tool["name"] == "Read")
     if depth != "12k":
         base = {"model": "agentkv-local", "system": "You are a careful coding assistant."}
@@ -131,16 +127,13 @@ async def _complete(
         "cache_prompt": True,
         "stream": False,
     }
-    for attempt in range(2):  # a kept-alive connection that llama-server closed
-        try:
-            response = await http.post("/completion", json=payload)
-            response.raise_for_status()
-            data: dict[str, Any] = response.json()
-            return data
-        except httpx.TransportError:
-            if attempt:
-                raise
-    raise AssertionError("unreachable")
+    try:
+        response = await http.post("/completion", json=payload)
+    except httpx.TransportError:  # a kept-alive connection that llama-server closed: once more
+        response = await http.post("/completion", json=payload)
+    response.raise_for_status()
+    data: dict[str, Any] = response.json()
+    return data
 
 
 async def _slot_action(http: httpx.AsyncClient, slot: int, action: str, filename: str) -> Any:
@@ -249,20 +242,17 @@ async def settings_table(
 
 
 #: The settings table of docs/engine.md: the defaults first, then one change at a time.
-SETTINGS: tuple[Setting, ...] = (
-    Setting("f16, fa off, b512", ("-fa", "off", "-b", "512", "-ub", "512"), "f16-nofa"),
-    Setting("f16, fa on, b512", ("-fa", "on", "-b", "512", "-ub", "512"), "f16-fa"),
-    Setting(
-        "q8_0, fa on, b512",
-        ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "-b", "512", "-ub", "512"),
-        "q8-fa",
-    ),
-    Setting("f16, fa off, b2048/ub512", ("-fa", "off", "-b", "2048", "-ub", "512"), "f16-nofa"),
-    Setting("f16, fa off, b2048/ub2048", ("-fa", "off", "-b", "2048", "-ub", "2048"), "f16-nofa"),
-    Setting("f16, fa off, b512/ub256", ("-fa", "off", "-b", "512", "-ub", "256"), "f16-nofa"),
-    Setting(
-        "f16, fa off, b512, t1", ("-fa", "off", "-b", "512", "-ub", "512", "-t", "1"), "f16-nofa"
-    ),
+SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(name, tuple(flags.split()), layout)
+    for name, flags, layout in (
+        ("f16, fa off, b512", "-fa off -b 512 -ub 512", "f16-nofa"),
+        ("f16, fa on, b512", "-fa on -b 512 -ub 512", "f16-fa"),
+        ("q8_0, fa on, b512", "-fa on -ctk q8_0 -ctv q8_0 -b 512 -ub 512", "q8-fa"),
+        ("f16, fa off, b2048/ub512", "-fa off -b 2048 -ub 512", "f16-nofa"),
+        ("f16, fa off, b2048/ub2048", "-fa off -b 2048 -ub 2048", "f16-nofa"),
+        ("f16, fa off, b512/ub256", "-fa off -b 512 -ub 256", "f16-nofa"),
+        ("f16, fa off, b512, t1", "-fa off -b 512 -ub 512 -t 1", "f16-nofa"),
+    )
 )
 SPEC_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v")
 
@@ -471,8 +461,7 @@ async def _run_alone(
 async def _run_agentkv(
     spec: DecodeSpec, root: Path, model: Path, echo: Any
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """agentkv as ``agentkv-server`` builds it: :func:`assemble` with the defaults, pre-emption
-    included (only the model, slots, context per slot and store directory are given)."""
+    """agentkv as ``agentkv-server`` builds it (:func:`agentkv_engine`), pre-emption included."""
     from agentkv.runtime.config import RuntimeConfig
     from agentkv_bench.engines import EngineSetup, agentkv_engine
 

@@ -8,6 +8,7 @@ runs over agentkv's tickets of both APIs (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +33,7 @@ from agentkv_bench.drivers import RequestResult
 from agentkv_bench.engines import Engine, start
 from agentkv_bench.metrics import PrefillYardstick, yardsticks
 from agentkv_bench.report import (
+    Row,
     fmt,
     percentile,
     render_table,
@@ -140,9 +142,8 @@ def _codex_agents(spec: MixedSpec) -> list[Agent]:
             session=session,
             max_tokens=spec.max_tokens,
         )
-        requests = [body]
-        for turn in range(spec.turns - 1):
-            requests.append(codex_follow_up(requests[-1], turn))
+        # Each follow-up continues the request before it.
+        requests = itertools.accumulate(range(spec.turns - 1), codex_follow_up, initial=body)
         priority = spec.priority(index)
         agents.append(
             Agent(
@@ -282,23 +283,22 @@ def starvation(
     dispatched = [t for t in tickets if t.seq is not None]
     worst_pair: dict[str, Any] | None = None
     pairs = 0
-    for waiting in dispatched:
-        for ahead in dispatched:
-            assert ahead.seq is not None and waiting.seq is not None
-            if ahead is waiting or ahead.seq > waiting.seq or ahead.dispatch <= waiting.arrival:
-                continue
-            pairs += 1
-            bound = (waiting.priority - ahead.priority + tie_window) / aging
-            overtook = ahead.arrival - waiting.arrival
-            margin = bound - overtook
-            if worst_pair is None or margin < worst_pair["margin_s"]:
-                worst_pair = {
-                    "waiting": f"{waiting.agent} (P{waiting.priority})",
-                    "ahead": f"{ahead.agent} (P{ahead.priority})",
-                    "arrived_after_s": round(overtook, 3),
-                    "bound_s": round(bound, 3),
-                    "margin_s": round(margin, 3),
-                }
+    for waiting, ahead in itertools.permutations(dispatched, 2):
+        assert ahead.seq is not None and waiting.seq is not None
+        if ahead.seq > waiting.seq or ahead.dispatch <= waiting.arrival:
+            continue
+        pairs += 1
+        bound = (waiting.priority - ahead.priority + tie_window) / aging
+        overtook = ahead.arrival - waiting.arrival
+        margin = bound - overtook
+        if worst_pair is None or margin < worst_pair["margin_s"]:
+            worst_pair = {
+                "waiting": f"{waiting.agent} (P{waiting.priority})",
+                "ahead": f"{ahead.agent} (P{ahead.priority})",
+                "arrived_after_s": round(overtook, 3),
+                "bound_s": round(bound, 3),
+                "margin_s": round(margin, 3),
+            }
     per_api: dict[str, Any] = {}
     for api in sorted({t.api for t in tickets}):
         mine = [t for t in dispatched if t.api == api]
@@ -376,9 +376,8 @@ async def run_mixed(
         if name not in CONFIGS:
             raise ValueError(f"unknown configuration {name!r}")
         bench.say(f"mixed/{name}: starting")
-        engine_name = "plain" if name == "direct" else "agentkv"
+        engine_name, layout = ("plain", "client") if name == "direct" else ("agentkv", "agentkv")
         store = _store(bench, engine_name, fresh=True, tag="mixed")
-        layout = "client" if name == "direct" else "agentkv"
         async with start(bench.setup, engine_name, store_dir=store) as engine:
             if not sticks:
                 sticks = await yardsticks(engine.engine_url, [view], api_key=engine.engine_key)
@@ -458,11 +457,8 @@ def _api_cell(api: str, key: str, unit: str = "") -> Callable[[dict[str, Any]], 
 
 
 def _api_ttft(api: str) -> Callable[[dict[str, Any]], str]:
-    def cell(c: dict[str, Any]) -> str:
-        row = c["per_api"].get(api, {})
-        return f"{fmt(row.get('ttft_p50_s'), ' s')} / {fmt(row.get('ttft_worst_s'), ' s')}"
-
-    return cell
+    p50, worst = _api_cell(api, "ttft_p50_s", " s"), _api_cell(api, "ttft_worst_s", " s")
+    return lambda c: f"{p50(c)} / {worst(c)}"
 
 
 def _wait_cell(c: dict[str, Any]) -> str:
@@ -492,34 +488,28 @@ def mixed_table(report: dict[str, Any]) -> str:
     first = configs[0]
     agents = list(first["api"])
     apis = sorted(set(first["api"].values()))
-    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-        ("wall time", lambda c: fmt(c["wall_s"], " s")),
-    ]
     priority = {row["agent"]: row["priority"] for row in first["per_request"]}
-    rows += [
-        (
-            f"{agent} ({first['api'][agent]}, P{priority.get(agent, '?')}): first answer",
-            _first_answer(agent),
-        )
-        for agent in agents
-    ]
-    rows += [(f"{api}: TTFT p50 / worst", _api_ttft(api)) for api in apis]
-    rows += [
+    rows: list[Row] = [
+        ("wall time", lambda c: fmt(c["wall_s"], " s")),
+        *(
+            (
+                f"{agent} ({first['api'][agent]}, P{priority.get(agent, '?')}): first answer",
+                _first_answer(agent),
+            )
+            for agent in agents
+        ),
+        *((f"{api}: TTFT p50 / worst", _api_ttft(api)) for api in apis),
         ("prefill computed (tokens)", lambda c: fmt(c["prefill_computed"])),
         ("minimum, as this route lays prompts out", lambda c: fmt(c["prefill_minimum"])),
         ("computed / minimum", lambda c: fmt(c["prefill_ratio"], "×")),
-    ]
-    rows += [
-        (
-            f"{api}: computed (agentkv's records, checkpoints too)",
-            _api_cell(api, "prefill_computed"),
-        )
-        for api in apis
-    ]
-    rows += [
-        (f"{api}: minimum of its own prompts", _api_cell(api, "prefill_minimum")) for api in apis
-    ]
-    rows += [
+        *(
+            (f"{api}: {what}", _api_cell(api, key))
+            for what, key in (
+                ("computed (agentkv's records, checkpoints too)", "prefill_computed"),
+                ("minimum of its own prompts", "prefill_minimum"),
+            )
+            for api in apis
+        ),
         ("one-word answers right", lambda c: f"{c['answers_correct']}/{c['asked']}"),
         ("errors", lambda c: fmt(c["errors"])),
         ("worst wait for a slot", _wait_cell),

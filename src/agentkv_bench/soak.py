@@ -127,32 +127,22 @@ def plan_requests(spec: SoakSpec) -> list[list[Planned]]:
     and turn), priorities go round 0–3, and each request is dropped with probability
     ``spec.disconnect``."""
     rng = random.Random(spec.seed)
-    plan: list[list[Planned]] = []
-    for client in range(spec.clients):
-        rows = []
-        for turn in range(spec.requests):
-            stream = (client + turn) % 2 == 0
-            cut_events: int | None = None
-            cut_after: float | None = None
-            if rng.random() < spec.disconnect:
-                if stream:
-                    cut_events = rng.randint(0, 8)
-                else:
-                    cut_after = round(rng.uniform(0.0, 3.0), 3)
-            rows.append(
-                Planned(
-                    client=client,
-                    turn=turn,
-                    agent=f"soak-{client}",
-                    priority=client % 4,
-                    stream=stream,
-                    word=WORDS[(client * spec.requests + turn) % len(WORDS)],
-                    cut_events=cut_events,
-                    cut_after=cut_after,
-                )
-            )
-        plan.append(rows)
-    return plan
+
+    def planned(client: int, turn: int) -> Planned:
+        stream = (client + turn) % 2 == 0
+        cut = rng.random() < spec.disconnect
+        return Planned(
+            client=client,
+            turn=turn,
+            agent=f"soak-{client}",
+            priority=client % 4,
+            stream=stream,
+            word=WORDS[(client * spec.requests + turn) % len(WORDS)],
+            cut_events=rng.randint(0, 8) if cut and stream else None,
+            cut_after=round(rng.uniform(0.0, 3.0), 3) if cut and not stream else None,
+        )
+
+    return [[planned(c, t) for t in range(spec.requests)] for c in range(spec.clients)]
 
 
 # -- what a client saw, and what it counts as --------------------------------------------------
@@ -261,16 +251,6 @@ def leaked_leases(snapshot: RuntimeSnapshot) -> int:
 # -- one request --------------------------------------------------------------------------------
 
 
-async def _json_request(
-    http: httpx.AsyncClient, url: str, body: Mapping[str, Any], headers: Mapping[str, str]
-) -> Exchange:
-    try:
-        response = await http.post(url, json=body, headers=dict(headers))
-    except httpx.HTTPError as exc:
-        return Exchange(stream=False, failure=repr(exc))
-    return Exchange(stream=False, status=response.status_code, body=_json(response.text))
-
-
 async def _stream_request(
     http: httpx.AsyncClient,
     url: str,
@@ -325,7 +305,11 @@ async def send_one(
         if planned.stream:
             return await _stream_request(http, url, body, headers, planned.cut_events)
         with anyio.move_on_after(planned.cut_after) as cut:
-            return await _json_request(http, url, body, headers)
+            try:
+                response = await http.post(url, json=body, headers=headers)
+            except httpx.HTTPError as exc:
+                return Exchange(stream=False, failure=repr(exc))
+            return Exchange(stream=False, status=response.status_code, body=_json(response.text))
         if cut.cancelled_caught:
             return Exchange(stream=False, disconnected=True)
     assert limit.cancelled_caught

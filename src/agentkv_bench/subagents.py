@@ -44,9 +44,9 @@ __all__ = [
     "build_subagents",
     "scripted_reply",
     "scripted_sse",
-    "subagent_template",
 ]
 
+#: The captured first request of a general-purpose sub-agent.
 _SUBAGENT_TEMPLATE = "claude_code_subagent_request.json"
 _SUBAGENT_WORDS = "Reply with the single word: back"
 SESSION = "5ab0c0de-0000-4000-8000-00000000c0de"
@@ -67,12 +67,6 @@ _BACKGROUND = (
     "user.)\nThe agent is working in the background. You will be notified automatically when it "
     "completes.\noutput_file: /tmp/claude-0/-tmp-agentkv-demo/{session}/tasks/{agent}.output"
 )
-
-
-def subagent_template() -> dict[str, Any]:
-    """The captured first request of a general-purpose sub-agent (a new copy on every call)."""
-    body: dict[str, Any] = _captured(_SUBAGENT_TEMPLATE)["body"]
-    return body
 
 
 def agent_call(
@@ -217,7 +211,7 @@ def _turn(
 def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
     """The scenario's requests, identical for every configuration."""
     coordinator = shrink(claude_template(), spec.scale)
-    sub = _shrink_subagent(subagent_template(), spec.scale)
+    sub = _shrink_subagent(_captured(_SUBAGENT_TEMPLATE)["body"], spec.scale)
     first = fresh_request(
         coordinator,
         words="Build the app: split the front end, the back end and the tests between agents.",
@@ -237,12 +231,13 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
         [{"type": "text", "text": "I will split the work."}, *calls],
         [(call, _BACKGROUND.format(agent=sid, session=SESSION)) for call, sid, _, _ in fan_out],
     )
-    priority = spec.coordinator_priority
+    # The headers of the session's requests (a sub-agent's with its id).
+    ours = functools.partial(claude_code_headers, SESSION, spec.coordinator_priority)
     background = tuple(
         Step(
             f"background sub-agent ({what.lower()})",
             _subagent(sub, f"Reply with the single word: {word}", spec),
-            claude_code_headers(SESSION, priority, sid),
+            ours(sid),
         )
         for _, sid, what, word in fan_out
     )
@@ -263,22 +258,16 @@ def build_subagents(spec: SubagentsSpec) -> SubagentsWorkload:
     # Another project: its prompt parts from the coordinator's early in the system text.
     other_body["system"][1]["text"] = "Project: billing. " + other_body["system"][1]["text"]
     return SubagentsWorkload(
-        first=Step("coordinator: first request", first, claude_code_headers(SESSION, priority)),
-        next_turn=Step(
-            "coordinator: after the fan-out", next_body, claude_code_headers(SESSION, priority)
-        ),
+        first=Step("coordinator: first request", first, ours()),
+        next_turn=Step("coordinator: after the fan-out", next_body, ours()),
         background=(background[0], background[1]),
         other=Step(
             "other session (background)",
             other_body,
             claude_code_headers(OTHER_SESSION, spec.other_priority),
         ),
-        foreground=Step(
-            FOREGROUND,
-            _subagent(sub, fg_prompt, spec),
-            claude_code_headers(SESSION, priority, fg_id),
-        ),
-        continuation=Step(CONTINUATION, continuation, claude_code_headers(SESSION, priority)),
+        foreground=Step(FOREGROUND, _subagent(sub, fg_prompt, spec), ours(fg_id)),
+        continuation=Step(CONTINUATION, continuation, ours()),
     )
 
 
@@ -365,8 +354,7 @@ def _continuation_record(snapshot: RuntimeSnapshot | None, tokens: int) -> dict[
     if snapshot is None:
         return None
     mine = [r for r in snapshot.recent if r.agent == SESSION]
-    exact = [r for r in mine if r.prompt_tokens == tokens]
-    found = exact or mine
+    found = [r for r in mine if r.prompt_tokens == tokens] or mine
     if not found:
         return None
     record: dict[str, Any] = unstructure(found[-1])
@@ -462,50 +450,43 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
     configs = by_name(report["configs"])
     facts = report["facts"]
     out: dict[str, Any] = {}
-    ours = configs.get("agentkv")
-    alone = configs.get("alone")
-    plain = configs.get("plain")
-    warm = configs.get("agentkv-warm")
+    ours, alone = configs.get("agentkv"), configs.get("alone")
+    plain, warm = configs.get("plain"), configs.get("agentkv-warm")
     if ours and alone:
         fg, ref = _ttft(ours, FOREGROUND), _ttft(alone, FOREGROUND)
         ratio = round(fg / ref, 2) if fg and ref else None
-        out["foreground_vs_alone"] = {"value": ratio, "target": 1.5, "met": _le(ratio, 1.5)}
+        out["foreground_vs_alone"] = _at_most(ratio, 1.5)
     if ours:
-        ttft = _ttft(ours, CONTINUATION)
         rate = ours.get("prefill_tokens_per_s")
         bound = round(facts["continuation_new_tokens"] / rate + 2, 2) if rate else None
-        out["continuation_ttft"] = {"value": ttft, "target": bound, "met": _le(ttft, bound)}
+        out["continuation_ttft"] = _at_most(_ttft(ours, CONTINUATION), bound)
         twice = ours["prefill_computed"] - facts["minimum"]
-        out["head_computed_once"] = {
-            "value": twice,
-            "target": facts["subagent_head_tokens"],
-            "met": twice < facts["subagent_head_tokens"],
-        }
+        head = facts["subagent_head_tokens"]
+        out["head_computed_once"] = {"value": twice, "target": head, "met": twice < head}
         record = ours.get("continuation_record") or {}
         if record.get("prompt_tokens"):
             share = round(record.get("computed_tokens", 0) / record["prompt_tokens"], 3)
             out["continuation_computed_share"] = {"value": share, "target": 0.05}
             out["continuation_computed_share"]["met"] = share < 0.05
-    if ours and plain:
-        ratio = round(ours["wall_s"] / plain["wall_s"], 3)
-        out["wall_vs_llama_server"] = {"value": ratio, "target": 0.6, "met": ratio <= 0.6}
-    if warm and plain:
-        ratio = round(warm["wall_s"] / plain["wall_s"], 3)
-        out["warm_wall_vs_llama_server"] = {"value": ratio, "target": 0.1, "met": ratio <= 0.1}
+    for key, config, target in (("wall", ours, 0.6), ("warm_wall", warm, 0.1)):
+        if config and plain:
+            ratio = round(config["wall_s"] / plain["wall_s"], 3)
+            out[f"{key}_vs_llama_server"] = _at_most(ratio, target)
     out["errors"] = errors_target(report["configs"])
     return out
 
 
-def _le(value: float | None, bound: float | None) -> bool | None:
-    return None if value is None or bound is None else value <= bound
+def _at_most(value: float | None, bound: float | None) -> dict[str, Any]:
+    """A target met when ``value`` is at most ``bound`` (None: either is unknown)."""
+    met = None if value is None or bound is None else value <= bound
+    return {"value": value, "target": bound, "met": met}
 
 
 def subagents_table(report: dict[str, Any]) -> str:
     from agentkv_bench.report import fmt, render_table, target_lines
 
     configs = [c for c in report["configs"] if c["name"] != "alone"]
-    names = [step for c in configs for step in c["steps"]]
-    steps = list(dict.fromkeys(names))
+    steps = list(dict.fromkeys(step for c in configs for step in c["steps"]))
 
     def step_ttft(step: str) -> Any:
         return lambda c: fmt(_ttft(c, step), " s")
