@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from agentkv.anthropic_sse import anthropic_events, encode_event
 from agentkv.exceptions import (
@@ -55,7 +56,6 @@ from agentkv_server.identity import (
     subagent_id,
 )
 from agentkv_server.metrics import ServerMetrics
-from agentkv_server.page import page_mount
 
 T = TypeVar("T")
 _Assembler = TypeVar("_Assembler", ResponsesAssembler, ChatAssembler)
@@ -411,7 +411,12 @@ def create_app(
             Route("/agentkv/slots", routes.slots, methods=["GET"]),
             Route("/agentkv/store", routes.clear_store, methods=["DELETE"]),
             Route("/metrics", routes.prometheus, methods=["GET"]),
-            page_mount(),
+            # The live page, shipped as package data (``static/``: HTML, JS and CSS, no build
+            # step, nothing fetched from elsewhere). Its files hold no data, so they are served
+            # without the API key (a browser cannot send ``x-api-key`` when it loads a page);
+            # the page polls /agentkv/slots with the key, which it asks for once and keeps in
+            # the tab's sessionStorage. After the /agentkv/… routes, which it would shadow.
+            Mount("/agentkv", StaticFiles(packages=[("agentkv_server", "static")], html=True)),
         ],
         lifespan=lifespan,
         middleware=[Middleware(_HostCheck, config=config)] if config.allowed_hosts else [],
