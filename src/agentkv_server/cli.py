@@ -30,7 +30,7 @@ from agentkv.forecast import compaction_point
 from agentkv.runtime.adapters import engine_name
 from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
-from agentkv_server import logs
+from agentkv_server import logs, status, store_cmd
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
@@ -507,14 +507,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["status"]:
-        from agentkv_server.status import main as status_main
-
-        return status_main(argv[1:])
-    if argv[:1] == ["store"]:
-        from agentkv_server.store_cmd import main as store_main
-
-        return store_main(argv[1:])
+    commands = {"status": status.main, "store": store_cmd.main}
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     for option in ("slots", "engines"):
