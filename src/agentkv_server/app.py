@@ -79,12 +79,9 @@ def error_response(exc: AgentKVError, *, openai: bool = False) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
-#: The routes that speak OpenAI's API, and answer errors in its shape.
-OPENAI_PATHS = frozenset({"/v1/responses", "/v1/chat/completions"})
-
-
 def _speaks_openai(path: str) -> bool:
-    return path.rstrip("/") in OPENAI_PATHS
+    """Whether ``path`` is a route that speaks OpenAI's API, and answers errors in its shape."""
+    return path.rstrip("/") in ("/v1/responses", "/v1/chat/completions")
 
 
 async def _frames(exchange: Exchange) -> AsyncIterator[bytes]:
