@@ -416,7 +416,7 @@ def create_app(
             Mount("/agentkv", StaticFiles(packages=[("agentkv_server", "static")], html=True)),
         ],
         lifespan=lifespan,
-        middleware=[Middleware(_HostCheck, config=config)] if config.allowed_hosts else [],
+        middleware=[Middleware(_host_check, config=config)] if config.allowed_hosts else [],
         exception_handlers={
             AgentKVError: _agentkv_error,
             HTTPException: _http_error,
@@ -428,24 +428,22 @@ def create_app(
     return app
 
 
-class _HostCheck:
+def _host_check(app: Any, config: ServerConfig) -> Any:
     """Refuses a request whose ``Host`` is not one the server answers to (DNS rebinding: a web
     page that makes a browser send requests to a name that resolves to 127.0.0.1)."""
 
-    def __init__(self, app: Any, config: ServerConfig) -> None:
-        self.app = app
-        self.config = config
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def check(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             host = next(
                 (v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"), None
             )
-            if not self.config.host_allowed(host):
+            if not config.host_allowed(host):
                 error = InvalidRequestError(
                     f"Host {host!r} is not one this server answers to (--allowed-hosts)"
                 )
                 openai = _speaks_openai(str(scope.get("path", "")))
                 await error_response(error, openai=openai)(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        await app(scope, receive, send)
+
+    return check
