@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from agentkv.anthropic_sse import anthropic_events, encode_event
 from agentkv.exceptions import (
@@ -55,7 +56,6 @@ from agentkv_server.identity import (
     subagent_id,
 )
 from agentkv_server.metrics import ServerMetrics
-from agentkv_server.page import page_mount
 
 T = TypeVar("T")
 _Assembler = TypeVar("_Assembler", ResponsesAssembler, ChatAssembler)
@@ -79,12 +79,9 @@ def error_response(exc: AgentKVError, *, openai: bool = False) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
-#: The routes that speak OpenAI's API, and answer errors in its shape.
-OPENAI_PATHS = frozenset({"/v1/responses", "/v1/chat/completions"})
-
-
 def _speaks_openai(path: str) -> bool:
-    return path.rstrip("/") in OPENAI_PATHS
+    """Whether ``path`` is a route that speaks OpenAI's API, and answers errors in its shape."""
+    return path.rstrip("/") in ("/v1/responses", "/v1/chat/completions")
 
 
 async def _frames(exchange: Exchange) -> AsyncIterator[bytes]:
@@ -411,10 +408,15 @@ def create_app(
             Route("/agentkv/slots", routes.slots, methods=["GET"]),
             Route("/agentkv/store", routes.clear_store, methods=["DELETE"]),
             Route("/metrics", routes.prometheus, methods=["GET"]),
-            page_mount(),
+            # The live page, shipped as package data (``static/``: HTML, JS and CSS, no build
+            # step, nothing fetched from elsewhere). Its files hold no data, so they are served
+            # without the API key (a browser cannot send ``x-api-key`` when it loads a page);
+            # the page polls /agentkv/slots with the key, which it asks for once and keeps in
+            # the tab's sessionStorage. After the /agentkv/… routes, which it would shadow.
+            Mount("/agentkv", StaticFiles(packages=[("agentkv_server", "static")], html=True)),
         ],
         lifespan=lifespan,
-        middleware=[Middleware(_HostCheck, config=config)] if config.allowed_hosts else [],
+        middleware=[Middleware(_host_check, config=config)] if config.allowed_hosts else [],
         exception_handlers={
             AgentKVError: _agentkv_error,
             HTTPException: _http_error,
@@ -426,24 +428,22 @@ def create_app(
     return app
 
 
-class _HostCheck:
+def _host_check(app: Any, config: ServerConfig) -> Any:
     """Refuses a request whose ``Host`` is not one the server answers to (DNS rebinding: a web
     page that makes a browser send requests to a name that resolves to 127.0.0.1)."""
 
-    def __init__(self, app: Any, config: ServerConfig) -> None:
-        self.app = app
-        self.config = config
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def check(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             host = next(
                 (v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"), None
             )
-            if not self.config.host_allowed(host):
+            if not config.host_allowed(host):
                 error = InvalidRequestError(
                     f"Host {host!r} is not one this server answers to (--allowed-hosts)"
                 )
                 openai = _speaks_openai(str(scope.get("path", "")))
                 await error_response(error, openai=openai)(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        await app(scope, receive, send)
+
+    return check

@@ -30,7 +30,7 @@ from agentkv.forecast import compaction_point
 from agentkv.runtime.adapters import engine_name
 from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.config import RuntimeConfig
-from agentkv_server import logs
+from agentkv_server import logs, status, store_cmd
 from agentkv_server.app import create_app
 from agentkv_server.config import ServerConfig
 from agentkv_server.limits import BodyTimeoutMiddleware, h11_with_header_timeout
@@ -314,11 +314,6 @@ def claude_code_env(
     return "\n".join(lines)
 
 
-#: The name of the provider entry in Codex's config.toml, and the variable that holds its key.
-CODEX_PROVIDER = "agentkv"
-CODEX_KEY_VARIABLE = "AGENTKV_API_KEY"
-
-
 def codex_config(
     url: str, api_key: str | None, *, model_name: str = "agentkv-local", ctx_per_slot: int | None
 ) -> str:
@@ -329,25 +324,22 @@ def codex_config(
     know a local model's window: ``model_context_window`` tells it the slot's, so that it compacts
     before a slot overflows.
     """
-    lines = [
-        f'model = "{model_name}"',
-        f'model_provider = "{CODEX_PROVIDER}"',
-    ]
+    lines = [f'model = "{model_name}"', 'model_provider = "agentkv"']
     if ctx_per_slot is not None:
         lines.append(f"model_context_window = {ctx_per_slot}")
     lines += [
-        f"[model_providers.{CODEX_PROVIDER}]",
+        "[model_providers.agentkv]",
         'name = "agentkv"',
         f'base_url = "{url}/v1"',
         'wire_api = "responses"',
-        f'env_key = "{CODEX_KEY_VARIABLE}"',
+        'env_key = "AGENTKV_API_KEY"',
         "# optional, one per agent: who it is, and how urgent (0 = most urgent … 3 = background)",
         '# http_headers = { "X-Agent-Id" = "coder", "X-Agent-Priority" = "0" }',
         "",
         "# and in the shell that starts Codex:",
-        f"# export {CODEX_KEY_VARIABLE}=<the key>"
+        "# export AGENTKV_API_KEY=<the key>"
         if api_key
-        else f"export {CODEX_KEY_VARIABLE}=agentkv  # any value: no key is required",
+        else "export AGENTKV_API_KEY=agentkv  # any value: no key is required",
     ]
     return "\n".join(lines)
 
@@ -507,14 +499,9 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["status"]:
-        from agentkv_server.status import main as status_main
-
-        return status_main(argv[1:])
-    if argv[:1] == ["store"]:
-        from agentkv_server.store_cmd import main as store_main
-
-        return store_main(argv[1:])
+    commands = {"status": status.main, "store": store_cmd.main}
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level, args.log_format)
     for option in ("slots", "engines"):

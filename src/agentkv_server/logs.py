@@ -64,11 +64,7 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     _format = fmt
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
-    root.addHandler(handler)
-    root.setLevel(level.upper())
+    logging.basicConfig(handlers=[handler], level=level.upper(), force=True)
     debug = level == "debug"
     # One line per engine call: the request line already says what happened.
     logging.getLogger("httpx").setLevel(logging.DEBUG if debug else logging.WARNING)
