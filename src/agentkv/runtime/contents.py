@@ -203,7 +203,6 @@ class SlotContents:
             return None
         store = self.store  # read now: a park just before may have switched the store off
         entry = store.index.get(placement.entry_id) if store and placement.entry_id else None
-        restored = None
         if store is not None and entry is not None:
             started = self.clock()
             restored = await self.guard(store.restore(entry, lease.slot))
