@@ -203,7 +203,6 @@ class SlotContents:
             return None
         store = self.store  # read now: a park just before may have switched the store off
         entry = store.index.get(placement.entry_id) if store and placement.entry_id else None
-        restored = None
         if store is not None and entry is not None:
             started = self.clock()
             restored = await self.guard(store.restore(entry, lease.slot))
@@ -252,14 +251,11 @@ class SlotContents:
                     if isinstance(timings, Mapping) and "prompt_n" in timings and computed:
                         computed(timings)
             for _ in range(2):  # a save that failed is tried once more: others wait for it
-                store = self.store
-                if store is None:
-                    break
-                entry = await self.guard(
-                    store.save(lease.slot, EntryKind.PREFIX, agent=None, sections=sections)
-                )
-                if entry is not None:
-                    break
+                store = self.store  # a failed save may have switched it off
+                if entry is None and store is not None:
+                    entry = await self.guard(
+                        store.save(lease.slot, EntryKind.PREFIX, agent=None, sections=sections)
+                    )
             if entry is not None:
                 self._holds(lease.slot, entry)
         except BaseException:

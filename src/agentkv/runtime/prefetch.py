@@ -59,26 +59,6 @@ class Prefetcher:
     _inflight: dict[tuple[str, str], Any] = attrs.field(init=False, factory=dict)
     _ids: itertools.count[int] = attrs.field(init=False, factory=lambda: itertools.count(1))
 
-    def observe(self, prepared: Prepared, place: AgentPlace | None, *, ok: bool) -> None:
-        """A request ended; a sub-agent's first request (that ended well) teaches its head."""
-        agent = prepared.agent
-        first = agent not in self._seen
-        self._seen[agent] = None
-        kind = place.subagent_type if place is not None else None
-        if (
-            not first
-            or not ok
-            or place is None
-            or place.parent is None
-            or place.root is None
-            or kind is None
-            or kind == _FORK
-            or prepared.boundary is None
-            or prepared.boundary < self.split_min
-        ):
-            return
-        self._heads[(place.root, kind)] = prepared
-
     def finished(
         self,
         prepared: Prepared,
@@ -89,8 +69,22 @@ class Prefetcher:
         priority: int,
     ) -> list[Prepared]:
         """A request ended (``ok`` or not), its reply's turn ending in ``calls``: learn a
-        sub-agent's head from it, and prepare the heads of its fan-out."""
-        self.observe(prepared, place, ok=ok)
+        sub-agent's head from it (its first request, ended well), and prepare the heads of its
+        fan-out."""
+        first = prepared.agent not in self._seen
+        self._seen[prepared.agent] = None
+        kind = place.subagent_type if place is not None else None
+        if (
+            first
+            and ok
+            and place is not None
+            and place.parent is not None
+            and place.root is not None
+            and kind not in (None, _FORK)
+            and prepared.boundary is not None
+            and prepared.boundary >= self.split_min
+        ):
+            self._heads[(place.root, kind)] = prepared
         if not calls:
             return []
         root = place.root if place is not None and place.root else prepared.agent

@@ -134,10 +134,7 @@ class _Waiting(TTLCache[str, tuple[E, ...]]):
         self._dropped = dropped
 
     def expire(self, time: float | None = None) -> list[tuple[str, tuple[E, ...]]]:
-        expired = list(super().expire(time))
-        for item in expired:
-            self._expired(item)
-        return expired
+        return [self._expired(item) for item in super().expire(time)]
 
     def popitem(self) -> tuple[str, tuple[E, ...]]:
         return self._expired(super().popitem())
@@ -179,18 +176,14 @@ class Preparations(Generic[E]):
     _pending: dict[str, object] = attrs.field(init=False, factory=dict)
     #: Exchanges cancelled on a miss that have not ended yet: their waste is counted at the end.
     _cancelled: set[E] = attrs.field(init=False, factory=set)
-    _prepared: int = attrs.field(init=False, default=0)
-    _served: int = attrs.field(init=False, default=0)
-    _joined: int = attrs.field(init=False, default=0)
+    #: The counters of :class:`PreparedStats` but ``missed``, by field name.
+    _counts: Counter[str] = attrs.field(init=False, factory=Counter)
     _missed: Counter[str] = attrs.field(init=False, factory=Counter)
-    _wasted: int = attrs.field(init=False, default=0)
     #: Conversations after a compaction being computed, by agent (stopped on a miss).
     _heads: LRUCache[str, E] = attrs.field(init=False, default=_per_agent)
-    _heads_started: int = attrs.field(init=False, default=0)
     #: The conversation predicted after each agent's compaction: its next request is compared
     #: with it, and where it parts is logged.
     _after: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False, default=_per_agent)
-    _heads_missed: int = attrs.field(init=False, default=0)
     #: The first reply of a compaction whose retry is prepared (used if the retry has no summary).
     _first_replies: LRUCache[str, Mapping[str, Any]] = attrs.field(init=False, default=_per_agent)
 
@@ -233,10 +226,7 @@ class Preparations(Generic[E]):
             self._keep(agent, chain[1:])
             served = exchange.done
             exchange.claim(prepared.priority)
-            if served:
-                self._served += 1
-            else:
-                self._joined += 1
+            self._counts["served" if served else "joined"] += 1
             log.info(
                 "agent %s sent the compaction request prepared for it; %s",
                 agent,
@@ -259,7 +249,7 @@ class Preparations(Generic[E]):
         predict its agent's compaction, which is then prepared."""
         if exchange in self._cancelled:
             self._cancelled.discard(exchange)
-            self._wasted += _generated(exchange)
+            self._counts["wasted_tokens"] += _generated(exchange)
             return
         agent = exchange.prepared.agent
         chain = self._waiting.get(agent, ())
@@ -344,7 +334,7 @@ class Preparations(Generic[E]):
                 self._drop(previous, "replaced")
             chain = (exchange,)
         self._waiting[agent] = chain
-        self._prepared += 1
+        self._counts["prepared"] += 1
         log.info(
             "agent %s: its next %s (%d tokens) is prepared in idle time",
             agent,
@@ -361,7 +351,7 @@ class Preparations(Generic[E]):
         differs = how_after_differs(predicted, body)
         if differs is None:
             return
-        self._heads_missed += 1
+        self._counts["heads_missed"] += 1
         log.info(
             "agent %s: the conversation after its compaction is not the one computed in idle "
             "time: %s",
@@ -388,7 +378,7 @@ class Preparations(Generic[E]):
         except Exception:
             log.exception("agent %s: computing the conversation after its compaction failed", agent)
             return
-        self._heads_started += 1
+        self._counts["heads"] += 1
         self._after[agent] = body
         log.info(
             "agent %s: the conversation after its compaction (%d tokens before the user's next "
@@ -410,7 +400,7 @@ class Preparations(Generic[E]):
         self._missed[reason] += 1
         log.info("prepared compaction of agent %s not used (%s)", exchange.prepared.agent, reason)
         if exchange.done:
-            self._wasted += _generated(exchange)
+            self._counts["wasted_tokens"] += _generated(exchange)
         else:
             self._cancelled.add(exchange)
             exchange.cancel()
@@ -425,12 +415,12 @@ class Preparations(Generic[E]):
     def stats(self) -> PreparedStats:
         self._waiting.expire()
         return PreparedStats(
-            prepared=self._prepared,
-            served=self._served,
-            joined=self._joined,
+            prepared=self._counts["prepared"],
+            served=self._counts["served"],
+            joined=self._counts["joined"],
             missed={reason: self._missed[reason] for reason in MISS_REASONS},
-            wasted_tokens=self._wasted,
+            wasted_tokens=self._counts["wasted_tokens"],
             waiting=sum(len(chain) for chain in self._waiting.values()),
-            heads=self._heads_started,
-            heads_missed=self._heads_missed,
+            heads=self._counts["heads"],
+            heads_missed=self._counts["heads_missed"],
         )

@@ -83,12 +83,9 @@ def read_state_tokens(path: Path) -> Tokens | None:
         return None
     words = struct.unpack(f"<{n_words}I", raw)
     if words and words[0] == _TOKEN_NULL:
-        if n_words < 3:
+        if n_words < 3 or 3 + words[2] > n_words:
             return None
-        count = words[2]
-        if 3 + count > n_words:
-            return None
-        return tuple(words[3 : 3 + count])
+        return tuple(words[3 : 3 + words[2]])
     return tuple(words)
 
 
@@ -387,13 +384,6 @@ def probe_length(sliding_window: int | None, *, batch: int = 512) -> int:
     return 64 if window <= 0 else window + batch + 64
 
 
-async def _probe_tokens(client: Engine, n: int) -> list[int]:
-    block = await client.tokenize(_PROBE_TEXT)
-    if not block:
-        raise EngineError("llama-server tokenized the probe text to nothing")
-    return (block * (n // len(block) + 1))[:n]
-
-
 async def _once_more(call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
     """A slot action, sent again once if the connection dropped: llama-server sometimes closes
     a kept-alive connection after a streamed reply, and these actions can be repeated."""
@@ -405,7 +395,10 @@ async def _once_more(call: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str,
 
 
 async def _run_probe(client: Engine, directory: Path, n: int, slot: int) -> RestoreProbe:
-    tokens = await _probe_tokens(client, n)
+    block = await client.tokenize(_PROBE_TEXT)
+    if not block:
+        raise EngineError("llama-server tokenized the probe text to nothing")
+    tokens = (block * (n // len(block) + 1))[:n]
     filename = f"{_FILE_PREFIX}probe-{secrets.token_hex(8)}.bin"
     try:
         async with client.prefill(tokens, slot=slot) as chunks:

@@ -152,13 +152,12 @@ class EngineSupervisor:
             return True
 
     def _give_up(self, reason: str, failures: int) -> None:
-        error = EngineGaveUpError(
+        message = (
             f"llama-server failed {failures} times within {self.window:g} s; giving up "
             f"(last: {reason}). Its log: {self.process.log_path}"
         )
         hint = crash_hint(self.process.returncode)
-        if hint:
-            error = EngineGaveUpError(f"{error.message}\n{hint}")
+        error = EngineGaveUpError(f"{message}\n{hint}" if hint else message)
         self.failure = error
         self.status.set_state("unavailable", reason)
         log.error("%s", error.message)
