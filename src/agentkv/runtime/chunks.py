@@ -69,11 +69,10 @@ def prompt_done(chunk: Mapping[str, Any]) -> int | None:
 def progress_timings(progress: Mapping[str, Any]) -> dict[str, Any]:
     """A ``prompt_progress`` as the ``timings`` fields it tells: tokens cached (``cache_n``),
     computed (``prompt_n``) and the milliseconds spent (``prompt_ms``)."""
+    cached, processed = (int(progress.get(key, 0) or 0) for key in ("cache", "processed"))
     return {
-        "cache_n": int(progress.get("cache", 0) or 0),
-        "prompt_n": max(
-            0, int(progress.get("processed", 0) or 0) - int(progress.get("cache", 0) or 0)
-        ),
+        "cache_n": cached,
+        "prompt_n": max(0, processed - cached),
         "prompt_ms": float(progress.get("time_ms", 0.0) or 0.0),
     }
 

@@ -133,13 +133,9 @@ class AgentTree:
     def annotate(self, rows: Sequence[Placed], tree: Sequence[AgentView]) -> tuple[Placed, ...]:
         """Slot or queue ``rows`` of the operator's view, each with its agent's place in
         ``tree`` (this tree's :meth:`view`): its parent and the description of its call."""
-        by_agent = {row.agent: row for row in tree}
-        placed = []
-        for item in rows:
-            row = by_agent.get(item.agent or "")
-            parent, description = (row.parent, row.description) if row else (None, None)
-            placed.append(attrs.evolve(item, parent=parent, description=description))
-        return tuple(placed)
+        places = {row.agent: {"parent": row.parent, "description": row.description} for row in tree}
+        unknown = {"parent": None, "description": None}
+        return tuple(attrs.evolve(item, **places.get(item.agent or "", unknown)) for item in rows)
 
     def _reprioritise(self, parent: str, now: float) -> None:
         """Queued requests of ``parent``'s sub-agents take their priority as inferred now."""
