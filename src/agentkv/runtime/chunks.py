@@ -126,12 +126,9 @@ class EventParser:
             field, _, value = line.partition(":")
             if value.startswith(" "):
                 value = value[1:]
-            if field == "data":
-                self._data.append(value)
-            elif field == "event":
-                self._event = value
-            elif field == "error":
-                self._event = "error"
+            if field in ("event", "error"):
+                self._event = value if field == "event" else "error"
+            if field in ("data", "error"):
                 self._data.append(value)
         return events
 

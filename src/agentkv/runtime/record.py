@@ -329,17 +329,14 @@ def request_line(record: RequestRecord) -> str:
         *([f"drafts={record.draft_accepted}/{record.draft_tokens}"] if record.draft_tokens else []),
         f"status={_quoted(record.shown_status)}",
     ]
-    if record.retried:
-        parts.append("retried")
-    if record.suspended:
-        parts.append(f"suspended={record.suspended}")
-    if record.stopped:
-        parts.append(f"stopped={record.stopped}")
-    if record.attached > 1:
-        parts.append(f"joined={record.attached - 1}")
-    if record.divergence:
-        parts.append(f"diverged={_quoted(divergence_text(record.divergence))}")
-    return " ".join(parts)
+    happened = [
+        ("retried", record.retried),
+        (f"suspended={record.suspended}", record.suspended),
+        (f"stopped={record.stopped}", record.stopped),
+        (f"joined={record.attached - 1}", record.attached > 1),
+        (f"diverged={_quoted(divergence_text(record.divergence or {}))}", record.divergence),
+    ]
+    return " ".join([*parts, *(part for part, shown in happened if shown)])
 
 
 def _tree_parts(record: RequestRecord) -> list[str]:
