@@ -8,7 +8,7 @@ With the tree off (``RuntimeConfig.agent_tree``) every request belongs to its ro
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -17,25 +17,13 @@ from agentkv.anthropic_sse import reply_message
 from agentkv.reply import BlockOpened, ReplyEvent
 from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.prefetch import Prefetcher
+from agentkv.runtime.record import RequestRecord
 from agentkv.snapshot import QueueRow, SlotRow
 
-__all__ = ["AgentTree", "Labelled"]
+__all__ = ["AgentTree"]
 
 #: A row of the operator's view that names an agent: it shows the agent's place in the tree.
 Placed = TypeVar("Placed", SlotRow, QueueRow)
-
-
-class Labelled(Protocol):
-    """A request's record (:class:`~agentkv.runtime.record.RequestRecord`), as far as its place
-    in the tree goes."""
-
-    agent: str
-    parent: str | None
-    description: str | None
-
-    def label(self, parent: str, description: str | None, waited_on: bool | None) -> None: ...
-
-    def learn_description(self, description: str | None) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -114,14 +102,14 @@ class AgentTree:
         """Where ``agent`` stands in the tree now (None: not known, or the tree is off)."""
         return self.directory.describe(agent) if self.enabled else None
 
-    def label(self, record: Labelled) -> None:
+    def label(self, record: RequestRecord) -> None:
         """A queued request's record: its parent, the description of its call and whether its
         parent waits for it, as they stand now."""
         place = self.describe(record.agent)
         if place is not None and place.parent is not None:
             record.label(place.parent, place.description, place.waited_on)
 
-    def relabel(self, records: Iterable[Labelled]) -> None:
+    def relabel(self, records: Iterable[RequestRecord]) -> None:
         """Records of sub-agents learn the description of their call, once it is known (whether
         the parent waited stays as it was when the request was queued)."""
         for record in records:
