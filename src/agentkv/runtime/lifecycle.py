@@ -512,12 +512,10 @@ class Runtime:
     def running(self) -> list[RequestRecord]:
         """The records of the requests queued or running now."""
         now = self.clock()
-        records = []
-        for exchange in [*self.joinable, *self.preparations.running()]:
-            if not exchange.done:
-                exchange.record.running_for(now - exchange.started)
-                records.append(exchange.record)
-        return records
+        live = [e for e in [*self.joinable, *self.preparations.running()] if not e.done]
+        for exchange in live:
+            exchange.record.running_for(now - exchange.started)
+        return [exchange.record for exchange in live]
 
     def records(self) -> list[RequestRecord]:
         """The most recent finished requests (the last 64), oldest first."""
