@@ -122,9 +122,7 @@ def _marker(dest: Path) -> Path:
 def _trusted(dest: Path, size: int, sha256: str) -> bool:
     """A file with the right size and a marker from an earlier full check is trusted as is."""
     try:
-        if dest.stat().st_size != size:
-            return False
-        return _marker(dest).read_text().strip() == sha256
+        return dest.stat().st_size == size and _marker(dest).read_text().strip() == sha256
     except OSError:
         return False
 
