@@ -88,8 +88,53 @@ class Admission:
     async def prepare(self, body: Mapping[str, Any], *, agent: str, priority: int) -> Prepared:
         """Validate and fit a Messages request; raises a 4xx :class:`AgentKVError` (a prompt
         that cannot fit gets ``prompt is too long``)."""
+        config, compactor = self.config, self.compactor
         engine = await self.translate(body)
-        return await self._fit(agent, priority, engine, request_key(agent, engine), body)
+
+        def rewritten() -> tuple[dict[str, Any], bool]:
+            """The engine body with the agent's compactions, and whether any applied."""
+            fitted, _, applied = compactor.store.rewrite(
+                agent, engine.body, compactor.fingerprinter
+            )
+            return fitted, bool(applied)
+
+        fitted, compacted = engine.body, False
+        if config.compaction and compactor.store.latest(agent) is not None:
+            # Only an agent with compactions pays for fingerprinting its request.
+            fitted, compacted = rewritten()
+        tokens = tuple(await self.client.prompt_tokens(fitted))
+        ctx = config.ctx_per_slot
+        requested = int(fitted.get("max_tokens") or 1)
+        if ctx is not None and config.check_prompt_length:
+            limit = ctx - min(requested, config.output_reserve)
+            if len(tokens) > limit and config.compaction:
+                # Too long as it stands: compact now, at the request's own priority. A background
+                # compaction of this agent that is already running is waited for instead.
+                await compactor.compact(
+                    agent, engine.body, len(tokens), priority=priority, background=False
+                )
+                fitted, compacted = rewritten()
+                tokens = tuple(await self.client.prompt_tokens(fitted))
+            if len(tokens) > limit:
+                raise PromptTooLongError(len(tokens), limit)
+            threshold, low = config.compaction_threshold, config.compact_from
+            if config.compaction and low is not None and len(tokens) > low:
+                # Incremental: fold a little, in idle time, to stay in the band.
+                share = fold_share(len(tokens), low, max(low, threshold or low))
+                compactor.schedule(agent, engine.body, len(tokens), share)
+            elif config.compaction and threshold is not None and len(tokens) > threshold:
+                compactor.schedule(agent, engine.body, len(tokens))
+            # Claude Code asks for up to 128000 output tokens; the slot holds only what is left.
+            fitted = {**fitted, "max_tokens": max(1, min(requested, ctx - len(tokens)))}
+        return Prepared(
+            agent=agent,
+            priority=priority,
+            engine=attrs.evolve(engine, body=fitted),
+            tokens=tokens,
+            boundary=None if compacted else await self._boundary(engine, tokens),
+            key=request_key(agent, engine),
+            body=body,
+        )
 
     async def translate(self, body: Mapping[str, Any]) -> EngineRequest:
         """Translate for this engine: one that cannot see images gets notes or a 400 for them."""
@@ -125,61 +170,6 @@ class Admission:
         body.setdefault("max_tokens", 1)  # count_tokens takes none; the prompt does not change
         engine = await self.translate(body)
         return len(await self.client.prompt_tokens(engine.body))
-
-    async def _fit(
-        self,
-        agent: str,
-        priority: int,
-        engine: EngineRequest,
-        key: str,
-        source: Mapping[str, Any] | None = None,
-    ) -> Prepared:
-        config, compactor = self.config, self.compactor
-
-        def rewritten() -> tuple[dict[str, Any], bool]:
-            """The body with the agent's compactions, and whether any applied."""
-            body, _, applied = compactor.store.rewrite(agent, engine.body, compactor.fingerprinter)
-            return body, bool(applied)
-
-        body, compacted = engine.body, False
-        if config.compaction and compactor.store.latest(agent) is not None:
-            # Only an agent with compactions pays for fingerprinting its request.
-            body, compacted = rewritten()
-        tokens = tuple(await self.client.prompt_tokens(body))
-        ctx = config.ctx_per_slot
-        requested = int(body.get("max_tokens") or 1)
-        if ctx is not None and config.check_prompt_length:
-            limit = ctx - min(requested, config.output_reserve)
-            if len(tokens) > limit and config.compaction:
-                # Too long as it stands: compact now, at the request's own priority. A background
-                # compaction of this agent that is already running is waited for instead.
-                await compactor.compact(
-                    agent, engine.body, len(tokens), priority=priority, background=False
-                )
-                body, compacted = rewritten()
-                tokens = tuple(await self.client.prompt_tokens(body))
-            if len(tokens) > limit:
-                raise PromptTooLongError(len(tokens), limit)
-            threshold, low = config.compaction_threshold, config.compact_from
-            if config.compaction and low is not None and len(tokens) > low:
-                # Incremental: fold a little, in idle time, to stay in the band.
-                share = fold_share(len(tokens), low, max(low, threshold or low))
-                compactor.schedule(agent, engine.body, len(tokens), share)
-            elif config.compaction and threshold is not None and len(tokens) > threshold:
-                compactor.schedule(agent, engine.body, len(tokens))
-            # Claude Code asks for up to 128000 output tokens; the slot holds only what is left.
-            body = {**body, "max_tokens": max(1, min(requested, ctx - len(tokens)))}
-        boundary = None if compacted else await self._boundary(engine, tokens)
-        engine = attrs.evolve(engine, body=body)
-        return Prepared(
-            agent=agent,
-            priority=priority,
-            engine=engine,
-            tokens=tokens,
-            boundary=boundary,
-            key=key,
-            body=source,
-        )
 
     async def _boundary(self, engine: EngineRequest, tokens: Tokens) -> int | None:
         """Where the shareable head ends, measured only when it could matter: a long prompt of

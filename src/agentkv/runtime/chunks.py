@@ -69,11 +69,10 @@ def prompt_done(chunk: Mapping[str, Any]) -> int | None:
 def progress_timings(progress: Mapping[str, Any]) -> dict[str, Any]:
     """A ``prompt_progress`` as the ``timings`` fields it tells: tokens cached (``cache_n``),
     computed (``prompt_n``) and the milliseconds spent (``prompt_ms``)."""
+    cached, processed = (int(progress.get(key, 0) or 0) for key in ("cache", "processed"))
     return {
-        "cache_n": int(progress.get("cache", 0) or 0),
-        "prompt_n": max(
-            0, int(progress.get("processed", 0) or 0) - int(progress.get("cache", 0) or 0)
-        ),
+        "cache_n": cached,
+        "prompt_n": max(0, processed - cached),
         "prompt_ms": float(progress.get("time_ms", 0.0) or 0.0),
     }
 
@@ -127,12 +126,9 @@ class EventParser:
             field, _, value = line.partition(":")
             if value.startswith(" "):
                 value = value[1:]
-            if field == "data":
-                self._data.append(value)
-            elif field == "event":
-                self._event = value
-            elif field == "error":
-                self._event = "error"
+            if field in ("event", "error"):
+                self._event = value if field == "event" else "error"
+            if field in ("data", "error"):
                 self._data.append(value)
         return events
 

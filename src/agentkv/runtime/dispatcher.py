@@ -360,25 +360,18 @@ class Dispatcher:
         running = self._held.get(lease.id)
         if running is None:
             return  # already ended (the watchdog reclaimed it)
-        running.declared, running.own, running.suspend = True, priority, suspend
-        running.priority = priority
+        running.declared, running.suspend = True, suspend
+        running.own = running.priority = priority
         if running.background:
             running.give_up = give_up
             # A foreground ticket may have come between the grant and now.
-            for ticket in self._waiting_foreground():
-                self._give_way_to(ticket)
+            for ticket, _ in self._scheduler.queued(self.clock()):
+                if ticket.id in self._waiters and self._waiters[ticket.id].waiting:
+                    self._give_way_to(ticket)
         if running.checkpoint is not None:
             running.priority = min(priority, self._waiting_urgency(running.checkpoint))
         if running.priority == 0:
             self._quiet_for(running)
-
-    def _waiting_foreground(self) -> list[Ticket]:
-        """Foreground tickets that wait for a slot (not for a checkpoint), in queue order."""
-        return [
-            ticket
-            for ticket, _ in self._scheduler.queued(self.clock())
-            if ticket.id in self._waiters and self._waiters[ticket.id].waiting
-        ]
 
     def _make_room(self, ticket: Ticket) -> None:
         """A foreground ``ticket`` found no free slot: less urgent or background work may
@@ -592,11 +585,9 @@ class Dispatcher:
             if held.checkpoint is checkpoint:
                 held.checkpoint = None
                 held.priority = held.own
-        released = []
-        for waiter in self._waiters.values():
-            if waiter.blocked_on is checkpoint:
-                waiter.blocked_on = None
-                released.append(waiter)
+        released = [waiter for waiter in self._waiters.values() if waiter.blocked_on is checkpoint]
+        for waiter in released:
+            waiter.blocked_on = None
         self._dispatch()
         # An urgent waiter that found no free slot takes one, as it would have on arrival.
         for waiter in released:
@@ -606,18 +597,20 @@ class Dispatcher:
     def best_source(self, tokens: Tokens) -> tuple[str, int, tuple[tuple[str, str], ...]] | None:
         """What cached sequence shares the most with ``tokens``: a description, the shared
         length and that sequence's prompt sections; None when nothing is cached."""
-        best: tuple[str, int, tuple[tuple[str, str], ...]] | None = None
-        for row in self._slots.table():
-            if row.tokens:
-                shared = common_prefix(tokens, row.tokens)
-                if best is None or shared > best[1]:
-                    best = (f"slot {row.slot} (agent {row.agent})", shared, row.sections)
-        if self.store is not None:
-            found = self.store.best(tokens)
-            if found is not None and (best is None or found[1] > best[1]):
-                entry, shared = found
-                best = (f"stored {entry.kind.value} {entry.id}", shared, entry.sections)
-        return best
+        candidates = [
+            (
+                f"slot {row.slot} (agent {row.agent})",
+                common_prefix(tokens, row.tokens),
+                row.sections,
+            )
+            for row in self._slots.table()
+            if row.tokens
+        ]
+        found = self.store.best(tokens) if self.store is not None else None
+        if found is not None:  # after the slots: the first of equals is named
+            entry, shared = found
+            candidates.append((f"stored {entry.kind.value} {entry.id}", shared, entry.sections))
+        return max(candidates, key=lambda candidate: candidate[1], default=None)
 
     def available(self, tokens: Tokens) -> int:
         """Tokens of ``tokens`` that could be had now without computing them."""
@@ -636,20 +629,19 @@ class Dispatcher:
         contention = 1 + sum(
             1 for row in self._slots.table() if row.held and row.slot not in decoding
         )
-        best: tuple[float, Checkpoint] | None = None
-        for checkpoint in self._checkpoints.values():
+
+        def gain(checkpoint: Checkpoint) -> float:
             shared = common_prefix(tokens, checkpoint.tokens)
             if shared < available + self.config.share_min:
-                continue
+                return 0.0
             remaining = costs.prefill.estimate(
                 checkpoint.progress, len(checkpoint.tokens) - checkpoint.progress
             )
             wait = remaining + costs.restore.estimate(costs.state_bytes(len(checkpoint.tokens)))
-            alone = contention * costs.prefill.estimate(available, shared - available)
-            gain = alone - wait
-            if gain > 0 and (best is None or gain > best[0]):
-                best = (gain, checkpoint)
-        return None if best is None else best[1]
+            return contention * costs.prefill.estimate(available, shared - available) - wait
+
+        best = max(self._checkpoints.values(), key=gain)
+        return best if gain(best) > 0 else None
 
     # -- a pool of engines ----------------------------------------------------------------------
 

@@ -489,18 +489,14 @@ class Runtime:
         try:
             await exchange.drive()
         finally:
-            self._finished(exchange)
-
-    def _finished(self, exchange: Exchange) -> None:
-        record = exchange.record
-        ok, running = exchange.failure is None, self._tg is not None
-        self.tree.ended(exchange.prepared, exchange.broadcast.emitted, ok=ok, running=running)
-        # A sub-agent may have been linked to its call since it started (its parent's request).
-        self.tree.relabel([record])
-        self.history.add(record)
-        if not exchange.background:  # a claimed one, or any other
-            self.joinable.ended(exchange.prepared.key, exchange, keep=ok and running)
-        self.preparations.ended(exchange, ok=ok, running=running)
+            ok, running = exchange.failure is None, self._tg is not None
+            self.tree.ended(exchange.prepared, exchange.broadcast.emitted, ok=ok, running=running)
+            # A sub-agent may have been linked to its call since it started (its parent's request).
+            self.tree.relabel([exchange.record])
+            self.history.add(exchange.record)
+            if not exchange.background:  # a claimed one, or any other
+                self.joinable.ended(exchange.prepared.key, exchange, keep=ok and running)
+            self.preparations.ended(exchange, ok=ok, running=running)
 
     def later(self, work: Callable[..., Any], *args: Any) -> bool:
         """Run ``work(*args)`` in the background; False (dropped) when the runtime is stopping."""
@@ -516,12 +512,10 @@ class Runtime:
     def running(self) -> list[RequestRecord]:
         """The records of the requests queued or running now."""
         now = self.clock()
-        records = []
-        for exchange in [*self.joinable, *self.preparations.running()]:
-            if not exchange.done:
-                exchange.record.running_for(now - exchange.started)
-                records.append(exchange.record)
-        return records
+        live = [e for e in [*self.joinable, *self.preparations.running()] if not e.done]
+        for exchange in live:
+            exchange.record.running_for(now - exchange.started)
+        return [exchange.record for exchange in live]
 
     def records(self) -> list[RequestRecord]:
         """The most recent finished requests (the last 64), oldest first."""

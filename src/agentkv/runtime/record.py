@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import logging
 import warnings
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -328,17 +329,14 @@ def request_line(record: RequestRecord) -> str:
         *([f"drafts={record.draft_accepted}/{record.draft_tokens}"] if record.draft_tokens else []),
         f"status={_quoted(record.shown_status)}",
     ]
-    if record.retried:
-        parts.append("retried")
-    if record.suspended:
-        parts.append(f"suspended={record.suspended}")
-    if record.stopped:
-        parts.append(f"stopped={record.stopped}")
-    if record.attached > 1:
-        parts.append(f"joined={record.attached - 1}")
-    if record.divergence:
-        parts.append(f"diverged={_quoted(divergence_text(record.divergence))}")
-    return " ".join(parts)
+    happened = [
+        ("retried", record.retried),
+        (f"suspended={record.suspended}", record.suspended),
+        (f"stopped={record.stopped}", record.stopped),
+        (f"joined={record.attached - 1}", record.attached > 1),
+        (f"diverged={_quoted(divergence_text(record.divergence or {}))}", record.divergence),
+    ]
+    return " ".join([*parts, *(part for part, shown in happened if shown)])
 
 
 def _tree_parts(record: RequestRecord) -> list[str]:
@@ -358,27 +356,18 @@ def divergence_text(divergence: Mapping[str, Any]) -> str:
     ``section`` ("tool 3 (Bash)"), ``reused``, ``computed`` and ``seconds``, then any other key
     as ``key=value``."""
     known = {"position", "section", "reused", "computed", "seconds"}
-    words = []
     position, section = divergence.get("position"), divergence.get("section")
-    if position is not None or section:
-        where = f"token {position}" if position is not None else ""
-        if section:
-            where = f"{where} in {section}" if where else f"in {section}"
-        words.append(where)
-    costs = []
-    if divergence.get("reused") is not None:
-        costs.append(f"reused {divergence['reused']}")
-    if divergence.get("computed") is not None:
-        costs.append(f"computed {divergence['computed']}")
+    where = [f"token {position}"] if position is not None else []
+    where += [f"in {section}"] if section else []
+    costs = [
+        f"{k} {divergence[k]}" for k in ("reused", "computed") if divergence.get(k) is not None
+    ]
     seconds = divergence.get("seconds")
     if isinstance(seconds, int | float):
         costs.append(f"~{seconds:.1f} s")
-    if costs:
-        words.append(", ".join(costs))
     extra = [f"{k}={v}" for k, v in divergence.items() if k not in known]
-    if extra:
-        words.append(" ".join(extra))
-    return ": ".join(words)
+    words = [" ".join(where), ", ".join(costs), " ".join(extra)]
+    return ": ".join(word for word in words if word)
 
 
 def _or_dash(value: object) -> str:
@@ -403,7 +392,7 @@ class RequestHistory:
     max_recent: int = 64
     max_agents: int = 256
     _recent: list[RequestRecord] = attrs.field(init=False, factory=list)
-    _agents: LRUCache[str, dict[str, Any]] = attrs.field(
+    _agents: LRUCache[str, Counter[str]] = attrs.field(
         init=False, default=attrs.Factory(lambda self: LRUCache(self.max_agents), takes_self=True)
     )
     _listeners: list[Callable[[RequestRecord], None]] = attrs.field(init=False, factory=list)
@@ -420,14 +409,10 @@ class RequestHistory:
                 log.exception("request listener failed")
         self._recent.append(record)
         del self._recent[: -self.max_recent]
-        totals = self._agents.pop(record.agent, None) or {
-            "requests": 0,
-            "prompt_tokens": 0,
-            "cached_tokens": 0,
-        }
-        totals["requests"] += 1
-        totals["prompt_tokens"] += record.prompt_tokens
-        totals["cached_tokens"] += record.cached_tokens
+        totals = self._agents.pop(record.agent, None) or Counter()
+        totals.update(
+            requests=1, prompt_tokens=record.prompt_tokens, cached_tokens=record.cached_tokens
+        )
         totals["priority"] = record.priority
         self._agents[record.agent] = totals  # the least recently seen agent out past the bound
         log.info("%s", request_line(record), extra={"agentkv_request": request_fields(record)})

@@ -133,9 +133,7 @@ class Relay:
         message, which llama-server extends instead of starting a new turn.
         """
         asm = self.assembler
-        body = dict(self.engine.body)
-        body["stream"] = True
-        body["return_progress"] = True
+        body = {**self.engine.body, "stream": True, "return_progress": True}
         requested = int(body.get("max_tokens") or 1)
         so_far = asm.generated_text
         if so_far:
@@ -174,12 +172,12 @@ class Relay:
         except (EngineResponseError, EngineTimeoutError) as exc:
             log.info("resuming a reply from its text: %s", exc.message)
             return False
-        payload: dict[str, Any] = {
+        payload = {
             "prompt": [*saved, *tail_tokens],
             "n_predict": body["max_tokens"],
             "return_progress": True,
+            **{name: body[name] for name in _SAMPLING if name in body},
         }
-        payload.update({name: body[name] for name in _SAMPLING if name in body})
         await self._relay(payload, slot, on_chunk, raw=True)
         return True
 
@@ -313,13 +311,9 @@ def as_chat_chunk(chunk: Mapping[str, Any]) -> dict[str, Any]:
     finish = None
     if chunk.get("stop"):
         finish = "length" if chunk.get("stop_type") == "limit" else "stop"
-    out: dict[str, Any] = {
-        "choices": [{"delta": {"content": chunk.get("content") or None}, "finish_reason": finish}]
-    }
-    for name in ("timings", "prompt_progress"):
-        if name in chunk:
-            out[name] = chunk[name]
-    return out
+    choice = {"delta": {"content": chunk.get("content") or None}, "finish_reason": finish}
+    passed = {name: chunk[name] for name in ("timings", "prompt_progress") if name in chunk}
+    return {"choices": [choice], **passed}
 
 
 def continuation_prefill(text: str) -> str:

@@ -8,7 +8,7 @@ With the tree off (``RuntimeConfig.agent_tree``) every request belongs to its ro
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -17,25 +17,13 @@ from agentkv.anthropic_sse import reply_message
 from agentkv.reply import BlockOpened, ReplyEvent
 from agentkv.runtime.dispatcher import Dispatcher
 from agentkv.runtime.prefetch import Prefetcher
+from agentkv.runtime.record import RequestRecord
 from agentkv.snapshot import QueueRow, SlotRow
 
-__all__ = ["AgentTree", "Labelled"]
+__all__ = ["AgentTree"]
 
 #: A row of the operator's view that names an agent: it shows the agent's place in the tree.
 Placed = TypeVar("Placed", SlotRow, QueueRow)
-
-
-class Labelled(Protocol):
-    """A request's record (:class:`~agentkv.runtime.record.RequestRecord`), as far as its place
-    in the tree goes."""
-
-    agent: str
-    parent: str | None
-    description: str | None
-
-    def label(self, parent: str, description: str | None, waited_on: bool | None) -> None: ...
-
-    def learn_description(self, description: str | None) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -114,14 +102,14 @@ class AgentTree:
         """Where ``agent`` stands in the tree now (None: not known, or the tree is off)."""
         return self.directory.describe(agent) if self.enabled else None
 
-    def label(self, record: Labelled) -> None:
+    def label(self, record: RequestRecord) -> None:
         """A queued request's record: its parent, the description of its call and whether its
         parent waits for it, as they stand now."""
         place = self.describe(record.agent)
         if place is not None and place.parent is not None:
             record.label(place.parent, place.description, place.waited_on)
 
-    def relabel(self, records: Iterable[Labelled]) -> None:
+    def relabel(self, records: Iterable[RequestRecord]) -> None:
         """Records of sub-agents learn the description of their call, once it is known (whether
         the parent waited stays as it was when the request was queued)."""
         for record in records:
@@ -133,13 +121,9 @@ class AgentTree:
     def annotate(self, rows: Sequence[Placed], tree: Sequence[AgentView]) -> tuple[Placed, ...]:
         """Slot or queue ``rows`` of the operator's view, each with its agent's place in
         ``tree`` (this tree's :meth:`view`): its parent and the description of its call."""
-        by_agent = {row.agent: row for row in tree}
-        placed = []
-        for item in rows:
-            row = by_agent.get(item.agent or "")
-            parent, description = (row.parent, row.description) if row else (None, None)
-            placed.append(attrs.evolve(item, parent=parent, description=description))
-        return tuple(placed)
+        places = {row.agent: {"parent": row.parent, "description": row.description} for row in tree}
+        unknown = {"parent": None, "description": None}
+        return tuple(attrs.evolve(item, **places.get(item.agent or "", unknown)) for item in rows)
 
     def _reprioritise(self, parent: str, now: float) -> None:
         """Queued requests of ``parent``'s sub-agents take their priority as inferred now."""
