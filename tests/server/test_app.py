@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -518,9 +519,12 @@ async def test_a_reply_suspended_mid_stream_reaches_its_client_whole(
     }
 
 
-async def test_a_looping_reply_is_stopped_and_its_engine_stream_closed(serve: Any) -> None:
+async def test_a_looping_reply_is_stopped_and_its_engine_stream_closed(
+    serve: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """A degenerate loop ends the message early, as a normal end_turn, and the engine stream is
-    dropped before its end (llama-server then stops generating)."""
+    dropped before its end (llama-server then stops generating); the log says which agent looped
+    and on what (docs/troubleshooting.md)."""
     fake = FakeLlama(reply="ok " * 3000, chunk_chars=3)
     http = await serve(fake)
     r = await http.post("/v1/messages", json={**BODY, "stream": True})
@@ -532,3 +536,10 @@ async def test_a_looping_reply_is_stopped_and_its_engine_stream_closed(serve: An
     assert events[-2]["usage"]["output_tokens"] > 0
     assert (fake.started, fake.finished) == (1, 0)
     assert snapshot(http).recent[-1].status == "ok"
+    said = [r.getMessage() for r in caplog.records if r.name == "agentkv.runtime"]
+    assert any(
+        re.fullmatch(
+            r"agent \S+: degenerate repetition in the text: 'ok ' repeated \d+ times .*", m
+        )
+        for m in said
+    ), said

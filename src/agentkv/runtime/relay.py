@@ -255,6 +255,7 @@ class Relay:
                     if asm.stop is not None:
                         # A degenerate loop: closing the stream stops llama-server generating.
                         record.stop(asm.stop.reason)
+                        log.warning("agent %s: %s", record.agent, asm.stop.message)
                         tg.cancel_scope.cancel()
                         break
         progress = seen["progress"]
