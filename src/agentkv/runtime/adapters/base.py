@@ -378,9 +378,7 @@ class OpenAIEngineClient(LinkedEngine):
         """A non-streamed chat completion (``slot`` is ignored: the engine places it); the JSON
         reply, with its ``usage`` also as ``timings``."""
         response = await self._open(body, hints, stream=False)
-        data = parse_json(response.text, "chat completion")
-        if not isinstance(data, dict):
-            raise EngineResponseError(f"{self.engine_name} chat completion returned {data!r:.200}")
+        data = self._expect(parse_json(response.text, "chat completion"), dict, "chat completion")
         usage = self.read_usage(data)
         if usage is not None:
             data["timings"] = usage.timings(None)
