@@ -41,11 +41,28 @@ __all__ = [
     "list_devices",
     "parse_device_list",
     "plan_offload",
+    "run_captured",
 ]
 
 _CACHE_FILE = "build-hashes.json"
 #: The llama.cpp libraries that make up the engine (what ldd lists, or what lies beside it).
 _ENGINE_LIBRARY = re.compile(r"^lib(llama|ggml|mtmd)[\w.+-]*\.(so(\.[0-9]+)*|dylib|dll)$")
+
+
+def run_captured(args: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str] | None:
+    """``args`` run to their end with their output captured as text (no input); None when
+    they could not be run or took longer than ``timeout`` seconds."""
+    try:
+        return subprocess.run(
+            args,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 # -- the build, by content ------------------------------------------------------------------
@@ -55,13 +72,8 @@ def _linked_libraries(binary: Path) -> list[Path]:
     """The shared libraries the dynamic loader resolves for ``binary`` (``ldd``); [] where
     there is no ``ldd`` or it cannot tell (a static binary, macOS)."""
     ldd = shutil.which("ldd")
-    if ldd is None:
-        return []
-    try:
-        done = subprocess.run(
-            [ldd, str(binary)], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
+    done = None if ldd is None else run_captured([ldd, str(binary)], 30)
+    if done is None:
         return []
     found: list[Path] = []
     for line in done.stdout.splitlines():
@@ -216,32 +228,16 @@ def parse_device_list(text: str) -> tuple[Device, ...] | None:
             continue
         total = int(match.group("total")) * _MIB
         if total > 0:
-            devices.append(
-                Device(
-                    match.group("name"),
-                    match.group("desc"),
-                    total,
-                    int(match.group("free")) * _MIB,
-                )
-            )
+            free = int(match.group("free")) * _MIB
+            devices.append(Device(match.group("name"), match.group("desc"), total, free))
     return tuple(devices)
 
 
 def list_devices(binary: Path, *, timeout: float = 60.0) -> tuple[Device, ...] | None:
     """The devices ``binary`` can offload to (empty for a CPU-only build); None when it cannot
     say (it failed, or has no ``--list-devices``)."""
-    try:
-        done = subprocess.run(
-            [str(binary), "--list-devices"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
+    done = run_captured([str(binary), "--list-devices"], timeout)
+    if done is None or done.returncode != 0:
         return None
     return parse_device_list(done.stdout + "\n" + done.stderr)
 
@@ -250,14 +246,10 @@ def gpu_on_machine(dev: Path = Path("/dev")) -> str | None:
     """A GPU this machine has, in words (``nvidia-smi -L``'s first line, or the device file);
     None when none is seen."""
     smi = shutil.which("nvidia-smi")
-    if smi is not None:
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            done = subprocess.run(
-                [smi, "-L"], capture_output=True, text=True, timeout=15, check=False
-            )
-            first = done.stdout.strip().splitlines()[:1]
-            if done.returncode == 0 and first:
-                return first[0]
+    done = None if smi is None else run_captured([smi, "-L"], 15)
+    first = done.stdout.strip().splitlines()[:1] if done is not None else []
+    if done is not None and done.returncode == 0 and first:
+        return first[0]
     for name, words in (("nvidia0", "an NVIDIA GPU"), ("kfd", "an AMD GPU")):
         if (dev / name).exists():
             return f"{words} ({dev / name})"
