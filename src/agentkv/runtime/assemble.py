@@ -222,9 +222,7 @@ class EngineSettings:
         metavar="N",
     )
     restart_window: float = _engine(
-        300.0,
-        "the window --max-restarts counts failures in (default 300)",
-        metavar="SECONDS",
+        300.0, "the window --max-restarts counts failures in (default 300)", metavar="SECONDS"
     )
     templating_limit: int = _engine(
         4,
