@@ -173,8 +173,7 @@ def build_digest(binary: Path, *, cache_dir: Path | None = None) -> str:
     """sha256 naming the engine build of ``binary``: the content of the executable and of the
     llama.cpp libraries it loads, by library name (paths and timestamps do not count)."""
     files = engine_files(binary)
-    directory = cache_dir if cache_dir is not None else default_cache_dir()
-    hashes = _file_hashes(files, directory)
+    hashes = _file_hashes(files, cache_dir or default_cache_dir())
     lines = [f"executable {hashes[0]}"]
     lines += [f"{path.name} {value}" for path, value in zip(files[1:], hashes[1:], strict=True)]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()

@@ -104,11 +104,8 @@ def _executable(candidate: str | os.PathLike[str]) -> Path | None:
     path = Path(candidate).expanduser()
     if path.is_file() and os.access(path, os.X_OK):
         return path
-    if os.sep not in str(candidate):
-        found = shutil.which(str(candidate))
-        if found:
-            return Path(found)
-    return None
+    found = shutil.which(str(candidate)) if os.sep not in str(candidate) else None
+    return Path(found) if found else None
 
 
 def _packaged_llama_server() -> Path | None:
@@ -139,12 +136,10 @@ def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
                 )
             return found
     on_path = shutil.which("llama-server")
-    if on_path:
-        return Path(on_path)
-    packaged = _packaged_llama_server()
-    if packaged is not None:
-        return packaged
-    raise EngineNotFoundError(f"no llama-server binary found; {_INSTALL_HINT}")
+    found = Path(on_path) if on_path else _packaged_llama_server()
+    if found is None:
+        raise EngineNotFoundError(f"no llama-server binary found; {_INSTALL_HINT}")
+    return found
 
 
 def free_port(host: str = "127.0.0.1") -> int:
