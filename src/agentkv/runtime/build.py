@@ -132,9 +132,8 @@ def _read_cache(cache: Path) -> dict[str, str]:
         data = json.loads(cache.read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+    items = data.items() if isinstance(data, dict) else ()
+    return {k: v for k, v in items if isinstance(k, str) and isinstance(v, str)}
 
 
 def _file_hashes(files: Iterable[Path], cache_dir: Path) -> list[str]:

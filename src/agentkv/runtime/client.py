@@ -190,14 +190,13 @@ class LlamaSlotClient(LinkedEngine):
         token when parsed as special, other tokens when not."""
         known = self._markers.keys() | self._not_markers
         for candidate in sorted(marker_candidates(text) - known)[:_LEARN_AT_ONCE]:
-            if len(known) >= _MARKERS_MAX:
+            if len(self._markers) + len(self._not_markers) >= _MARKERS_MAX:
                 return
             ids = await self.tokenize(candidate)
             if len(ids) == 1 and await self.tokenize(candidate, parse_special=False) != ids:
                 self._markers[candidate] = ids[0]
             else:
                 self._not_markers.add(candidate)
-            known = self._markers.keys() | self._not_markers
 
     @contextlib.asynccontextmanager
     async def prefill(

@@ -236,14 +236,10 @@ class EngineTransport:
         nothing changes.
         """
         if self._status is None:
-            self._status = EngineStatus()
-            self._own_status = True
+            self._status, self._own_status = EngineStatus(), True
         if not self._own_status:
             return False
-        if reachable:
-            self._status.set_state("ready")
-        else:
-            self._status.set_state("unavailable", detail)
+        self._status.set_state("ready" if reachable else "unavailable", "" if reachable else detail)
         return True
 
     async def aclose(self) -> None:
