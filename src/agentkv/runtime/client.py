@@ -87,9 +87,7 @@ class LlamaSlotClient(LinkedEngine):
         data = await self._transport.request_json(
             "POST", CHAT_PATH, "chat completion", json_body=payload, safe=False
         )
-        if not isinstance(data, dict):
-            raise EngineResponseError(f"llama-server chat completion returned {data!r:.200}")
-        return data
+        return self._expect(data, dict, "chat completion")
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -120,9 +118,7 @@ class LlamaSlotClient(LinkedEngine):
             data = await self._transport.request_json(
                 "POST", "/tokenize", "tokenize", json_body=payload
             )
-        tokens = data.get("tokens") if isinstance(data, Mapping) else None
-        if not isinstance(tokens, list):
-            raise EngineResponseError(f"llama-server tokenize returned {data!r:.200}")
+        tokens = self._expect(data, list, "tokenize", "tokens")
         # With with_pieces the entries are objects; we never ask for that, so ints are expected.
         return [int(t["id"]) if isinstance(t, Mapping) else int(t) for t in tokens]
 
@@ -132,10 +128,7 @@ class LlamaSlotClient(LinkedEngine):
             data = await self._transport.request_json(
                 "POST", "/apply-template", "apply-template", json_body=dict(body)
             )
-        prompt = data.get("prompt") if isinstance(data, Mapping) else None
-        if not isinstance(prompt, str):
-            raise EngineResponseError(f"llama-server apply-template returned {data!r:.200}")
-        return prompt
+        return self._expect(data, str, "apply-template", "prompt")
 
     async def prompt_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """The prompt tokens of a chat ``body``, exactly as llama-server computes them; an answer
@@ -197,14 +190,13 @@ class LlamaSlotClient(LinkedEngine):
         token when parsed as special, other tokens when not."""
         known = self._markers.keys() | self._not_markers
         for candidate in sorted(marker_candidates(text) - known)[:_LEARN_AT_ONCE]:
-            if len(known) >= _MARKERS_MAX:
+            if len(self._markers) + len(self._not_markers) >= _MARKERS_MAX:
                 return
             ids = await self.tokenize(candidate)
             if len(ids) == 1 and await self.tokenize(candidate, parse_special=False) != ids:
                 self._markers[candidate] = ids[0]
             else:
                 self._not_markers.add(candidate)
-            known = self._markers.keys() | self._not_markers
 
     @contextlib.asynccontextmanager
     async def prefill(
@@ -273,18 +265,13 @@ class LlamaSlotClient(LinkedEngine):
             data = await self._transport.request_json(
                 "POST", "/detokenize", "detokenize", json_body={"tokens": list(tokens)}
             )
-        content = data.get("content") if isinstance(data, Mapping) else None
-        if not isinstance(content, str):
-            raise EngineResponseError(f"llama-server /detokenize returned {data!r:.200}")
-        return content
+        return self._expect(data, str, "/detokenize", "content")
 
     async def props(self) -> dict[str, Any]:
         """``GET /props``: the server's settings (``modalities``, ``default_generation_settings``,
         …)."""
         data = await self._transport.request_json("GET", "/props", "props")
-        if not isinstance(data, dict):
-            raise EngineResponseError(f"llama-server /props returned {data!r:.200}")
-        return data
+        return self._expect(data, dict, "/props")
 
     async def accepts_images(self) -> bool:
         """Whether the engine's model can see images (``/props`` ``modalities.vision``), asked
@@ -308,9 +295,7 @@ class LlamaSlotClient(LinkedEngine):
     async def slots(self) -> list[dict[str, Any]]:
         """``GET /slots``: one dict per slot (``id``, ``n_ctx``, ``is_processing``, ...)."""
         data = await self._transport.request_json("GET", "/slots", "slots")
-        if not isinstance(data, list):
-            raise EngineResponseError(f"llama-server /slots returned {data!r:.200}")
-        return data
+        return self._expect(data, list, "/slots")
 
     async def save_slot(self, slot: int, filename: str) -> dict[str, Any]:
         """Write ``slot``'s KV cache to ``filename`` inside llama-server's ``--slot-save-path``."""
@@ -332,6 +317,4 @@ class LlamaSlotClient(LinkedEngine):
             json_body=body,
             params={"action": action},
         )
-        if not isinstance(data, dict):
-            raise EngineResponseError(f"llama-server slot {action} returned {data!r:.200}")
-        return data
+        return self._expect(data, dict, f"slot {action}")

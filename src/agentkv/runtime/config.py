@@ -9,6 +9,7 @@ derived from the engine instead).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,14 @@ def _ge(minimum: float) -> Any:
     return attrs.validators.optional(attrs.validators.ge(minimum))
 
 
+#: Settings of one group of ``agentkv-server --help``.
+_scheduling = functools.partial(setting, group="scheduling")
+_streaming = functools.partial(setting, group="streaming")
+_prompts = functools.partial(setting, group="prompts")
+_long_contexts = functools.partial(setting, group="long contexts")
+_prefix_store = functools.partial(setting, group="prefix store")
+
+
 @attrs.frozen
 class RuntimeConfig:
     """How the runtime schedules, places, bounds and stores the requests of one engine."""
@@ -67,77 +76,65 @@ class RuntimeConfig:
     )
 
     # -- scheduling -------------------------------------------------------------------------------
-    aging: float = setting(
+    aging: float = _scheduling(
         DEFAULT_AGING,
         "priority levels a request gains per second of waiting (0.1: a P3 request outranks a "
         "fresh P0 after 30 s)",
-        group="scheduling",
     )
-    max_queue: int = setting(
-        DEFAULT_MAX_QUEUE,
-        "requests allowed to wait at once; more get 529 overloaded_error",
-        group="scheduling",
+    max_queue: int = _scheduling(
+        DEFAULT_MAX_QUEUE, "requests allowed to wait at once; more get 529 overloaded_error"
     )
-    tie_window: float = setting(
+    tie_window: float = _scheduling(
         DEFAULT_TIE_WINDOW,
         "scores this close count as a tie, won by a request whose prefix is cached",
-        group="scheduling",
     )
-    lease_ttl: float = setting(
+    lease_ttl: float = _scheduling(
         DEFAULT_LEASE_TTL,
         "seconds a slot lease may go without engine progress before the watchdog reclaims it "
         "(a leak or a hung engine)",
-        group="scheduling",
     )
     watchdog_interval: float = setting(15.0, "seconds between watchdog sweeps", flag=False)
-    preempt_from: int | None = setting(
+    preempt_from: int | None = _scheduling(
         1,
         "a priority-0 request may suspend a running request of this priority or less urgent "
         "(its progress is saved to the prefix store and it resumes later, nothing computed "
         "twice); 'off': never",
-        group="scheduling",
         metavar="P",
         parse=priority_or_off,
     )
 
-    agent_tree: bool = setting(
+    agent_tree: bool = _scheduling(
         True,
         "recognise Claude Code's sub-agents (x-claude-code-agent-id) as agents of their own under "
         "the coordinator that started them, at its priority while it waits for them; off: a "
         "sub-agent is its session's agent",
         flag="--no-agent-tree",
-        group="scheduling",
     )
-    background_agent_offset: int = setting(
+    background_agent_offset: int = _scheduling(
         1,
         "priority levels a sub-agent runs less urgent than its parent when the parent does not "
         "wait for it (run_in_background); 0: always the parent's priority",
-        group="scheduling",
         metavar="LEVELS",
         validator=attrs.validators.in_(range(4)),
     )
 
     # -- streaming --------------------------------------------------------------------------------
-    ping_interval: float = setting(
-        5.0, "seconds of silence after which a stream gets a ping", group="streaming"
-    )
+    ping_interval: float = _streaming(5.0, "seconds of silence after which a stream gets a ping")
     coalesce_chars: int = setting(
         DEFAULT_COALESCE_CHARS, "flush text deltas after this many characters", flag=False
     )
     coalesce_seconds: float = setting(
         DEFAULT_COALESCE_SECONDS, "or after this many seconds", flag=False
     )
-    client_timeout: float = setting(
+    client_timeout: float = _streaming(
         1800.0,
         "seconds a client waits for a whole reply (Claude Code: API_TIMEOUT_MS, which the "
         "printed lines set to this); generation stops in time to answer within it",
-        group="streaming",
     )
-    retry_grace: float = setting(
+    retry_grace: float = _streaming(
         30.0,
         "seconds a request keeps running after its client went away, so that the client's "
         "retry of the same request joins it instead of computing it again",
-        group="streaming",
     )
 
     # -- prompts ----------------------------------------------------------------------------------
@@ -149,68 +146,55 @@ class RuntimeConfig:
     output_reserve: int = setting(
         256, "tokens kept free for the reply when checking that a prompt fits", flag=False
     )
-    session_layout: bool = setting(
+    session_layout: bool = _prompts(
         True,
         "put a client's session context (Claude Code's environment note and reminders) before "
         "the user's words, and Claude Code's project-specific lines after what every project "
         "shares, so that fresh agents share it",
         flag="--no-session-layout",
-        group="prompts",
     )
     limits: RequestLimits = setting(  # noqa: RUF009 - attrs field, not a dataclass default
         RequestLimits(),
         "bounds on a request's shape (tools, messages, images…), checked before any engine work",
         flag=False,
     )
-    tool_repair: bool = setting(
+    tool_repair: bool = _prompts(
         True,
         "turn tool calls the model writes as text into tool_use blocks, with one constrained retry",
         flag="--no-tool-repair",
-        group="prompts",
     )
 
     # -- long contexts ----------------------------------------------------------------------------
-    compaction: bool = setting(
-        True,
-        "summarise an agent's oldest turns when its prompt grows long",
-        flag="--no-compaction",
-        group="long contexts",
+    compaction: bool = _long_contexts(
+        True, "summarise an agent's oldest turns when its prompt grows long", flag="--no-compaction"
     )
-    compact_at: int | None = setting(
+    compact_at: int | None = _long_contexts(
         None,
         "compact when a prompt passes this many tokens (default: three quarters of a slot)",
-        group="long contexts",
         metavar="TOKENS",
     )
-    compact_from: int | None = setting(
+    compact_from: int | None = _long_contexts(
         None,
         "incremental compaction: after a turn whose prompt passes this many tokens, fold the "
         "oldest turns into the agent's running summary in idle time, so that its prompt stays "
         "between this and the high-water mark instead of growing to it (default: off)",
-        group="long contexts",
         metavar="TOKENS",
         validator=_ge(1),
     )
-    compact_keep_messages: int = setting(
-        6,
-        "recent messages compaction never touches",
-        flag="--compact-keep",
-        group="long contexts",
-        metavar="N",
+    compact_keep_messages: int = _long_contexts(
+        6, "recent messages compaction never touches", flag="--compact-keep", metavar="N"
     )
 
-    prepare_compaction: bool = setting(
+    prepare_compaction: bool = _long_contexts(
         True,
         "when a Claude Code agent's last reply put it past its compaction point, generate the "
         "compaction request it will send next in idle time, and serve it when the request comes "
         "exactly as predicted",
         flag="--no-prepare-compaction",
-        group="long contexts",
     )
-    prepared_wait: float = setting(
+    prepared_wait: float = _long_contexts(
         1800.0,
         "seconds a prepared compaction reply waits for its agent's request before it is dropped",
-        group="long contexts",
         metavar="SECONDS",
         validator=_ge(0),
     )
@@ -228,38 +212,29 @@ class RuntimeConfig:
         converter=attrs.converters.optional(Path),
         flag=False,
     )
-    store_budget: int = setting(
-        4 * GiB,
-        "bytes the prefix store may use on disk",
-        group="prefix store",
-        metavar="BYTES",
-        validator=_ge(0),
+    store_budget: int = _prefix_store(
+        4 * GiB, "bytes the prefix store may use on disk", metavar="BYTES", validator=_ge(0)
     )
-    store_context_ttl: float = setting(
-        6 * 3600.0,
-        "seconds after which an unused agent context is deleted (its agent is gone)",
-        group="prefix store",
+    store_context_ttl: float = _prefix_store(
+        6 * 3600.0, "seconds after which an unused agent context is deleted (its agent is gone)"
     )
-    stop_save: float = setting(
+    stop_save: float = _prefix_store(
         15.0,
         "seconds a clean stop may spend saving what idle slots hold that the store does not (each "
         "agent's latest context), so that agents find it again after a restart; 0: never",
-        group="prefix store",
         metavar="SECONDS",
         validator=_ge(0),
     )
-    park_min: int = setting(
+    park_min: int = _prefix_store(
         256,
         "an agent's context is saved before its slot is overwritten when it holds at least this "
         "many tokens the store does not have",
-        group="prefix store",
         metavar="TOKENS",
     )
-    split_min: int = setting(
+    split_min: int = _prefix_store(
         1024,
         "a prompt head of at least this many uncached tokens is computed and saved on its own "
         "first, so that other agents restore it",
-        group="prefix store",
         metavar="TOKENS",
     )
     share_min: int = setting(

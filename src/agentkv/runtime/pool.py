@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -427,24 +428,22 @@ class EnginePool:
     def _clean_dirs(self) -> None:
         """Slot files left in an engine's own directory by an earlier run that stopped between
         a save and its move (or during a restore): the store does not know them."""
-        for member in self.members:
-            if self._dirs(member) is None or member.slot_dir is None:
-                continue
-            for path in member.slot_dir.glob("akv-*.bin"):
+        for dirs in filter(None, map(self._dirs, self.members)):
+            for path in dirs[0].glob("akv-*.bin"):
                 _unlink(path)
 
     async def check(self, member: PoolMember) -> None:
         """Probe ``member`` once and move it in or out of placement."""
-        status = member.client.status
-        supervised = status is not None and not member.owns_status
-        if supervised and status is not None and status.state != "ready":
+        # The supervisor's status, where one speaks for the engine.
+        status = None if member.owns_status else member.client.status
+        if status is not None and status.state != "ready":
             ok, detail = False, status.detail or status.state
         else:
             ok = False
             with anyio.move_on_after(self.health_timeout):
                 ok = await member.client.health()
             detail = "" if ok else f"its /health does not answer ({member.base_url})"
-        if supervised and status is not None and ok and status.generation != member.generation:
+        if status is not None and ok and status.generation != member.generation:
             # Restarted between two probes: up, but nothing it held is there any more.
             member.generation = status.generation
             if member.up:
@@ -465,7 +464,7 @@ class EnginePool:
                 self._changed(member, True)
             return
         member.failures += 1
-        if member.up and (member.failures >= self.health_failures or supervised):
+        if member.up and (member.failures >= self.health_failures or status is not None):
             member.up, member.detail = False, detail
             if member.owns_status:
                 # Calls to it now fail at once instead of waiting on refused connections.
@@ -503,10 +502,8 @@ class EnginePool:
 
     def prompt_answers(self) -> PromptStats:
         """Where the prompt answers of every engine came from, summed."""
-        total = PromptStats()
-        for member in self.members:
-            total = total.add(member.client.prompt_answers())
-        return total
+        answers = (m.client.prompt_answers() for m in self.members)
+        return functools.reduce(PromptStats.add, answers, PromptStats())
 
     def engines(self) -> tuple[EngineRow, ...]:
         """One row per engine, for the operator."""

@@ -42,7 +42,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypedDict, TypeVar, Unpack
 
 import anyio
 import attrs
@@ -91,6 +91,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("agentkv.client")
+
+T = TypeVar("T")
 
 #: The engine the error map's messages name.
 LLAMA_SERVER = "llama-server"
@@ -234,14 +236,10 @@ class EngineTransport:
         nothing changes.
         """
         if self._status is None:
-            self._status = EngineStatus()
-            self._own_status = True
+            self._status, self._own_status = EngineStatus(), True
         if not self._own_status:
             return False
-        if reachable:
-            self._status.set_state("ready")
-        else:
-            self._status.set_state("unavailable", detail)
+        self._status.set_state("ready" if reachable else "unavailable", "" if reachable else detail)
         return True
 
     async def aclose(self) -> None:
@@ -474,6 +472,14 @@ class LinkedEngine:
         """Whether the engine answers, as a pool's probes find it: see
         :meth:`EngineTransport.set_reachable`."""
         return self._transport.set_reachable(reachable, detail)
+
+    def _expect(self, data: Any, kind: type[T], what: str, field: str | None = None) -> T:
+        """``data`` (or its ``field``) when it is a ``kind``; else the engine's reply to ``what``
+        is malformed (:class:`EngineResponseError`)."""
+        value = data if field is None else data.get(field) if isinstance(data, Mapping) else None
+        if not isinstance(value, kind):
+            raise EngineResponseError(f"{self.engine_name} {what} returned {data!r:.200}")
+        return value
 
     def engines(self) -> tuple[EngineRow, ...] | None:
         """One engine: no rows (a pool has one per engine)."""

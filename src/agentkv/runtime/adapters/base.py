@@ -33,7 +33,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar, Unpack
 from urllib.parse import quote
 
@@ -178,37 +178,6 @@ class Calibration:
         return min(max(self.chars / self.tokens, 1.0), 16.0)
 
 
-class _UsageStream:
-    """The chunks of one streamed completion, with the last chunk's ``usage`` turned into the
-    ``timings`` block the runtime reads (see :meth:`Usage.timings`)."""
-
-    def __init__(self, client: OpenAIEngineClient, chunks: ChunkStream, chars: int) -> None:
-        self._client = client
-        self._chunks = chunks
-        self._chars = chars
-        self._first: float | None = None
-
-    def __aiter__(self) -> _UsageStream:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        try:
-            chunk = await self._chunks.__anext__()
-        except EngineError as exc:
-            raise self._client.renamed(exc) from exc.__cause__
-        now = time.monotonic()
-        if self._first is None and chunk.get("choices"):
-            self._first = now
-        usage = self._client.read_usage(chunk)
-        if usage is not None:
-            # The usage is the engine's documented report; a ``timings`` block of its own
-            # (llama-server sends one too) is not part of the contract and is replaced.
-            decode = None if self._first is None else now - self._first
-            chunk = {**chunk, "timings": usage.timings(decode)}
-            self._client.calibration.observe(self._chars, usage.prompt_tokens)
-        return chunk
-
-
 class OpenAIEngineClient(LinkedEngine):
     """Any OpenAI-compatible engine that places requests itself; no hints.
 
@@ -282,12 +251,6 @@ class OpenAIEngineClient(LinkedEngine):
                 flag,
             )
         return Usage(prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached)
-
-    # -- errors in the engine's name ----------------------------------------------------------
-
-    def renamed(self, error: EngineError) -> EngineError:
-        """``error`` with this engine's name where the client's error map says llama-server."""
-        return in_name_of(error, self.engine_name)
 
     # -- the engine's model -------------------------------------------------------------------
 
@@ -378,9 +341,7 @@ class OpenAIEngineClient(LinkedEngine):
         """A non-streamed chat completion (``slot`` is ignored: the engine places it); the JSON
         reply, with its ``usage`` also as ``timings``."""
         response = await self._open(body, hints, stream=False)
-        data = parse_json(response.text, "chat completion")
-        if not isinstance(data, dict):
-            raise EngineResponseError(f"{self.engine_name} chat completion returned {data!r:.200}")
+        data = self._expect(parse_json(response.text, "chat completion"), dict, "chat completion")
         usage = self.read_usage(data)
         if usage is not None:
             data["timings"] = usage.timings(None)
@@ -395,8 +356,34 @@ class OpenAIEngineClient(LinkedEngine):
         also as ``timings``. Leaving the block closes the response, which stops the engine
         generating."""
         response = await self._open(body, hints, stream=True)
-        async with self._transport.streaming(response, "chat completion") as chunks:
-            yield _UsageStream(self, chunks, len(_estimate_text(body)))
+        async with (
+            self._transport.streaming(response, "chat completion") as chunks,
+            contextlib.aclosing(self._with_usage(chunks, len(_estimate_text(body)))) as usage,
+        ):
+            yield usage
+
+    async def _with_usage(
+        self, chunks: ChunkStream, chars: int
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The chunks of one streamed completion, with the last chunk's ``usage`` turned into the
+        ``timings`` block the runtime reads (see :meth:`Usage.timings`); an error names this
+        engine where the stream's says llama-server."""
+        first: float | None = None
+        try:
+            async for chunk in chunks:
+                now = time.monotonic()
+                if first is None and chunk.get("choices"):
+                    first = now
+                usage = self.read_usage(chunk)
+                if usage is not None:
+                    # The usage is the engine's documented report; a ``timings`` block of its own
+                    # (llama-server sends one too) is not part of the contract and is replaced.
+                    decode = None if first is None else now - first
+                    chunk = {**chunk, "timings": usage.timings(decode)}
+                    self.calibration.observe(chars, usage.prompt_tokens)
+                yield chunk
+        except EngineError as exc:
+            raise in_name_of(exc, self.engine_name) from exc.__cause__
 
     # -- prompt accounting --------------------------------------------------------------------
 

@@ -86,10 +86,7 @@ class VLLMClient(OpenAIEngineClient):
             self.tokenizes = False
             log.warning("vLLM has no /tokenize (%s); prompt sizes are estimated", exc.message)
             return None
-        tokens = data.get("tokens") if isinstance(data, Mapping) else None
-        if not isinstance(tokens, list):
-            raise EngineResponseError(f"vLLM /tokenize returned {data!r:.200}")
-        return [int(t) for t in tokens]
+        return [int(t) for t in self._expect(data, list, "/tokenize", "tokens")]
 
     async def prompt_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """The prompt's tokens as vLLM's chat template and tokenizer make them."""
