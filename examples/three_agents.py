@@ -16,7 +16,7 @@ import anyio
 
 from agentkv.runtime.assemble import EngineSettings, assemble
 from agentkv.runtime.lifecycle import Runtime
-from agentkv.runtime.record import RequestRecord
+from agentkv.runtime.record import RequestRecord, request_line
 
 SYSTEM = (
     "You are one agent in a team of coding agents working on a web shop (Python back end, React "
@@ -60,6 +60,8 @@ async def main(
             for name in AGENTS:
                 tg.start_soon(agent, runtime, name, echo)
         snapshot = runtime.snapshot()
+    for record in runtime.records():  # the line the runtime logs as each request ends
+        echo(request_line(record))
     echo(f"slots: {[(s.slot, s.agent, s.tokens) for s in snapshot.slots]}")
     return runtime.records()
 
