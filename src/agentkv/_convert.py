@@ -252,13 +252,6 @@ def _leaves(exc: BaseException, path: str) -> Iterator[tuple[str, BaseException]
         yield path, exc
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, KeyError):
-        return "field required"
-    # Ours (FieldError) and cattrs' own messages (e.g. a value outside a Literal) read as they are.
-    return str(exc) or type(exc).__name__
-
-
 def structure(data: Mapping[str, Any], cls: type[T]) -> T:
     """Structure client JSON into ``cls``; a bad known field raises ``InvalidRequestError``.
 
@@ -270,4 +263,7 @@ def structure(data: Mapping[str, Any], cls: type[T]) -> T:
         return converter.structure(dict(data), cls)
     except (cattrs.BaseValidationError, FieldError) as exc:
         path, leaf = next(_leaves(exc, ""), ("", exc))
-        raise InvalidRequestError(_describe(leaf), path or None) from exc
+        # Ours (FieldError) and cattrs' own messages (e.g. a value outside a Literal) read as they
+        # are; a missing key is "field required".
+        message = "field required" if isinstance(leaf, KeyError) else str(leaf)
+        raise InvalidRequestError(message or type(leaf).__name__, path or None) from exc
