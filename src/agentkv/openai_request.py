@@ -279,20 +279,25 @@ def function_tool(function: Function, name: str) -> dict[str, Any]:
 
 
 def declare_tools(
-    declared: Iterable[tuple[dict[str, Any], ToolOrigin, str]], limits: RequestLimits
+    declared: Sequence[T],
+    expand: Callable[[T, str], Iterable[tuple[dict[str, Any], ToolOrigin, str]]],
+    limits: RequestLimits,
 ) -> tuple[list[dict[str, Any]], dict[str, ToolOrigin], dict[str, str]]:
-    """The Messages tools, each ``(tool, origin, path)`` declared once: its name must be new, and
-    an error in it names ``path``. Returns the tools, their origins by name, and their sources."""
+    """The Messages tools: ``expand`` gives each entry of the body's ``tools`` (at its path) as
+    ``(tool, origin, path)``, each declared once: its name must be new, and an error in it names
+    ``path``. Returns the tools, their origins by name, and their sources."""
+    check_count(declared, limits.max_tools, "tools", "tools")
     tools: list[dict[str, Any]] = []
     origins: dict[str, ToolOrigin] = {}
     sources: dict[str, str] = {}
-    for tool, origin, path in declared:
-        name = tool["name"]
-        if name in origins:
-            raise InvalidRequestError(f"declares the tool {shown(name)} a second time", path)
-        sources[f"tools[{len(tools)}]"] = path
-        tools.append(tool)
-        origins[name] = origin
+    for i, entry in enumerate(declared):
+        for tool, origin, path in expand(entry, f"tools[{i}]"):
+            name = tool["name"]
+            if name in origins:
+                raise InvalidRequestError(f"declares the tool {shown(name)} a second time", path)
+            sources[f"tools[{len(tools)}]"] = path
+            tools.append(tool)
+            origins[name] = origin
     check_count(tools, limits.max_tools, "tools", "tools")
     return tools, origins, sources
 
