@@ -41,7 +41,6 @@ from agentkv.openai_request import (
     content_blocks,
     declare_tools,
     function_tool,
-    messages_body,
     read_conversation,
     refuse,
     register_choice,
@@ -205,9 +204,7 @@ def chat_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIReques
         what="message",
         limit=limits.max_messages,
     )
-    out = messages_body(
-        conversation, request, model=model, max_tokens=max_tokens, tools=tools, choice=choice
-    )
+    out = conversation.body(request, model=model, max_tokens=max_tokens, tools=tools, choice=choice)
     if request.stop is not None and any(request.stop):
         out["stop_sequences"] = [s for s in request.stop if s]
     if request.top_k is not None:

@@ -379,18 +379,45 @@ class Conversation:
             self.sources[f"{where}.content[{len(content)}]"] = path
             content.append(block)
 
-    def body(self, model: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    def body(
+        self,
+        request: OpenAIBody,
+        *,
+        model: str,
+        max_tokens: int | None,
+        tools: list[dict[str, Any]],
+        choice: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The Messages body: the conversation, its tools, and the sampling the OpenAI body sets."""
         out: dict[str, Any] = {
             "model": model,
-            "max_tokens": max_tokens,
+            "max_tokens": max_tokens or DEFAULT_MAX_TOKENS,
             "messages": self.messages,
-            "stream": stream,
+            "stream": request.stream or False,
         }
         text = TEXT_JOIN.join(t for t in self.system if t)
         if text:
             out["system"] = text
             if len(self.system_sources) == 1:
                 self.sources["system"] = self.system_sources[0]
+        if tools:
+            out["tools"] = tools
+            choice = choice or {"type": "auto"}
+            parallel = request.parallel_tool_calls
+            if parallel is not None and choice["type"] != "none":
+                choice = {**choice, "disable_parallel_tool_use": not parallel}
+            out["tool_choice"] = choice
+        elif choice is not None and choice["type"] != "none":
+            raise InvalidRequestError("names a tool, but no tools are declared", "tool_choice")
+        # ``temperature`` (0–2, as OpenAI allows) and ``top_p`` (0–1), passed to the engine.
+        for name, value, high in (
+            ("temperature", request.temperature, 2.0),
+            ("top_p", request.top_p, 1.0),
+        ):
+            if value is not None:
+                if not 0 <= value <= high:
+                    raise InvalidRequestError(f"expected a number from 0 to {high:g}", name)
+                out[name] = value
         return out
 
 
@@ -414,38 +441,6 @@ def read_conversation(
     if not conversation.messages:
         raise InvalidRequestError(f"holds no user, assistant or tool {what}", path)
     return conversation
-
-
-def messages_body(
-    conversation: Conversation,
-    request: OpenAIBody,
-    *,
-    model: str,
-    max_tokens: int | None,
-    tools: list[dict[str, Any]],
-    choice: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """The Messages body: the conversation, its tools, and the sampling the OpenAI body sets."""
-    out = conversation.body(model, max_tokens or DEFAULT_MAX_TOKENS, request.stream or False)
-    if tools:
-        out["tools"] = tools
-        choice = choice or {"type": "auto"}
-        parallel = request.parallel_tool_calls
-        if parallel is not None and choice["type"] != "none":
-            choice = {**choice, "disable_parallel_tool_use": not parallel}
-        out["tool_choice"] = choice
-    elif choice is not None and choice["type"] != "none":
-        raise InvalidRequestError("names a tool, but no tools are declared", "tool_choice")
-    # ``temperature`` (0–2, as OpenAI allows) and ``top_p`` (0–1), passed to the engine.
-    for name, value, high in (
-        ("temperature", request.temperature, 2.0),
-        ("top_p", request.top_p, 1.0),
-    ):
-        if value is not None:
-            if not 0 <= value <= high:
-                raise InvalidRequestError(f"expected a number from 0 to {high:g}", name)
-            out[name] = value
-    return out
 
 
 def engine_tool(name: str, namespace: str | None) -> str:

@@ -44,7 +44,6 @@ from agentkv.openai_request import (
     declare_tools,
     engine_tool,
     function_tool,
-    messages_body,
     read_conversation,
     refuse,
     register_choice,
@@ -250,9 +249,7 @@ def responses_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIR
         items, _responses_item, path="input", what="item", limit=limit, conversation=conversation
     )
     max_tokens = request.max_output_tokens
-    out = messages_body(
-        conversation, request, model=model, max_tokens=max_tokens, tools=tools, choice=choice
-    )
+    out = conversation.body(request, model=model, max_tokens=max_tokens, tools=tools, choice=choice)
     sources = {**conversation.sources, **tool_sources, "max_tokens": "max_output_tokens"}
     parallel = request.parallel_tool_calls
     echo = {
