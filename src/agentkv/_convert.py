@@ -10,6 +10,7 @@ would otherwise turn ``1`` into ``"1"``) but ignores unknown keys, because the A
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
@@ -103,7 +104,9 @@ def register_tagged(
     }
     by_tag |= nested or {}
     tags = tuple(by_tag)
-    hooks: dict[type[Any], Hook] = {}
+    # The class's own attrs hook, so that a hook registered on the class itself (a one-class
+    # union) can dispatch here without calling itself.
+    own = functools.cache(lambda cls: _attrs_factory(cls, converter))
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, dict):
@@ -116,11 +119,7 @@ def register_tagged(
             raise FieldError((unknown or _unknown_type)(tag, tags), key)
         if not attrs.has(cls):
             return converter.structure(value, cls)
-        # The class's own attrs hook, so that a hook registered on the class itself (a one-class
-        # union) can dispatch here without calling itself.
-        if cls not in hooks:
-            hooks[cls] = _attrs_factory(cls, converter)
-        return hooks[cls](value, cls)
+        return own(cls)(value, cls)
 
     converter.register_structure_hook(tp, hook)
     return hook
