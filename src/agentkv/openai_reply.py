@@ -86,6 +86,7 @@ class EventWalk:
     _stop_reason: str | None = attrs.field(default=None, init=False)
     _usage: Usage = attrs.field(factory=Usage, init=False)
     _ended: bool = attrs.field(default=False, init=False)
+    _started: bool = attrs.field(default=False, init=False)
 
     def feed(self, events: Iterable[ReplyEvent]) -> list[dict[str, Any]]:
         """What these reply events become, in order."""
@@ -93,6 +94,7 @@ class EventWalk:
         for event in events:
             if isinstance(event, Started):
                 if not self._started:
+                    self._started = True
                     self._start(event.message_id, out)
             elif not self._started or self._ended:
                 continue
@@ -106,10 +108,6 @@ class EventWalk:
                 self._stop_reason, self._usage = event.stop_reason, event.usage
                 self._finish(out)
         return out
-
-    @property
-    def _started(self) -> bool:
-        raise NotImplementedError
 
     def _start(self, message_id: str, out: list[dict[str, Any]]) -> None:
         raise NotImplementedError
