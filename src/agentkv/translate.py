@@ -355,12 +355,12 @@ def _lay_out(request: MessagesRequest, layout: bool) -> tuple[list[tuple[str, st
             if text:
                 notes.append((f"message {j} (system)", text))
             j += 1
-        reminders = [(label, b) for label, b in numbered if _is_reminder(b)]
-        shared = [(label, _text_of(b)) for label, b in reminders if not _is_project(b)]
+        reminders = [(label, _text_of(b)) for label, b in numbered if _is_reminder(b)]
+        shared = [(label, t) for label, t in reminders if not is_project_reminder(t)]
         own = [
-            (label, project_reminder_layout(_text_of(b)) or _text_of(b))
-            for label, b in reminders
-            if _is_project(b)
+            (label, project_reminder_layout(t) or t)
+            for label, t in reminders
+            if is_project_reminder(t)
         ]
         session, project = facts_blocks(facts)
         context = [*notes, *shared]
@@ -401,10 +401,6 @@ def first_difference(
 
 def _is_reminder(block: ContentBlock) -> bool:
     return isinstance(block, TextBlock) and block.text.lstrip().startswith(REMINDER_PREFIX)
-
-
-def _is_project(block: ContentBlock) -> bool:
-    return isinstance(block, TextBlock) and is_project_reminder(block.text)
 
 
 def _text_of(block: ContentBlock) -> str:
