@@ -268,14 +268,11 @@ def check_text_format(fmt: TextFormat | None, path: str) -> None:
 
 def function_tool(function: Function, name: str) -> dict[str, Any]:
     """A function tool as a Messages tool named ``name`` for the engine."""
-    tool: dict[str, Any] = {"name": name}
-    if function.description is not None:
-        tool["description"] = function.description
-    parameters = function.parameters
-    tool["input_schema"] = (
-        parameters if parameters is not None else {"type": "object", "properties": {}}
-    )
-    return tool
+    described = {} if function.description is None else {"description": function.description}
+    schema = function.parameters
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    return {"name": name, **described, "input_schema": schema}
 
 
 def declare_tools(

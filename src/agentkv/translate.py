@@ -393,10 +393,8 @@ def first_difference(
     mine: tuple[tuple[str, str], ...], theirs: tuple[tuple[str, str], ...]
 ) -> str | None:
     """The label of the first section where two prompts differ; None if one contains the other."""
-    for (label, digest), (_, other) in zip(mine, theirs, strict=False):
-        if digest != other:
-            return label
-    return None
+    pairs = zip(mine, theirs, strict=False)
+    return next((label for (label, digest), (_, other) in pairs if digest != other), None)
 
 
 def _is_reminder(block: ContentBlock) -> bool:
@@ -535,10 +533,8 @@ def _image(block: ImageBlock) -> dict[str, Any]:
 
 
 def _tool(tool: Tool) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.name}
-    if tool.description:
-        function["description"] = tool.description
-    function["parameters"] = tool.input_schema or _ANY_SCHEMA
+    described = {"description": tool.description} if tool.description else {}
+    function = {"name": tool.name, **described, "parameters": tool.input_schema or _ANY_SCHEMA}
     return {"type": "function", "function": function}
 
 
