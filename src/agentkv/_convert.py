@@ -10,6 +10,7 @@ would otherwise turn ``1`` into ``"1"``) but ignores unknown keys, because the A
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any, Literal, NewType, TypeVar, Union, get_args, get_origin
@@ -103,7 +104,9 @@ def register_tagged(
     }
     by_tag |= nested or {}
     tags = tuple(by_tag)
-    hooks: dict[type[Any], Hook] = {}
+    # The class's own attrs hook, so that a hook registered on the class itself (a one-class
+    # union) can dispatch here without calling itself.
+    own = functools.cache(lambda cls: _attrs_factory(cls, converter))
 
     def hook(value: Any, _: Any) -> Any:
         if not isinstance(value, dict):
@@ -116,11 +119,7 @@ def register_tagged(
             raise FieldError((unknown or _unknown_type)(tag, tags), key)
         if not attrs.has(cls):
             return converter.structure(value, cls)
-        # The class's own attrs hook, so that a hook registered on the class itself (a one-class
-        # union) can dispatch here without calling itself.
-        if cls not in hooks:
-            hooks[cls] = _attrs_factory(cls, converter)
-        return hooks[cls](value, cls)
+        return own(cls)(value, cls)
 
     converter.register_structure_hook(tp, hook)
     return hook
@@ -252,13 +251,6 @@ def _leaves(exc: BaseException, path: str) -> Iterator[tuple[str, BaseException]
         yield path, exc
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, KeyError):
-        return "field required"
-    # Ours (FieldError) and cattrs' own messages (e.g. a value outside a Literal) read as they are.
-    return str(exc) or type(exc).__name__
-
-
 def structure(data: Mapping[str, Any], cls: type[T]) -> T:
     """Structure client JSON into ``cls``; a bad known field raises ``InvalidRequestError``.
 
@@ -270,4 +262,7 @@ def structure(data: Mapping[str, Any], cls: type[T]) -> T:
         return converter.structure(dict(data), cls)
     except (cattrs.BaseValidationError, FieldError) as exc:
         path, leaf = next(_leaves(exc, ""), ("", exc))
-        raise InvalidRequestError(_describe(leaf), path or None) from exc
+        # Ours (FieldError) and cattrs' own messages (e.g. a value outside a Literal) read as they
+        # are; a missing key is "field required".
+        message = "field required" if isinstance(leaf, KeyError) else str(leaf)
+        raise InvalidRequestError(message or type(leaf).__name__, path or None) from exc

@@ -101,10 +101,6 @@ class ChatAssembler(EventWalk):
 
     # -- the walk --------------------------------------------------------------------------------
 
-    @property
-    def _started(self) -> bool:
-        return bool(self._id)
-
     def _start(self, message_id: str, out: list[dict[str, Any]]) -> None:
         source = message_id or digest(self.created)
         self._id = "chatcmpl-" + source.removeprefix("msg_")

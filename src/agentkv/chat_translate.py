@@ -6,7 +6,7 @@ grows by appending; only tool results merge into one user turn. Pure: no I/O, no
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Final, Literal, NewType, TypeAlias
 
 import attrs
@@ -22,7 +22,7 @@ from agentkv._convert import (
     structure,
 )
 from agentkv.exceptions import InvalidRequestError
-from agentkv.limits import RequestLimits, check_count
+from agentkv.limits import RequestLimits
 from agentkv.openai_request import (
     Arguments,
     Conversation,
@@ -41,7 +41,6 @@ from agentkv.openai_request import (
     content_blocks,
     declare_tools,
     function_tool,
-    messages_body,
     read_conversation,
     refuse,
     register_choice,
@@ -194,7 +193,7 @@ def chat_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIReques
     check_text_format(request.response_format, "response_format")
     if request.modalities is not None and request.modalities != ["text"]:
         raise InvalidRequestError('only ["text"] is supported', "modalities")
-    tools, origins, _ = declare_tools(_chat_tools(request.tools or [], limits), limits)
+    tools, origins, _ = declare_tools(request.tools or [], _chat_tool, limits)
     choice = _chat_tool_choice(request.tool_choice, origins)
     max_tokens = request.max_completion_tokens or request.max_tokens
     max_tokens_from = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
@@ -205,9 +204,7 @@ def chat_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIReques
         what="message",
         limit=limits.max_messages,
     )
-    out = messages_body(
-        conversation, request, model=model, max_tokens=max_tokens, tools=tools, choice=choice
-    )
+    out = conversation.body(request, model=model, max_tokens=max_tokens, tools=tools, choice=choice)
     if request.stop is not None and any(request.stop):
         out["stop_sequences"] = [s for s in request.stop if s]
     if request.top_k is not None:
@@ -244,13 +241,9 @@ _CHAT_REFUSED: Final = {
 # -- tools -----------------------------------------------------------------------------------------
 
 
-def _chat_tools(
-    declared: list[ChatTool], limits: RequestLimits
-) -> Iterator[tuple[dict[str, Any], ToolOrigin, str]]:
-    check_count(declared, limits.max_tools, "tools", "tools")
-    for i, entry in enumerate(declared):
-        name = entry.function.name
-        yield function_tool(entry.function, name), ToolOrigin(name), f"tools[{i}]"
+def _chat_tool(entry: ChatTool, path: str) -> list[tuple[dict[str, Any], ToolOrigin, str]]:
+    name = entry.function.name
+    return [(function_tool(entry.function, name), ToolOrigin(name), path)]
 
 
 def _chat_tool_choice(

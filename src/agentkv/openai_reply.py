@@ -1,5 +1,5 @@
-"""What the Responses stream and the Chat Completions chunks share: the error body, the framing,
-ids and usage, and the walk over a reply's events (:mod:`agentkv.reply`). Pure.
+"""What the Responses stream and the Chat Completions chunks share: the error body, ids, and the
+walk over a reply's events (:mod:`agentkv.reply`). Pure.
 """
 
 from __future__ import annotations
@@ -16,19 +16,7 @@ from agentkv.exceptions import AgentKVError, InvalidRequestError, PromptTooLongE
 from agentkv.openai_request import CUSTOM_INPUT, OpenAIRequest, ToolOrigin
 from agentkv.reply import BlockClosed, BlockOpened, Delta, ReplyEvent, Started, Usage
 
-__all__ = [
-    "CHAT_DONE",
-    "CHAT_KEEPALIVE",
-    "EventWalk",
-    "encode_chat_chunk",
-    "encode_response_event",
-    "openai_error",
-]
-
-#: The line that ends a Chat Completions stream.
-CHAT_DONE: Final = b"data: [DONE]\n\n"
-#: A comment line: OpenAI clients skip it, and it keeps the connection from looking idle.
-CHAT_KEEPALIVE: Final = b": keep-alive\n\n"
+__all__ = ["EventWalk", "openai_error"]
 
 # error.type of an AgentKVError -> (OpenAI error type, code). Codex reads the code:
 # context_length_exceeded means "compact", server_is_overloaded means "retry later".
@@ -60,25 +48,6 @@ def openai_error(exc: AgentKVError, param: str | None = None) -> dict[str, Any]:
     if exc.retry_after is not None:
         message += f" Please try again in {max(1, math.ceil(exc.retry_after))}s."
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-# Characters that JSON leaves as they are but that line splitters modelled on str.splitlines()
-# (httpx's iter_lines among them) take for line ends, which would cut an SSE data line in two.
-_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
-
-
-def _json(value: Mapping[str, Any]) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).translate(_LINE_ENDS)
-
-
-def encode_response_event(event: Mapping[str, Any]) -> bytes:
-    """One Responses SSE frame: ``event: <type>\\ndata: <json>\\n\\n``."""
-    return f"event: {event['type']}\ndata: {_json(event)}\n\n".encode()
-
-
-def encode_chat_chunk(chunk: Mapping[str, Any]) -> bytes:
-    """One Chat Completions SSE frame: ``data: <json>\\n\\n``."""
-    return f"data: {_json(chunk)}\n\n".encode()
 
 
 def digest(*parts: object) -> str:
@@ -117,6 +86,7 @@ class EventWalk:
     _stop_reason: str | None = attrs.field(default=None, init=False)
     _usage: Usage = attrs.field(factory=Usage, init=False)
     _ended: bool = attrs.field(default=False, init=False)
+    _started: bool = attrs.field(default=False, init=False)
 
     def feed(self, events: Iterable[ReplyEvent]) -> list[dict[str, Any]]:
         """What these reply events become, in order."""
@@ -124,6 +94,7 @@ class EventWalk:
         for event in events:
             if isinstance(event, Started):
                 if not self._started:
+                    self._started = True
                     self._start(event.message_id, out)
             elif not self._started or self._ended:
                 continue
@@ -137,10 +108,6 @@ class EventWalk:
                 self._stop_reason, self._usage = event.stop_reason, event.usage
                 self._finish(out)
         return out
-
-    @property
-    def _started(self) -> bool:
-        raise NotImplementedError
 
     def _start(self, message_id: str, out: list[dict[str, Any]]) -> None:
         raise NotImplementedError

@@ -268,31 +268,33 @@ def check_text_format(fmt: TextFormat | None, path: str) -> None:
 
 def function_tool(function: Function, name: str) -> dict[str, Any]:
     """A function tool as a Messages tool named ``name`` for the engine."""
-    tool: dict[str, Any] = {"name": name}
-    if function.description is not None:
-        tool["description"] = function.description
-    parameters = function.parameters
-    tool["input_schema"] = (
-        parameters if parameters is not None else {"type": "object", "properties": {}}
-    )
-    return tool
+    described = {} if function.description is None else {"description": function.description}
+    schema = function.parameters
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    return {"name": name, **described, "input_schema": schema}
 
 
 def declare_tools(
-    declared: Iterable[tuple[dict[str, Any], ToolOrigin, str]], limits: RequestLimits
+    declared: Sequence[T],
+    expand: Callable[[T, str], Iterable[tuple[dict[str, Any], ToolOrigin, str]]],
+    limits: RequestLimits,
 ) -> tuple[list[dict[str, Any]], dict[str, ToolOrigin], dict[str, str]]:
-    """The Messages tools, each ``(tool, origin, path)`` declared once: its name must be new, and
-    an error in it names ``path``. Returns the tools, their origins by name, and their sources."""
+    """The Messages tools: ``expand`` gives each entry of the body's ``tools`` (at its path) as
+    ``(tool, origin, path)``, each declared once: its name must be new, and an error in it names
+    ``path``. Returns the tools, their origins by name, and their sources."""
+    check_count(declared, limits.max_tools, "tools", "tools")
     tools: list[dict[str, Any]] = []
     origins: dict[str, ToolOrigin] = {}
     sources: dict[str, str] = {}
-    for tool, origin, path in declared:
-        name = tool["name"]
-        if name in origins:
-            raise InvalidRequestError(f"declares the tool {shown(name)} a second time", path)
-        sources[f"tools[{len(tools)}]"] = path
-        tools.append(tool)
-        origins[name] = origin
+    for i, entry in enumerate(declared):
+        for tool, origin, path in expand(entry, f"tools[{i}]"):
+            name = tool["name"]
+            if name in origins:
+                raise InvalidRequestError(f"declares the tool {shown(name)} a second time", path)
+            sources[f"tools[{len(tools)}]"] = path
+            tools.append(tool)
+            origins[name] = origin
     check_count(tools, limits.max_tools, "tools", "tools")
     return tools, origins, sources
 
@@ -374,18 +376,45 @@ class Conversation:
             self.sources[f"{where}.content[{len(content)}]"] = path
             content.append(block)
 
-    def body(self, model: str, max_tokens: int, stream: bool) -> dict[str, Any]:
+    def body(
+        self,
+        request: OpenAIBody,
+        *,
+        model: str,
+        max_tokens: int | None,
+        tools: list[dict[str, Any]],
+        choice: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The Messages body: the conversation, its tools, and the sampling the OpenAI body sets."""
         out: dict[str, Any] = {
             "model": model,
-            "max_tokens": max_tokens,
+            "max_tokens": max_tokens or DEFAULT_MAX_TOKENS,
             "messages": self.messages,
-            "stream": stream,
+            "stream": request.stream or False,
         }
         text = TEXT_JOIN.join(t for t in self.system if t)
         if text:
             out["system"] = text
             if len(self.system_sources) == 1:
                 self.sources["system"] = self.system_sources[0]
+        if tools:
+            out["tools"] = tools
+            choice = choice or {"type": "auto"}
+            parallel = request.parallel_tool_calls
+            if parallel is not None and choice["type"] != "none":
+                choice = {**choice, "disable_parallel_tool_use": not parallel}
+            out["tool_choice"] = choice
+        elif choice is not None and choice["type"] != "none":
+            raise InvalidRequestError("names a tool, but no tools are declared", "tool_choice")
+        # ``temperature`` (0–2, as OpenAI allows) and ``top_p`` (0–1), passed to the engine.
+        for name, value, high in (
+            ("temperature", request.temperature, 2.0),
+            ("top_p", request.top_p, 1.0),
+        ):
+            if value is not None:
+                if not 0 <= value <= high:
+                    raise InvalidRequestError(f"expected a number from 0 to {high:g}", name)
+                out[name] = value
         return out
 
 
@@ -409,38 +438,6 @@ def read_conversation(
     if not conversation.messages:
         raise InvalidRequestError(f"holds no user, assistant or tool {what}", path)
     return conversation
-
-
-def messages_body(
-    conversation: Conversation,
-    request: OpenAIBody,
-    *,
-    model: str,
-    max_tokens: int | None,
-    tools: list[dict[str, Any]],
-    choice: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """The Messages body: the conversation, its tools, and the sampling the OpenAI body sets."""
-    out = conversation.body(model, max_tokens or DEFAULT_MAX_TOKENS, request.stream or False)
-    if tools:
-        out["tools"] = tools
-        choice = choice or {"type": "auto"}
-        parallel = request.parallel_tool_calls
-        if parallel is not None and choice["type"] != "none":
-            choice = {**choice, "disable_parallel_tool_use": not parallel}
-        out["tool_choice"] = choice
-    elif choice is not None and choice["type"] != "none":
-        raise InvalidRequestError("names a tool, but no tools are declared", "tool_choice")
-    # ``temperature`` (0–2, as OpenAI allows) and ``top_p`` (0–1), passed to the engine.
-    for name, value, high in (
-        ("temperature", request.temperature, 2.0),
-        ("top_p", request.top_p, 1.0),
-    ):
-        if value is not None:
-            if not 0 <= value <= high:
-                raise InvalidRequestError(f"expected a number from 0 to {high:g}", name)
-            out[name] = value
-    return out
 
 
 def engine_tool(name: str, namespace: str | None) -> str:

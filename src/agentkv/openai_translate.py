@@ -18,11 +18,10 @@ import attrs
 from agentkv.chat_translate import chat_request
 from agentkv.limits import RequestLimits
 from agentkv.openai_request import DEFAULT_MAX_TOKENS, OpenAIRequest, ToolOrigin
-from agentkv.responses_translate import HOSTED_TOOL_TYPES, responses_request
+from agentkv.responses_translate import responses_request
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
-    "HOSTED_TOOL_TYPES",
     "OpenAIRequest",
     "OpenAITranslator",
     "ToolOrigin",

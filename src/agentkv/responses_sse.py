@@ -77,10 +77,6 @@ class ResponsesAssembler(EventWalk):
             raise SSEProtocolError("no response yet: the stream has not started")
         return self._response
 
-    @property
-    def _started(self) -> bool:
-        return self._response is not None
-
     def keep_alive(self) -> list[dict[str, Any]]:
         """A ``response.in_progress`` event: Codex counts only events (not comments) against its
         idle timeout, and this one every client already knows."""
@@ -94,6 +90,7 @@ class ResponsesAssembler(EventWalk):
             return []
         out: list[dict[str, Any]] = []
         if self._response is None:
+            self._started = True
             self._start("", out)
         error = openai_error(exc)["error"]
         self._ended = True

@@ -9,7 +9,7 @@ the tools OpenAI's servers run themselves are left out. Pure: no I/O, no clock.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Annotated, Any, Final, Literal, TypeAlias, get_args
+from typing import Annotated, Any, Final, Literal, TypeAlias
 
 import attrs
 
@@ -44,7 +44,6 @@ from agentkv.openai_request import (
     declare_tools,
     engine_tool,
     function_tool,
-    messages_body,
     read_conversation,
     refuse,
     register_choice,
@@ -55,8 +54,11 @@ from agentkv.openai_request import (
     tool_choice,
 )
 
-__all__ = ["HOSTED_TOOL_TYPES", "responses_request"]
+__all__ = ["responses_request"]
 
+#: Responses tools that OpenAI's servers run themselves (search, files, code, images). A local
+#: engine has none of them, and Codex declares ``web_search`` in every request, so they are left
+#: out of the prompt instead of being refused: the model simply does not see them.
 HostedToolType: TypeAlias = Literal[
     "web_search",
     "web_search_preview",
@@ -66,10 +68,6 @@ HostedToolType: TypeAlias = Literal[
     "code_interpreter",
     "image_generation",
 ]
-#: Responses tools that OpenAI's servers run themselves (search, files, code, images). A local
-#: engine has none of them, and Codex declares ``web_search`` in every request, so they are left
-#: out of the prompt instead of being refused: the model simply does not see them.
-HOSTED_TOOL_TYPES: Final = frozenset(get_args(HostedToolType))
 
 # -- the request's shapes --------------------------------------------------------------------------
 
@@ -239,7 +237,7 @@ def responses_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIR
     if request.text is not None:
         check_text_format(request.text.format, "text.format")
     tools, origins, tool_sources = declare_tools(
-        _responses_tools(request.tools or [], limits), limits
+        request.tools or [], lambda entry, path: _responses_tools(entry, path, limits), limits
     )
     choice = tool_choice(request.tool_choice, origins)
     raw = request.input
@@ -251,9 +249,7 @@ def responses_request(body: Mapping[str, Any], limits: RequestLimits) -> OpenAIR
         items, _responses_item, path="input", what="item", limit=limit, conversation=conversation
     )
     max_tokens = request.max_output_tokens
-    out = messages_body(
-        conversation, request, model=model, max_tokens=max_tokens, tools=tools, choice=choice
-    )
+    out = conversation.body(request, model=model, max_tokens=max_tokens, tools=tools, choice=choice)
     sources = {**conversation.sources, **tool_sources, "max_tokens": "max_output_tokens"}
     parallel = request.parallel_tool_calls
     echo = {
@@ -325,27 +321,23 @@ def _custom_tool(custom: CustomTool, engine_name: str) -> dict[str, Any]:
 
 
 def _responses_tools(
-    declared: list[ResponsesTool], limits: RequestLimits
+    entry: ResponsesTool, path: str, limits: RequestLimits
 ) -> Iterator[tuple[dict[str, Any], ToolOrigin, str]]:
-    check_count(declared, limits.max_tools, "tools", "tools")
-    for i, entry in enumerate(declared):
-        path = f"tools[{i}]"
-        members: list[tuple[FunctionTool | CustomTool, str | None, str]]
-        if isinstance(entry, NamespaceTool):
-            check_count(entry.tools, limits.max_tools, "tools", f"{path}.tools")
-            members = [(sub, entry.name, f"{path}.tools[{j}]") for j, sub in enumerate(entry.tools)]
-        elif isinstance(entry, FunctionTool | CustomTool):
-            members = [(entry, None, path)]
+    members: list[tuple[FunctionTool | CustomTool, str | None, str]]
+    if isinstance(entry, NamespaceTool):
+        check_count(entry.tools, limits.max_tools, "tools", f"{path}.tools")
+        members = [(sub, entry.name, f"{path}.tools[{j}]") for j, sub in enumerate(entry.tools)]
+    elif isinstance(entry, FunctionTool | CustomTool):
+        members = [(entry, None, path)]
+    else:
+        return  # a HostedTool is run by OpenAI's servers (see HostedToolType)
+    for member, space, where in members:
+        name = engine_tool(member.name, space)
+        origin = ToolOrigin(member.name, namespace=space, custom=isinstance(member, CustomTool))
+        if isinstance(member, CustomTool):
+            yield _custom_tool(member, name), origin, where
         else:
-            continue  # a HostedTool is run by OpenAI's servers (see HOSTED_TOOL_TYPES)
-        for member, space, where in members:
-            name = engine_tool(member.name, space)
-            custom = isinstance(member, CustomTool)
-            origin = ToolOrigin(member.name, namespace=space, custom=custom)
-            if isinstance(member, CustomTool):
-                yield _custom_tool(member, name), origin, where
-            else:
-                yield function_tool(member, name), origin, where
+            yield function_tool(member, name), origin, where
 
 
 # -- items -----------------------------------------------------------------------------------------

@@ -355,12 +355,12 @@ def _lay_out(request: MessagesRequest, layout: bool) -> tuple[list[tuple[str, st
             if text:
                 notes.append((f"message {j} (system)", text))
             j += 1
-        reminders = [(label, b) for label, b in numbered if _is_reminder(b)]
-        shared = [(label, _text_of(b)) for label, b in reminders if not _is_project(b)]
+        reminders = [(label, _text_of(b)) for label, b in numbered if _is_reminder(b)]
+        shared = [(label, t) for label, t in reminders if not is_project_reminder(t)]
         own = [
-            (label, project_reminder_layout(_text_of(b)) or _text_of(b))
-            for label, b in reminders
-            if _is_project(b)
+            (label, project_reminder_layout(t) or t)
+            for label, t in reminders
+            if is_project_reminder(t)
         ]
         session, project = facts_blocks(facts)
         context = [*notes, *shared]
@@ -393,18 +393,12 @@ def first_difference(
     mine: tuple[tuple[str, str], ...], theirs: tuple[tuple[str, str], ...]
 ) -> str | None:
     """The label of the first section where two prompts differ; None if one contains the other."""
-    for (label, digest), (_, other) in zip(mine, theirs, strict=False):
-        if digest != other:
-            return label
-    return None
+    pairs = zip(mine, theirs, strict=False)
+    return next((label for (label, digest), (_, other) in pairs if digest != other), None)
 
 
 def _is_reminder(block: ContentBlock) -> bool:
     return isinstance(block, TextBlock) and block.text.lstrip().startswith(REMINDER_PREFIX)
-
-
-def _is_project(block: ContentBlock) -> bool:
-    return isinstance(block, TextBlock) and is_project_reminder(block.text)
 
 
 def _text_of(block: ContentBlock) -> str:
@@ -507,19 +501,15 @@ def _user(blocks: Sequence[ContentBlock]) -> list[dict[str, Any]]:
         # Thinking and tool_use blocks are left out: only assistants think or call tools, and a
         # client replaying them in a user turn has nothing the model should read as user text.
     if parts:
-        out.append({"role": "user", "content": _content(parts)})
+        # Plain text stays a string: every chat template renders that, while typed parts are only
+        # needed (and only accepted by multimodal builds) when an image is present.
+        text_only = all(p["type"] == "text" for p in parts)
+        content = _TEXT_JOIN.join(p["text"] for p in parts) if text_only else parts
+        out.append({"role": "user", "content": content})
     elif not out:
         # An all-empty user turn still keeps its place, so roles keep alternating.
         out.append({"role": "user", "content": ""})
     return out
-
-
-def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    # Plain text stays a string: every chat template renders that, while typed parts are only
-    # needed (and only accepted by multimodal builds) when an image is present.
-    if all(p["type"] == "text" for p in parts):
-        return _TEXT_JOIN.join(p["text"] for p in parts)
-    return parts
 
 
 def _tool_result(block: ToolResultBlock) -> tuple[str, list[dict[str, Any]]]:
@@ -528,7 +518,7 @@ def _tool_result(block: ToolResultBlock) -> tuple[str, list[dict[str, Any]]]:
     if content is None or isinstance(content, str):
         text = content or ""
     else:
-        text = _TEXT_JOIN.join(b.text for b in content if isinstance(b, TextBlock) and b.text)
+        text = _TEXT_JOIN.join(_texts(content))
         images = [_image(b) for b in content if isinstance(b, ImageBlock)]
     if block.is_error:
         # The model must see that the tool failed, not mistake the message for output.
@@ -537,19 +527,14 @@ def _tool_result(block: ToolResultBlock) -> tuple[str, list[dict[str, Any]]]:
 
 
 def _image(block: ImageBlock) -> dict[str, Any]:
-    source = block.source
-    if isinstance(source, Base64ImageSource):
-        url = f"data:{source.media_type};base64,{source.data}"
-    else:
-        url = source.url
+    s = block.source
+    url = f"data:{s.media_type};base64,{s.data}" if isinstance(s, Base64ImageSource) else s.url
     return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _tool(tool: Tool) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.name}
-    if tool.description:
-        function["description"] = tool.description
-    function["parameters"] = tool.input_schema or _ANY_SCHEMA
+    described = {"description": tool.description} if tool.description else {}
+    function = {"name": tool.name, **described, "parameters": tool.input_schema or _ANY_SCHEMA}
     return {"type": "function", "function": function}
 
 
@@ -560,40 +545,34 @@ def _constrain(
     of ``tools``; a note at the end of ``messages`` says what the JSON means."""
     if forced is not None:
         schema = forced.input_schema or _ANY_SCHEMA
-        note = _forced_note([forced], single=True)
+        head = f"Call the tool `{forced.name}` now. Reply with only its input as a JSON object."
+        tools = [forced]
     else:
-        schema = {"oneOf": [_named_call_schema(tool) for tool in tools]}
-        note = _forced_note(tools, single=False)
-    body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
-    _append_user_note(messages, note)
-
-
-def _named_call_schema(tool: Tool) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {
-            "name": {"const": tool.name},
-            "arguments": tool.input_schema or _ANY_SCHEMA,
-        },
-        "required": ["name", "arguments"],
-    }
-
-
-def _forced_note(tools: Sequence[Tool], *, single: bool) -> str:
-    # With `tools` left out of the body the model no longer sees what the tool is for; this note,
-    # placed at the end where it costs no cached prefix, tells it what the JSON it writes means.
-    lines = []
-    for tool in tools:
-        desc = (tool.description or "").strip().splitlines()
-        lines.append(f"- {tool.name}: {desc[0]}" if desc else f"- {tool.name}")
-    if single:
-        head = f"Call the tool `{tools[0].name}` now. Reply with only its input as a JSON object."
-    else:
+        schema = {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": tool.name},
+                        "arguments": tool.input_schema or _ANY_SCHEMA,
+                    },
+                    "required": ["name", "arguments"],
+                }
+                for tool in tools
+            ]
+        }
         head = (
             "Call one of these tools now. Reply with only a JSON object "
             '{"name": <tool name>, "arguments": <its input>}.'
         )
-    return "<system-reminder>\n" + head + "\n" + "\n".join(lines) + "\n</system-reminder>"
+    body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+    # With `tools` left out of the body the model no longer sees what the tool is for; this note,
+    # placed at the end where it costs no cached prefix, tells it what the JSON it writes means.
+    lines = [REMINDER_PREFIX, head]
+    for tool in tools:
+        desc = (tool.description or "").strip().splitlines()
+        lines.append(f"- {tool.name}: {desc[0]}" if desc else f"- {tool.name}")
+    _append_user_note(messages, "\n".join([*lines, "</system-reminder>"]))
 
 
 def _append_user_note(messages: list[dict[str, Any]], note: str) -> None:
