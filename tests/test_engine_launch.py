@@ -37,6 +37,7 @@ from agentkv.runtime.model import (
     ModelNotFoundError,
     ModelShape,
     assemble_model,
+    default_cache_dir,
     default_model_path,
     kv_bytes_per_element,
     read_model_shape,
@@ -813,3 +814,20 @@ async def test_stood_down_supervisor_does_not_restart(fake: Fake) -> None:
         assert process.returncode == -signal.SIGKILL
         assert len(fake.starts()) == 1
         assert supervisor.status.generation == 1
+
+
+def test_the_cache_dir_needs_no_home_when_it_is_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``$AGENTKV_CACHE_DIR`` is how a container without a home directory sets it: the home
+    directory is then never looked up; otherwise ``$XDG_CACHE_HOME`` comes before it."""
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", no_home)
+    monkeypatch.setenv("AGENTKV_CACHE_DIR", str(tmp_path / "given"))
+    assert default_cache_dir() == tmp_path / "given"
+    monkeypatch.delenv("AGENTKV_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "agentkv"

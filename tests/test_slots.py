@@ -154,8 +154,9 @@ def test_release_records_what_the_slot_holds() -> None:
     placement = manager.place((1, 2, 3), COSTS)
     assert placement is not None
     lease = manager.acquire(placement, 0, agent="a", tokens=(1, 2, 3))
+    assert manager.table()[0].refcount == 1  # the deprecated number for ``held``
     assert manager.release(lease, 1, holds=(1, 2, 3, 4))
-    assert manager.table()[0].tokens == (1, 2, 3, 4)
+    assert manager.table()[0].tokens == (1, 2, 3, 4) and manager.table()[0].refcount == 0
     assert manager.table()[0].agent == "a" and not manager.table()[0].held
     assert not manager.release(lease, 2, holds=())  # a second release changes nothing
     assert manager.table()[0].tokens == (1, 2, 3, 4)

@@ -126,3 +126,8 @@ class SlotView:
     stored: str | None = None
     #: The prompt sections (label, digest) of the request that left ``tokens`` there.
     sections: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def refcount(self) -> int:
+        """Deprecated: :attr:`held` as a number (a slot is only ever held once)."""
+        return int(self.held)

@@ -285,7 +285,7 @@ class StoreIndex:
                 entry_id_ = str(record["id"])
                 tokens = tokens_of.get(entry_id_)
                 # A suspended request does not survive a restart: its client is gone.
-                suspended = record["kind"] == EntryKind.SUSPENDED.value
+                suspended = EntryKind(record["kind"]) is EntryKind.SUSPENDED
                 if tokens is None or suspended or digest(tokens) != record["digest"]:
                     refused.append(entry_id_)
                     continue

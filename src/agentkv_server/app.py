@@ -413,7 +413,11 @@ def create_app(
             # without the API key (a browser cannot send ``x-api-key`` when it loads a page);
             # the page polls /agentkv/slots with the key, which it asks for once and keeps in
             # the tab's sessionStorage. After the /agentkv/… routes, which it would shadow.
-            Mount("/agentkv", StaticFiles(packages=[("agentkv_server", "static")], html=True)),
+            Mount(
+                "/agentkv",
+                StaticFiles(packages=[("agentkv_server", "static")], html=True),
+                name="page",
+            ),
         ],
         lifespan=lifespan,
         middleware=[Middleware(_host_check, config=config)] if config.allowed_hosts else [],

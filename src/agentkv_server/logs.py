@@ -64,7 +64,11 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     _format = fmt
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(handlers=[handler], level=level.upper(), force=True)
+    root = logging.getLogger()
+    for old in list(root.handlers):  # removed, not closed: an embedder may still use its own
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
     debug = level == "debug"
     # One line per engine call: the request line already says what happened.
     logging.getLogger("httpx").setLevel(logging.DEBUG if debug else logging.WARNING)

