@@ -98,6 +98,19 @@ def test_forced_any_tool_snapshot(snapshot_json: SnapshotAssertion) -> None:
     assert summary(translator.translate(body)) == snapshot_json
 
 
+def test_the_retry_note_over_no_callable_tool_keeps_its_blank_listing() -> None:
+    """The one-call retry's note lists the tools with a schema; with none it is the head and an
+    empty listing, byte for byte as before."""
+    body = base(tools=[{"type": "web_search_20250305", "name": "web_search"}])
+    request = translator.translate(body)
+    assert "tools" not in request.body
+    retry = translator.force_any_tool(request, request.body)
+    assert retry["tool_choice"] == "none"
+    assert retry["messages"][-1]["content"].endswith(
+        '"arguments": <its input>}.\n\n</system-reminder>'
+    )
+
+
 # -- the Claude Code request -----------------------------------------------------------------
 
 

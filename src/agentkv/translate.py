@@ -568,11 +568,12 @@ def _constrain(
     body["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
     # With `tools` left out of the body the model no longer sees what the tool is for; this note,
     # placed at the end where it costs no cached prefix, tells it what the JSON it writes means.
-    lines = [REMINDER_PREFIX, head]
+    listing = []
     for tool in tools:
         desc = (tool.description or "").strip().splitlines()
-        lines.append(f"- {tool.name}: {desc[0]}" if desc else f"- {tool.name}")
-    _append_user_note(messages, "\n".join([*lines, "</system-reminder>"]))
+        listing.append(f"- {tool.name}: {desc[0]}" if desc else f"- {tool.name}")
+    note = "\n".join([REMINDER_PREFIX, head, "\n".join(listing), "</system-reminder>"])
+    _append_user_note(messages, note)
 
 
 def _append_user_note(messages: list[dict[str, Any]], note: str) -> None:
