@@ -375,9 +375,12 @@ async def test_background_work_waits_for_every_foreground_request() -> None:
 
     async def run(name: str, priority: int, background: bool) -> None:
         ticket = dispatcher.submit(name, priority, background=background)
-        async with dispatcher.hold(ticket):
+        lease = await dispatcher.wait(ticket)
+        try:
             order.append(name)
             await anyio.sleep(0.05)
+        finally:
+            dispatcher.release(lease, holds=ticket.tokens)
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run, "busy", 1, False)

@@ -26,8 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 import anyio
 import attrs
@@ -301,21 +300,6 @@ class Dispatcher:
         self._slots.release(lease, self.clock(), holds=holds, sections=sections)
         self._end(lease.id)
         self._dispatch()
-
-    @asynccontextmanager
-    async def hold(self, ticket: Ticket) -> AsyncIterator[Lease]:
-        """``async with dispatcher.hold(ticket) as lease``: wait for the lease, always release it.
-
-        A clean exit records the ticket's tokens as the slot's content; a failure leaves the
-        slot's content unknown (empty).
-        """
-        lease = await self.wait(ticket)
-        ok = False
-        try:
-            yield lease
-            ok = True
-        finally:
-            self.release(lease, holds=ticket.tokens if ok else None)
 
     def dispatch_seq(self, lease: Lease) -> int | None:
         """The order in which this lease was handed out (1, 2, …), while it is held."""
