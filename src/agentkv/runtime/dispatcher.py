@@ -486,14 +486,13 @@ class Dispatcher:
     def _plan_checkpoint(self, held: _Held) -> None:
         """Decided at dispatch, so that requests dispatched right after see it and wait."""
         ticket, lease = held.ticket, held.lease
-        head = ticket.head
+        head, store = ticket.head, self.store
         if (
-            self.store is None
+            store is None
             or head is None
             or head - lease.placement.reuse < self.config.split_min
+            or store.covers(ticket.tokens[:head], slack=16) is not None
         ):
-            return
-        if self.store.covers(ticket.tokens[:head], slack=16) is not None:
             return
         checkpoint = Checkpoint(
             id=next(self._ids),
