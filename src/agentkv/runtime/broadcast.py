@@ -45,16 +45,13 @@ class Failed:
 Event = Emitted | KeepAlive | Failed
 
 
-def _start_now(work: Callable[[], Awaitable[None]]) -> bool:
-    return False  # no background: an orphaned log abandons its producer at once
-
-
 @attrs.define(eq=False)
 class Broadcast:
     """The events of one request, replayed to every follower; the only writer is its producer.
 
     ``abandon`` stops the producer; ``spawn`` runs the grace timer in the background, or says
-    False when it cannot (the runtime is stopping): an orphaned log then abandons at once.
+    False when it cannot (the runtime is stopping, or none was given): an orphaned log then
+    abandons at once.
     """
 
     abandon: Callable[[], None]
@@ -62,7 +59,7 @@ class Broadcast:
     grace: float
     #: Seconds of silence after which a follower gets a ``KeepAlive``.
     ping_interval: float
-    spawn: Callable[[Callable[[], Awaitable[None]]], bool] = _start_now
+    spawn: Callable[[Callable[[], Awaitable[None]]], bool] = lambda _: False
     clock: Callable[[], float] = time.monotonic
     _events: list[ReplyEvent] = attrs.field(init=False, factory=list)
     _changed: anyio.Event = attrs.field(init=False, factory=anyio.Event)
