@@ -572,8 +572,7 @@ def _constrain(
     for tool in tools:
         desc = (tool.description or "").strip().splitlines()
         listing.append(f"- {tool.name}: {desc[0]}" if desc else f"- {tool.name}")
-    note = "\n".join([REMINDER_PREFIX, head, "\n".join(listing), "</system-reminder>"])
-    _append_user_note(messages, note)
+    _append_user_note(messages, _wrap_note(head + "\n" + "\n".join(listing)))
 
 
 def _append_user_note(messages: list[dict[str, Any]], note: str) -> None:
