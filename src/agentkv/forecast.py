@@ -333,12 +333,11 @@ class CompactionForecast:
             return None
         messages = _messages(body)
         said = reply_text(reply)
-        retried = asked != self.instruction
+        failed = said is None or not has_summary(said)
         # A retry cut at the token limit failed too, whatever it holds (captured: retry_cut).
-        cut = reply.get("stop_reason") == "max_tokens"
-        if retried and (said is None or not has_summary(said) or cut):
+        if asked != self.instruction and (failed or reply.get("stop_reason") == "max_tokens"):
             said = None if first is None else reply_text(first)
-        elif not retried and (said is None or not has_summary(said)):
+        elif failed:
             return None  # the retry comes first (or, with no text, no summary at all)
         kept = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
         first_texts = _block_texts(messages[0].get("content"))
