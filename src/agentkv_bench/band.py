@@ -83,7 +83,7 @@ async def _conversation(name: str, setup: EngineSetup, spec: BandSpec) -> dict[s
         client = anthropic.AsyncAnthropic(
             base_url=engine.url, api_key="agentkv", default_headers={"x-agent-id": AGENT}
         )
-        async with counting(engine.engine_url, engine.engine_key) as counters:
+        async with counting(engine) as counters:
             started = time.monotonic()
             # the agent's compaction in force after each turn (a fold replaces the one before it)
             seen: list[object] = []

@@ -196,7 +196,7 @@ async def _measure(
             word = WORDS[(first_word + index * spec.sessions + session) % len(WORDS)]
             rows.append(await _session(claude, project, env, word, spec.timeout))
 
-    async with counting(engine.engine_url, engine.engine_key) as counters:
+    async with counting(engine) as counters:
         started = time.monotonic()
         async with anyio.create_task_group() as tg:
             for index in range(spec.agents):

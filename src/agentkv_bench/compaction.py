@@ -98,7 +98,7 @@ async def _session(
     for index, (word, prompt, think) in enumerate(turns(spec)):
         await anyio.sleep(think)
         command = [str(claude), "-p", *(["--continue"] if index else []), prompt]
-        async with counting(engine.engine_url, engine.engine_key) as counters:
+        async with counting(engine) as counters:
             asked = time.monotonic()
             rc, out, err = await run_claude(command, project, env, spec.timeout)
             seconds = time.monotonic() - asked

@@ -193,7 +193,7 @@ async def _one(
     async with start(setup, _START[name], store_dir=store_dir, config=NO_PREEMPTION) as engine:
         timeout = httpx.Timeout(spec.timeout, connect=10.0)
         async with (
-            counting(engine.engine_url, engine.engine_key) as counters,
+            counting(engine) as counters,
             httpx.AsyncClient(timeout=timeout) as http,
         ):
             proxy = FanoutProxy(engine.url, engine.engine_url, engine.engine_key)

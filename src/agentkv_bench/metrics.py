@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import httpx
@@ -21,6 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agentkv import LlamaSlotClient, MessagesTranslator
 from agentkv_bench.workload import Workload, minimum_prefill
+
+if TYPE_CHECKING:
+    from agentkv_bench.engines import Engine
 
 __all__ = [
     "COUNTERS",
@@ -68,14 +71,15 @@ def difference(after: Counters, before: Counters) -> Counters:
 
 
 @contextlib.asynccontextmanager
-async def counting(engine_url: str, api_key: str | None = None) -> AsyncIterator[Counters]:
-    """llama-server's counters over the block: what it yields holds their difference once the
-    block ends."""
+async def counting(engine: Engine) -> AsyncIterator[Counters]:
+    """``engine``'s llama-server counters over the block: what it yields holds their difference
+    once the block ends."""
     counters: Counters = {}
+    url, key = engine.engine_url, engine.engine_key
     async with httpx.AsyncClient() as http:
-        before = await read_counters(http, engine_url, api_key)
+        before = await read_counters(http, url, key)
         yield counters
-        counters.update(difference(await read_counters(http, engine_url, api_key), before))
+        counters.update(difference(await read_counters(http, url, key), before))
 
 
 @attrs.frozen
@@ -100,31 +104,23 @@ class PrefillYardstick:
 
 
 async def token_sequences(
-    engine_url: str,
-    bodies: Iterable[Mapping[str, Any]],
-    *,
-    session_layout: bool = True,
-    api_key: str | None = None,
+    engine: Engine, bodies: Iterable[Mapping[str, Any]], *, session_layout: bool = True
 ) -> list[list[int]]:
-    """Token ids of each request's prompt, as the engine templates and tokenizes it after
-    agentkv's translation. ``session_layout=False`` renders the messages in the order the client
-    sent them, as llama-server's own ``/v1/messages`` does."""
+    """Token ids of each request's prompt, as ``engine``'s llama-server templates and tokenizes
+    it after agentkv's translation. ``session_layout=False`` renders the messages in the order
+    the client sent them, as llama-server's own ``/v1/messages`` does."""
     translator = MessagesTranslator(session_layout=session_layout)
-    async with LlamaSlotClient(engine_url, api_key=api_key) as client:
+    async with LlamaSlotClient(engine.engine_url, api_key=engine.engine_key) as client:
         return [await client.prompt_tokens(translator.translate(body).body) for body in bodies]
 
 
-async def yardsticks(
-    engine_url: str, workloads: Sequence[Workload], *, api_key: str | None = None
-) -> dict[str, PrefillYardstick]:
+async def yardsticks(engine: Engine, workloads: Sequence[Workload]) -> dict[str, PrefillYardstick]:
     """The yardstick of ``workloads`` (all their requests), in both layouts: ``"client"`` (as
     sent; llama-server's own route) and ``"agentkv"`` (agentkv's session layout)."""
     bodies = [body for w in workloads for _, _, body in w.canonical_order()]
     return {
         layout: PrefillYardstick.of(
-            await token_sequences(
-                engine_url, bodies, session_layout=layout == "agentkv", api_key=api_key
-            )
+            await token_sequences(engine, bodies, session_layout=layout == "agentkv")
         )
         for layout in ("client", "agentkv")
     }

@@ -352,9 +352,7 @@ async def _api_minimums(
     out: dict[str, dict[str, int]] = {"client": {}, "agentkv": {}}
     for api in sorted(set(apis.values())):
         agents = tuple(a for a in view.agents if apis[a.name] == api)
-        sticks = await yardsticks(
-            engine.engine_url, [attrs.evolve(view, agents=agents)], api_key=engine.engine_key
-        )
+        sticks = await yardsticks(engine, [attrs.evolve(view, agents=agents)])
         for layout, minimums in out.items():
             minimums[api] = sticks[layout].minimum
     return out
@@ -380,7 +378,7 @@ async def run_mixed(
         store = _store(bench, engine_name, fresh=True, tag="mixed")
         async with start(bench.setup, engine_name, store_dir=store) as engine:
             if not sticks:
-                sticks = await yardsticks(engine.engine_url, [view], api_key=engine.engine_key)
+                sticks = await yardsticks(engine, [view])
                 api_minimum = await _api_minimums(engine, view, apis)
             runtime = engine.runtime
             tickets = None if runtime is None else ticket_log(runtime, _identities(workload), apis)

@@ -81,7 +81,7 @@ async def measure(
     counting llama-server's work."""
     clock = Clock()
     results: list[RequestResult] = []
-    async with counting(engine.engine_url, engine.engine_key) as counters:
+    async with counting(engine) as counters:
         if play is not None:
             results += await play(clock)
         for phase, workload in phases:
@@ -154,8 +154,7 @@ async def run_agents(
         async with start(bench.setup, name, store_dir=_store(bench, name, fresh=True)) as engine:
             if yardstick is None:
                 bodies = [body for _, _, body in workload.canonical_order()]
-                tokens = await token_sequences(engine.engine_url, bodies, api_key=engine.engine_key)
-                yardstick = PrefillYardstick.of(tokens)
+                yardstick = PrefillYardstick.of(await token_sequences(engine, bodies))
             bench.say(f"{name}: running {workload.n_requests} requests")
             run = await measure(engine, [("", workload)])
         extra = {"flags": engine.flags}
@@ -291,7 +290,7 @@ async def run_claude(bench: Bench, spec: ClaudeSpec, configs: Sequence[str]) -> 
         bench.say(f"claude/{name}: starting")
         async with start(bench.setup, name, store_dir=_store(bench, name, fresh=True)) as engine:
             if not sticks:
-                sticks = await yardsticks(engine.engine_url, [workload], api_key=engine.engine_key)
+                sticks = await yardsticks(engine, [workload])
             bench.say(f"claude/{name}: {workload.n_requests} requests from {spec.agents} agents")
             run = await measure(engine, [("", workload)])
         layout = _layout(name)
@@ -391,7 +390,7 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
     assert store is not None
     bench.say("restart: agentkv with a store, first life")
     async with start(bench.setup, "agentkv", store_dir=store) as engine:
-        sticks = await yardsticks(engine.engine_url, [warm], api_key=engine.engine_key)
+        sticks = await yardsticks(engine, [warm])
         newcomer_tokens, own = await _own_tokens(engine, warm, newcomer)
         first = await measure(engine, [("first life", warm)])
     bench.say("restart: agentkv restarted on the same store")
@@ -429,9 +428,8 @@ async def run_restart(bench: Bench, spec: ClaudeSpec) -> dict[str, Any]:
 async def _own_tokens(engine: Engine, warm: Workload, newcomer: Workload) -> tuple[int, int]:
     """The newcomer's prompt tokens, and those of them that no earlier prompt holds (agentkv's
     layout)."""
-    url, key = engine.engine_url, engine.engine_key
-    earlier = await token_sequences(url, [b for _, _, b in warm.canonical_order()], api_key=key)
-    (mine,) = await token_sequences(url, [b for _, _, b in newcomer.canonical_order()], api_key=key)
+    earlier = await token_sequences(engine, [b for _, _, b in warm.canonical_order()])
+    (mine,) = await token_sequences(engine, [b for _, _, b in newcomer.canonical_order()])
     return len(mine), len(mine) - max((shared_prefix_len(mine, e) for e in earlier), default=0)
 
 
@@ -486,9 +484,7 @@ async def run_priority(bench: Bench, spec: PrioritySpec, configs: Sequence[str])
         store = _store(bench, engine_name, fresh=True, tag=name)
         async with start(bench.setup, engine_name, store_dir=store, config=config) as engine:
             if not sticks:
-                sticks = await yardsticks(
-                    engine.engine_url, [warmup, *rounds], api_key=engine.engine_key
-                )
+                sticks = await yardsticks(engine, [warmup, *rounds])
             run = await measure(engine, phases)
         stick = None if alone else sticks[_layout(engine_name)]
         measured = [r for r in run.results if r.phase != "warmup"]

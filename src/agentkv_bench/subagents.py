@@ -34,6 +34,7 @@ from agentkv_bench.drivers import Clients, Clock, RequestResult, one_request, sd
 from agentkv_bench.metrics import PrefillYardstick, token_sequences
 
 if TYPE_CHECKING:
+    from agentkv_bench.engines import Engine
     from agentkv_bench.scenarios import Bench
 
 __all__ = [
@@ -305,13 +306,11 @@ async def play(
     return results
 
 
-async def fan_out_facts(
-    engine_url: str, workload: SubagentsWorkload, *, engine_key: str | None = None
-) -> dict[str, Any]:
+async def fan_out_facts(engine: Engine, workload: SubagentsWorkload) -> dict[str, Any]:
     """Token facts of the workload as the engine tokenizes it: the minimum prefill (agentkv's
     layout), the sub-agents' shared head and the continuation's own new tokens."""
     steps = workload.order()
-    tokens = await token_sequences(engine_url, [step.body for step in steps], api_key=engine_key)
+    tokens = await token_sequences(engine, [step.body for step in steps])
     by_step = dict(zip([step.name for step in steps], tokens, strict=True))
     subs = [by_step[s.name] for s in (*workload.background, workload.foreground)]
     head = min(common_prefix(subs[0], other) for other in subs[1:])
@@ -385,9 +384,7 @@ async def run_subagents(
         config = RuntimeConfig(agent_tree=False) if name == "agentkv-notree" else RuntimeConfig()
         async with start(bench.setup, engine_name, store_dir=store, config=config) as engine:
             if facts is None:
-                facts = await fan_out_facts(
-                    engine.engine_url, workload, engine_key=engine.engine_key
-                )
+                facts = await fan_out_facts(engine, workload)
             only = workload.foreground if name == "alone" else None
             run = await measure(
                 engine, play=functools.partial(play, engine.url, workload, only=only)
