@@ -31,6 +31,7 @@ __all__ = [
     "Clock",
     "RequestResult",
     "StreamEvent",
+    "agent_headers",
     "drive",
     "one_request",
     "open_stream",
@@ -292,14 +293,13 @@ async def one_request(
     return _Reply(submitted, first, clock(), output, error, "".join(text))
 
 
-def _headers(agent: Agent) -> dict[str, str]:
-    if agent.headers:
-        return dict(agent.headers)
+def agent_headers(agent: str, priority: int, api_key: str = "bench") -> dict[str, str]:
+    """The headers of a Messages request from ``agent``, named by agentkv's own ``X-Agent-Id``."""
     return {
-        "x-api-key": "bench",
+        "x-api-key": api_key,
         "anthropic-version": "2023-06-01",
-        "x-agent-id": agent.name,
-        "x-agent-priority": str(agent.priority),
+        "x-agent-id": agent,
+        "x-agent-priority": str(priority),
     }
 
 
@@ -315,7 +315,7 @@ async def drive(
 
         async def run_agent(index: int, agent: Agent) -> None:
             await anyio.sleep(agent.start + STAGGER * index)
-            headers = _headers(agent)
+            headers = dict(agent.headers) or agent_headers(agent.name, agent.priority)
             for turn, body in enumerate(agent.requests):
                 reply = await one_request(clients, body, headers, clock, api=agent.api)
                 session = agent.session_of(turn)

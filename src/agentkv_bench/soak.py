@@ -31,6 +31,7 @@ from httpx_sse import SSEError, aconnect_sse
 
 from agentkv.runtime.engine import free_port
 from agentkv.snapshot import RuntimeSnapshot, structure_snapshot, unstructure
+from agentkv_bench.drivers import agent_headers
 from agentkv_bench.report import fmt, percentile, rounded, write_report
 from agentkv_bench.workload import WORDS
 
@@ -295,12 +296,7 @@ async def send_one(
     """Send one planned request, drop it when the plan says so, give up on it at ``deadline``."""
     url = base_url + "/v1/messages"
     body = planned.body(max_tokens)
-    headers = {
-        "x-api-key": api_key,
-        "anthropic-version": "2023-06-01",
-        "x-agent-id": planned.agent,
-        "x-agent-priority": str(planned.priority),
-    }
+    headers = agent_headers(planned.agent, planned.priority, api_key)
     with anyio.move_on_after(deadline) as limit:
         if planned.stream:
             return await _stream_request(http, url, body, headers, planned.cut_events)
