@@ -97,16 +97,14 @@ def llama_server_args(setup: EngineSetup, name: str) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def raw_llama_server(
-    binary: Path, args: Sequence[str], log_path: Path, *, startup_timeout: float = 300.0
-) -> AsyncIterator[str]:
+async def raw_llama_server(binary: Path, args: Sequence[str], log_path: Path) -> AsyncIterator[str]:
     """llama-server started with exactly ``args`` (plus a free port, no key); yields its URL."""
     process = LlamaServerProcess.with_args(
         args,
         binary=binary,
         log_dir=log_path.parent,
         log_name=log_path.name,
-        startup_timeout=startup_timeout,
+        startup_timeout=300.0,
     )
     async with process:
         yield process.base_url

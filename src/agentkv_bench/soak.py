@@ -346,36 +346,36 @@ def server_command(
     return command
 
 
-def _children(pid: int, proc: Path) -> list[int]:
+def _children(pid: int) -> list[int]:
     found: list[int] = []
-    for children in (proc / str(pid) / "task").glob("*/children"):
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
         with contextlib.suppress(OSError):
             found += [int(child) for child in children.read_text().split()]
     return found
 
 
-def _argv0(pid: int, proc: Path) -> str:
+def _argv0(pid: int) -> str:
     try:
-        raw = (proc / str(pid) / "cmdline").read_bytes()
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return ""
     return raw.split(b"\0", 1)[0].decode(errors="replace")
 
 
-def engine_pids(root: int, *, proc: Path = Path("/proc")) -> list[int]:
+def engine_pids(root: int) -> list[int]:
     """The llama-server processes below ``root``: its descendants whose program is named
     ``llama-server…``."""
     found: list[int] = []
-    queue = _children(root, proc)
+    queue = _children(root)
     seen: set[int] = set()
     while queue:
         pid = queue.pop(0)
         if pid in seen:
             continue
         seen.add(pid)
-        if "llama-server" in Path(_argv0(pid, proc)).name:
+        if "llama-server" in Path(_argv0(pid)).name:
             found.append(pid)
-        queue += _children(pid, proc)
+        queue += _children(pid)
     return found
 
 
