@@ -65,9 +65,7 @@ async def _idle(runtime: Runtime, limit: float) -> float:
     started = time.monotonic()
     with anyio.move_on_after(limit):
         # polled: the runtime offers no event for "nothing left to do"
-        while True:
-            if not runtime.compactor.store.pending(AGENT) and not runtime.running():
-                break
+        while runtime.compactor.store.pending(AGENT) or runtime.running():  # noqa: ASYNC110
             await anyio.sleep(0.2)
     return round(time.monotonic() - started, 2)
 

@@ -200,8 +200,8 @@ def compaction_table(result: dict[str, Any]) -> str:
     rows += [
         ("compactions seen", lambda c: fmt(c["compactions"])),
         ("turns failed", lambda c: fmt(c["failed"])),
-        ("prepared / served / joined", lambda c: _prepared(c)),
-        ("missed", lambda c: _missed(c)),
+        ("prepared / served / joined", _prepared),
+        ("missed", _missed),
     ]
     spec = result["spec"]
     return render_table(configs, rows) + (
@@ -234,5 +234,4 @@ def _missed(config: dict[str, Any]) -> str:
     stats = config.get("prepared")
     if stats is None:
         return "–"
-    missed = {k: v for k, v in stats["missed"].items() if v}
-    return ", ".join(f"{k} {v}" for k, v in missed.items()) or "0"
+    return ", ".join(f"{k} {v}" for k, v in stats["missed"].items() if v) or "0"
