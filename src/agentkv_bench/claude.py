@@ -38,7 +38,7 @@ from agentkv_bench.engines import (
 )
 from agentkv_bench.metrics import counting
 from agentkv_bench.report import fmt, render_table
-from agentkv_bench.scenarios import Bench
+from agentkv_bench.scenarios import Bench, _store
 from agentkv_bench.workload import WORDS
 
 __all__ = ["CLAUDE_BIN_ENV", "CliSpec", "find_claude", "run_real_cli"]
@@ -153,9 +153,8 @@ async def run_real_cli(
     setup: EngineSetup = bench.setup
     reports: list[dict[str, Any]] = []
     started = time.monotonic()
-    store = bench.out / "stores" / "real-cli"
-    if store.exists():
-        shutil.rmtree(store)
+    store = _store(bench, "agentkv", fresh=True, tag="real-cli")
+    assert store is not None
     with scratch("cli") as root:
         project, home = make_project(root)
         for name in configs:

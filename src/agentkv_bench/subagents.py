@@ -368,7 +368,7 @@ async def run_subagents(
     from agentkv.runtime.config import RuntimeConfig
     from agentkv_bench.engines import start
     from agentkv_bench.report import summarize
-    from agentkv_bench.scenarios import _store, _write, measure
+    from agentkv_bench.scenarios import _WALL_PANEL, _store, _write, measure
 
     workload = build_subagents(spec)
     facts: dict[str, Any] | None = None
@@ -425,7 +425,7 @@ async def run_subagents(
         configs=reports,
         targets=targets,
         panels=[
-            ("wall time (s)", lambda c: c["wall_s"]),
+            _WALL_PANEL,
             ("foreground sub-agent TTFT (s)", lambda c: _ttft(c, FOREGROUND) or 0),
             ("continuation TTFT (s)", lambda c: _ttft(c, CONTINUATION) or 0),
         ]
