@@ -99,9 +99,6 @@ class PrefillYardstick:
             requests=len(sequences),
         )
 
-    def as_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
 
 async def token_sequences(
     engine: Engine, bodies: Iterable[Mapping[str, Any]], *, session_layout: bool = True

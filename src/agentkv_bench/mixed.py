@@ -42,7 +42,9 @@ from agentkv_bench.report import (
     target_lines,
 )
 from agentkv_bench.scenarios import (
+    _WALL_PANEL,
     Bench,
+    _as_dicts,
     _first_answer,
     _hits,
     _slowest_first,
@@ -411,12 +413,12 @@ async def run_mixed(
         spec,
         began,
         mixed_table,
-        yardsticks={k: v.as_dict() for k, v in sticks.items()},
+        yardsticks=_as_dicts(sticks),
         api_minimum=api_minimum,
         configs=reports,
         targets=targets,
         panels=[
-            ("wall time (s)", lambda c: c["wall_s"]),
+            _WALL_PANEL,
             ("prefill / minimum", lambda c: c["prefill_ratio"] or 0),
             ("slowest first answer (s)", lambda c: _slowest_first(c) or 0),
         ],

@@ -324,7 +324,7 @@ async def run_claude(bench: Bench, spec: ClaudeSpec, configs: Sequence[str]) -> 
 
 
 def _as_dicts(sticks: dict[str, PrefillYardstick]) -> dict[str, dict[str, Any]]:
-    return {k: v.as_dict() for k, v in sticks.items()}
+    return {k: attrs.asdict(v) for k, v in sticks.items()}
 
 
 def _slowest_first(config: dict[str, Any]) -> float | None:
