@@ -145,7 +145,7 @@ def in_name_of(error: EngineError, engine_name: str) -> EngineError:
 
 
 class EngineTransport:
-    """One engine's HTTP link: its connections, retries, error map and readiness.
+    """One engine's HTTP link: its connections, retries and error map.
 
     ``http`` may be injected (tests use ``httpx.MockTransport``); a client created here is closed by
     :meth:`aclose`. ``connect_retries`` and ``retry_seconds`` bound the safe retries (refused
@@ -202,29 +202,10 @@ class EngineTransport:
         """A caller sent a call once more after its reply broke (counted in :attr:`link`)."""
         self.link.resent += 1
 
-    # -- readiness ------------------------------------------------------------------------------
-
-    async def health(self) -> bool:
-        state, _ = await probe(self._http, self.base_url)
-        return state == "ready"
-
-    async def engine_state(self) -> tuple[str, str]:
-        """What ``/health`` reports: ``("ready" | "engine_restarting" | "engine_unavailable",
-        detail)``, from the supervisor's status where there is one, else from one probe."""
-        if self.status is not None and self.status.state != "ready":
-            return f"engine_{self.status.state}", self.status.detail
-        state, detail = await probe(self._http, self.base_url)
-        return ("ready", detail) if state == "ready" else ("engine_unavailable", detail)
-
-    async def wait_ready(
-        self,
-        timeout: float,  # noqa: ASYNC109 - part of the public contract
-        *,
-        on_progress: Callable[[str], None] | None = None,
-    ) -> None:
-        """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
-        ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
-        await wait_until_ready(self._http, self.base_url, timeout=timeout, on_progress=on_progress)
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The client of the calls that open a connection each (the readiness probes)."""
+        return self._http
 
     def set_reachable(self, reachable: bool, detail: str = "") -> bool:
         """Whether the engine answers, as a health watcher other than a supervisor finds it (a
@@ -453,11 +434,16 @@ class LinkedEngine:
 
     async def health(self) -> bool:
         """True when the engine is up and has loaded its model (one probe, no retries)."""
-        return await self._transport.health()
+        state, _ = await probe(self._transport.http, self.base_url)
+        return state == "ready"
 
     async def engine_state(self) -> tuple[str, str]:
-        """What ``/health`` reports (see :meth:`EngineTransport.engine_state`)."""
-        return await self._transport.engine_state()
+        """What ``/health`` reports: ``("ready" | "engine_restarting" | "engine_unavailable",
+        detail)``, from the supervisor's status where there is one, else from one probe."""
+        if self.status is not None and self.status.state != "ready":
+            return f"engine_{self.status.state}", self.status.detail
+        state, detail = await probe(self._transport.http, self.base_url)
+        return ("ready", detail) if state == "ready" else ("engine_unavailable", detail)
 
     async def wait_ready(
         self,
@@ -465,8 +451,10 @@ class LinkedEngine:
         *,
         on_progress: Callable[[str], None] | None = None,
     ) -> None:
-        """See :meth:`EngineTransport.wait_ready`."""
-        await self._transport.wait_ready(timeout, on_progress=on_progress)
+        """Poll ``/health`` until the model is loaded; :class:`EngineUnavailableError` after
+        ``timeout`` seconds. ``on_progress`` hears each change of state in words."""
+        http = self._transport.http
+        await wait_until_ready(http, self.base_url, timeout=timeout, on_progress=on_progress)
 
     def set_reachable(self, reachable: bool, detail: str = "") -> bool:
         """Whether the engine answers, as a pool's probes find it: see
