@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from agentkv.runtime.model import write_atomic
 from agentkv.runtime.store import INDEX_FILE
 from agentkv_server.status import add_server_options
 
@@ -96,10 +97,7 @@ def clear_offline(directory: Path, *, agent: str | None = None) -> int:
         (directory / name).unlink(missing_ok=True)
     if index_path.exists():
         index["entries"] = kept
-        temp = directory / f".{INDEX_FILE}.clear"
-        temp.write_text(json.dumps(index))
-        temp.chmod(0o600)
-        temp.replace(index_path)
+        write_atomic(index_path, json.dumps(index).encode())
     return len(doomed)
 
 
