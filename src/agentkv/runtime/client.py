@@ -46,7 +46,6 @@ class LlamaSlotClient(LinkedEngine):
     #: files (the prefix store). An engine that places requests itself
     #: (:mod:`agentkv.runtime.adapters`) has neither.
     slot_files: ClassVar[bool] = True
-    #: The engine, in words (the banner, log lines).
     engine_name: ClassVar[str] = "llama-server"
 
     def __init__(

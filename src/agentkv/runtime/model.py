@@ -314,11 +314,10 @@ def read_model_shape(path: Path, *, cache_dir: Path | None = None) -> ModelShape
             pass
     shape = _shape_from_gguf(path)
     known[key] = attrs.asdict(shape)
-    try:
+    # A cache that cannot be written only costs the next start a few seconds.
+    with contextlib.suppress(OSError):
         cache.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(cache, json.dumps(known, indent=1).encode())
-    except OSError:
-        pass  # a cache that cannot be written only costs the next start a few seconds
     return shape
 
 
