@@ -241,11 +241,8 @@ class EnginePool:
 
     async def _on(self, slot: int, call: Callable[[LlamaSlotClient, int], Awaitable[T]]) -> T:
         member, local = self.member_of(slot)
-        try:
+        async with self._watched(member):
             return await call(member.client, local)
-        except EngineError as exc:
-            self._failed(member, exc)
-            raise
 
     @contextlib.asynccontextmanager
     async def _watched(self, member: PoolMember) -> AsyncIterator[None]:
